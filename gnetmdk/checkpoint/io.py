@@ -1,0 +1,133 @@
+"""Checkpoints: atomic writes, safe loading (weights_only=True), models rebuilt from their metadata.
+
+A gnetmdk checkpoint is a dict of tensors and plain Python values only:
+    format, version, stage ("step1".."step4", "cal"), step, model_meta, model (state_dict),
+    caps (list of floats, one per conv), config (resolved values), epoch, iteration, best_map, map,
+    entry_map, and for last.pth the optimizer / scheduler / RNG states needed to resume.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Dict, Optional
+
+import torch
+
+FORMAT = "gnetmdk-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or does not fit the run; the message names the file and the fix."""
+
+
+def atomic_write_bytes(path: str, write_fn) -> None:
+    """Write a file through ``write_fn(fileobj)`` to a temporary file in the same folder, fsync, rename.
+
+    A crash at any point leaves either the old file or the new one, never a partial file.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write_fn(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Atomically write a text file (UTF-8)."""
+    atomic_write_bytes(path, lambda fh: fh.write(text.encode("utf-8")))
+
+
+def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
+    """Atomically save ``state`` (plus format/version tags) with torch.save."""
+    payload = {"format": FORMAT, "version": VERSION, **state}
+    atomic_write_bytes(path, lambda fh: torch.save(payload, fh))
+
+
+def save_config_json(folder: str, config: Dict[str, Any], name: str = "config.json") -> str:
+    """Write the resolved config beside a checkpoint as JSON; returns the path."""
+    path = os.path.join(folder, name)
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True`` (a .pth is a pickle; nothing else is unpickled).
+
+    Args:
+        path: the .pth file.
+        hint: what to run to produce it (added to the error).
+    Raises:
+        CheckpointError: missing, unreadable, or not a gnetmdk checkpoint.
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint '{path}' does not exist" + (f": {hint}" if hint else ""))
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint '{path}' cannot be read ({type(exc).__name__}: {exc}); "
+                              "it may be truncated or not a gnetmdk checkpoint") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is not a gnetmdk checkpoint (no format tag '{FORMAT}')")
+    return ckpt
+
+
+def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?"):
+    """Rebuild the model a checkpoint describes and load its weights (strict).
+
+    Loss weights, channels_last and the calibration percentile come from ``cfg`` when given.
+    Raises:
+        CheckpointError: the checkpoint's model cannot be rebuilt or its tensors do not fit.
+    """
+    from gnetmdk.layers.registry import create_model
+    meta = dict(ckpt["model_meta"])
+    name = meta.pop("name")
+    extra = {}
+    if cfg is not None:
+        extra = dict(cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
+                     l_class=cfg.l_class, channels_last=cfg.channels_last)
+    try:
+        model = create_model(name, **meta, **extra)
+        model.load_state_dict(ckpt["model"], strict=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint '{path}': cannot rebuild model {name} {meta}: {exc}") from None
+    return model
+
+
+def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
+    """Refuse a checkpoint whose model differs from the config (class count, input size, width, chip).
+
+    Raises:
+        CheckpointError: naming each difference and the fix.
+    """
+    meta = ckpt.get("model_meta", {})
+    want = {"num_classes": cfg.num_classes, "image_size": cfg.image_size, "width_mult": float(cfg.width_mult),
+            "chip": str(cfg.chip)}
+    diffs = [f"{k}: checkpoint {meta.get(k)!r} vs config {v!r}" for k, v in want.items() if meta.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"checkpoint '{path}' does not fit this config ({'; '.join(diffs)}): set the "
+                              "config to match, or start from another checkpoint with 'load PATH'")
+
+
+def load_matching(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, list]:
+    """Load the tensors of ``state`` whose names and shapes match (a pretrained step0 model with
+    another class count, say); returns {"loaded": [...], "skipped": [...]}."""
+    own = model.state_dict()
+    loaded, skipped = [], []
+    for k, v in state.items():
+        if k in own and own[k].shape == v.shape:
+            own[k] = v
+            loaded.append(k)
+        else:
+            skipped.append(k)
+    model.load_state_dict(own)
+    return {"loaded": loaded, "skipped": skipped}

@@ -1,0 +1,169 @@
+"""BaseConfig: every setting of a gnetmdk run, typed, with derived paths.
+
+A user's ``configs.py`` holds ``class Config(BaseConfig)`` and assigns only what differs for their
+dataset (DS_NAME, VOC_CLASSES, batch_size, ...). The value a run uses is resolved as
+
+    command line  >  Config.per_step[step]  >  Config (class attributes)  >  BaseConfig
+
+Every field is declared here with a type annotation; the annotation is what command-line values
+are converted to (see :mod:`gnetmdk.config.overrides`).
+"""
+from __future__ import annotations
+
+import os
+import typing
+from typing import Any, Dict, List
+
+
+class ConfigError(ValueError):
+    """A configuration value or override that cannot be used; the message names the field and the fix."""
+
+
+class BaseConfig:
+    """Defaults of every field. Subclass it in configs.py; never edit it for one dataset.
+
+    Paths are relative to the current working directory unless absolute.
+    """
+
+    # ---------------------------------------------------------------- dataset
+    DS_NAME: str = "shapes"                 # dataset folder name under data_root, and meta file prefix
+    VOC_CLASSES: List[str] = ["circle", "square", "triangle"]
+    data_root: str = "data"                 # datasets live in <data_root>/<DS_NAME> ...
+    dataset_path: str = ""                  # ... unless this names the VOC folder directly
+    meta_root: str = "data/meta"            # <meta_root>/<DS_NAME>_train.txt and _valid.txt
+    image_dir: str = "JPEGImages"
+    max_train_images: int = 0               # 0 = all; >0 keeps the first N (tests, smoke runs)
+    max_val_images: int = 0
+    cache_images: bool = True               # decode every image once (downscaled) and keep it in memory
+    augment: bool = True                    # training augmentation (flip, scale, shift, HSV, blur)
+    hsv_gain: List[float] = [0.015, 0.5, 0.3]
+    scale_range: List[float] = [0.75, 1.25]
+    shift_fraction: float = 0.15
+    flip_prob: float = 0.5
+    blur_prob: float = 0.1
+
+    # ---------------------------------------------------------------- model and chip
+    model_name: str = "gnetdet"
+    image_size: int = 448                   # 224 or 448 (5801 also 320, 640)
+    width_mult: float = 1.0                 # channel multiplier; widths rounded to powers of 2
+    use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
+    chip: str = "5801"                      # 2801, 2803 or 5801
+    mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (gti-chip.md)
+    weight_scale: str = "gti"               # "gti": d = mean|w|/4 (GTI rule); "mse": MSE-best d per kernel
+    cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
+    channels_last: bool = True              # NHWC memory format (faster convolutions on CPU)
+
+    # ---------------------------------------------------------------- loss (gti-chip.md, GNetDet)
+    l_coord: float = 5.0
+    l_noobj: float = 0.005
+    l_class: float = 1.0
+
+    # ---------------------------------------------------------------- optimisation
+    batch_size: int = 16                    # global batch: split over world_size x gpus processes
+    learning_rate: float = 1e-4
+    optimizer: str = "adamw"                # adamw | adam | sgd
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    grad_clip: float = 10.0                 # max gradient norm, 0 = off
+    num_epochs: int = 30
+    lr_scheduler: str = "cosine"            # cosine | step | multistep | constant
+    warmup_epochs: float = 1.0              # linear warm-up length in epochs (stepped per iteration)
+    warmup_factor: float = 0.1              # lr multiplier at the first iteration of the warm-up
+    min_lr_ratio: float = 0.01              # cosine floor, as a fraction of learning_rate
+    lr_step_size: int = 10                  # StepLR period (epochs)
+    lr_milestones: List[int] = [20, 25]     # MultiStepLR milestones (epochs)
+    lr_gamma: float = 0.1
+    num_workers: int = 2
+    seed: int = 0
+    threads: int = 0                        # torch.set_num_threads; 0 = leave torch's default
+    device: str = "auto"                    # auto | cpu | cuda
+
+    # ---------------------------------------------------------------- stages
+    step: int = 1                           # 1..4 (configs.py sets it through DEFAULT_STEP)
+    cal: bool = False                       # calibration pass (runs on the step-2 model)
+    load: str = ""                          # checkpoint to start from; "" = previous step's best
+    resume: bool = False                    # continue from this step's last.pth
+    eval_before: bool = True                # evaluate the loaded model before training
+    eval_interval: int = 1                  # evaluate every N epochs (and always after the last)
+    per_step: Dict[int, dict] = {}          # {step: {field: value}} applied before command-line overrides
+
+    # ---------------------------------------------------------------- decoding and evaluation
+    conf_thresh: float = 0.05               # keep boxes with conf * class score above this for mAP
+    nms_thresh: float = 0.5
+    max_detections: int = 100
+    predict_thresh: float = 0.3             # drawing threshold of tools/predict.py
+
+    # ---------------------------------------------------------------- outputs
+    checkpoint_root: str = "checkpoint"
+    log_root: str = "log"
+    model_root: str = "model"
+    progress: bool = True                   # tqdm bar per epoch
+
+    # ================================================================= derived values
+    @property
+    def dataset_dir(self) -> str:
+        """The VOC folder: ``dataset_path`` if set, else ``<data_root>/<DS_NAME>``."""
+        return self.dataset_path or os.path.join(self.data_root, self.DS_NAME)
+
+    @property
+    def meta_dir(self) -> str:
+        return self.meta_root
+
+    @property
+    def train_meta(self) -> str:
+        return os.path.join(self.meta_root, f"{self.DS_NAME}_train.txt")
+
+    @property
+    def valid_meta(self) -> str:
+        return os.path.join(self.meta_root, f"{self.DS_NAME}_valid.txt")
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.VOC_CLASSES)
+
+    @property
+    def grid_size(self) -> int:
+        """Output grid side: image_size / 32 (14 at 448 and at 224, whose first pool is dropped)."""
+        return 14 if self.image_size in (224, 448) else self.image_size // 32
+
+    @property
+    def stage_name(self) -> str:
+        """``"cal"`` for the calibration pass, else ``"step<N>"``."""
+        return "cal" if self.cal else f"step{self.step}"
+
+    def checkpoint_dir(self, step: int | None = None) -> str:
+        """``<checkpoint_root>/step<N>`` (N defaults to this run's step; cal writes into step2)."""
+        return os.path.join(self.checkpoint_root, f"step{self.step if step is None else step}")
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.log_root, self.stage_name)
+
+    # ================================================================= field access
+    @classmethod
+    def field_types(cls) -> Dict[str, Any]:
+        """Every field name mapped to its declared type, collected over the class hierarchy."""
+        types: Dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            if klass is object:
+                continue
+            try:
+                hints = typing.get_type_hints(klass)
+            except Exception:  # pragma: no cover - annotations that cannot be evaluated
+                hints = getattr(klass, "__annotations__", {})
+            types.update({k: v for k, v in hints.items() if not k.startswith("_")})
+        return types
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Resolved values of every field (plain Python types: safe to store in a checkpoint)."""
+        out = {}
+        for name in self.field_types():
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                value = list(value)
+            out[name] = value
+        return out
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"{type(self).__name__}({body})"

@@ -1,0 +1,250 @@
+"""Detection dataset: meta files -> decoded, augmented, chip-coded images and GNetDet targets.
+
+Data flow (architecture.md): image file -> decode (opencv, grayscale becomes 3 channels, BGR)
+-> downscale once to at most 2 x image_size (INTER_AREA; cached in memory if asked)
+-> training only: HSV jitter, blur, horizontal flip, random scale + shift (one affine warp)
+-> resize to image_size x image_size -> 8-bit to 5-bit chip codes -> GNetDet target.
+
+Randomness: every augmentation draw comes from a numpy Generator seeded by (seed, epoch, index),
+so a sample is the same whatever the worker, the process count or the batch it lands in.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from gnetmdk.gti.quantize import image_to_codes
+from .voc import read_meta
+
+cv2.setNumThreads(1)
+
+
+class ImageReadError(OSError):
+    """An image listed in a meta file cannot be read; the message names the file and the fix."""
+
+
+def decode_image(path: str) -> np.ndarray:
+    """Read an image as uint8 BGR (H, W, 3); grayscale and 4-channel files become 3-channel BGR.
+
+    Raises:
+        ImageReadError: missing or undecodable file.
+    """
+    if not os.path.isfile(path):
+        raise ImageReadError(f"image '{path}' does not exist: re-run tools/xml_2_txt.py or fix the meta file")
+    img = cv2.imread(path, cv2.IMREAD_COLOR)
+    if img is None:
+        raise ImageReadError(f"image '{path}' could not be decoded by opencv: replace or remove it and "
+                             "re-run tools/xml_2_txt.py")
+    return img
+
+
+def encode_targets(boxes: np.ndarray, labels: np.ndarray, grid: int, num_classes: int) -> np.ndarray:
+    """GNetDet targets (gti-chip.md): (S, S, 10 + C) float32.
+
+    Each object goes to the cell holding its centre; x, y are the centre's offset inside the cell
+    (cell units), w, h relative to the image; both box slots get it, with conf 1 and the one-hot
+    class. When two objects share a cell the later one wins (YOLOv1 behaviour).
+
+    Args:
+        boxes: (K, 4) float xyxy relative to the image (0..1).
+        labels: (K,) int class indices.
+    """
+    t = np.zeros((grid, grid, 10 + num_classes), dtype=np.float32)
+    for (x1, y1, x2, y2), c in zip(boxes, labels):
+        w, h = x2 - x1, y2 - y1
+        if w <= 0 or h <= 0:
+            continue
+        cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+        col = min(int(cx * grid), grid - 1)
+        row = min(int(cy * grid), grid - 1)
+        cell = [cx * grid - col, cy * grid - row, w, h, 1.0]
+        t[row, col, 0:5] = cell
+        t[row, col, 5:10] = cell
+        t[row, col, 10:] = 0
+        t[row, col, 10 + int(c)] = 1.0
+    return t
+
+
+def _hsv_jitter(img: np.ndarray, gains: Sequence[float], rng: np.random.Generator) -> np.ndarray:
+    r = rng.uniform(-1, 1, 3) * np.asarray(gains, dtype=np.float64) + 1
+    hue, sat, val = cv2.split(cv2.cvtColor(img, cv2.COLOR_BGR2HSV))
+    x = np.arange(256, dtype=np.float64)
+    lut_h = ((x * r[0]) % 180).astype(np.uint8)
+    lut_s = np.clip(x * r[1], 0, 255).astype(np.uint8)
+    lut_v = np.clip(x * r[2], 0, 255).astype(np.uint8)
+    hsv = cv2.merge((cv2.LUT(hue, lut_h), cv2.LUT(sat, lut_s), cv2.LUT(val, lut_v)))
+    return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
+
+
+class DetectionDataset(Dataset):
+    """Images and GNetDet targets from a meta file (tools/xml_2_txt.py format).
+
+    Args:
+        meta_file: data/meta/<DS_NAME>_train.txt or _valid.txt.
+        image_dir: folder the meta file's image names are relative to.
+        num_classes: C.
+        image_size: network input side in pixels (224 or 448).
+        grid: output grid side S (14).
+        train: apply augmentation (if ``augment``).
+        cache: keep decoded (downscaled) images in memory.
+        max_images: 0 = all, else the first N records.
+        seed: augmentation seed.
+
+    ``__getitem__`` returns (image, target, index, (width, height) of the original file): image (3, image_size, image_size) float32 holding
+    the chip's 5-bit codes 0..31 in BGR order, target (S, S, 10 + C) float32, index int.
+
+    Raises:
+        MetaFormatError (from read_meta), ImageReadError: when the meta file or an image is bad.
+    """
+
+    def __init__(self, meta_file: str, image_dir: str, num_classes: int, image_size: int = 448, grid: int = 14,
+                 train: bool = False, augment: bool = True, cache: bool = False, max_images: int = 0,
+                 seed: int = 0, hsv_gain: Sequence[float] = (0.015, 0.5, 0.3),
+                 scale_range: Sequence[float] = (0.75, 1.25), shift_fraction: float = 0.15,
+                 flip_prob: float = 0.5, blur_prob: float = 0.1):
+        if not os.path.isfile(meta_file):
+            raise FileNotFoundError(f"meta file '{meta_file}' does not exist: run tools/xml_2_txt.py for this "
+                                    "dataset first")
+        self.records = read_meta(meta_file, num_classes)
+        if max_images and max_images > 0:
+            self.records = self.records[:max_images]
+        if not self.records:
+            raise ValueError(f"meta file '{meta_file}' lists no images")
+        self.meta_file = meta_file
+        self.image_dir = image_dir
+        self.num_classes = num_classes
+        self.image_size = int(image_size)
+        self.grid = int(grid)
+        self.train = train
+        self.augment = augment and train
+        self.seed = int(seed)
+        self.epoch = 0
+        self.hsv_gain = list(hsv_gain)
+        self.scale_range = list(scale_range)
+        self.shift_fraction = float(shift_fraction)
+        self.flip_prob = float(flip_prob)
+        self.blur_prob = float(blur_prob)
+        self.sizes: List[Optional[Tuple[int, int]]] = [None] * len(self.records)   # original (W, H)
+        self._cache: Optional[List[Tuple[np.ndarray, float]]] = None
+        if cache:
+            self._cache = [self._load(i) for i in range(len(self.records))]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the augmentation draws of ``epoch`` (call before iterating a loader)."""
+        self.epoch = int(epoch)
+
+    def image_path(self, index: int) -> str:
+        return os.path.join(self.image_dir, self.records[index][0])
+
+    def ground_truth(self, index: int) -> Dict[str, np.ndarray]:
+        """Original-pixel ground truth of one image: ``boxes`` (K, 4) float32 xyxy, ``labels`` (K,) int64."""
+        _, boxes, labels = self.records[index]
+        return {"boxes": boxes.astype(np.float32), "labels": labels.astype(np.int64)}
+
+    def original_size(self, index: int) -> Tuple[int, int]:
+        """(width, height) in pixels of the image file."""
+        if self.sizes[index] is None:
+            self._load(index)
+        return self.sizes[index]  # type: ignore[return-value]
+
+    def _load(self, index: int) -> Tuple[np.ndarray, float]:
+        """Decode and downscale to at most 2 x image_size on the long side; returns (image, scale)."""
+        img = decode_image(self.image_path(index))
+        h, w = img.shape[:2]
+        self.sizes[index] = (w, h)
+        limit = 2 * self.image_size
+        scale = 1.0
+        if max(h, w) > limit:
+            scale = limit / max(h, w)
+            img = cv2.resize(img, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+        return img, scale
+
+    def load_image(self, index: int) -> np.ndarray:
+        """The (downscaled) uint8 BGR image of ``index``, from the cache when present."""
+        if self._cache is not None:
+            return self._cache[index][0]
+        return self._load(index)[0]
+
+    def prepare(self, index: int, rng: Optional[np.random.Generator] = None):
+        """Image (S, S, 3) uint8 BGR at network size and boxes (K, 4) relative xyxy, labels (K,)."""
+        img = self.load_image(index)
+        h, w = img.shape[:2]
+        ow, oh = self.original_size(index)
+        _, boxes, labels = self.records[index]
+        rel = boxes.astype(np.float64) / np.array([ow, oh, ow, oh], dtype=np.float64)
+        size = self.image_size
+        if rng is None:
+            out = cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA)
+            return out, rel.astype(np.float32), labels
+        img = _hsv_jitter(img, self.hsv_gain, rng)
+        if rng.random() < self.blur_prob:
+            img = cv2.GaussianBlur(img, (3, 3), 0)
+        if rng.random() < self.flip_prob:
+            img = np.ascontiguousarray(img[:, ::-1])
+            rel = rel[:, [2, 1, 0, 3]].copy()
+            rel[:, 0], rel[:, 2] = 1 - rel[:, 0], 1 - rel[:, 2]
+        sx, sy = rng.uniform(self.scale_range[0], self.scale_range[1], 2)
+        tx, ty = rng.uniform(-self.shift_fraction, self.shift_fraction, 2)
+        # output pixel = (rel * s + (1 - s)/2 + t) * size
+        m = np.array([[sx * size / w, 0, ((1 - sx) / 2 + tx) * size],
+                      [0, sy * size / h, ((1 - sy) / 2 + ty) * size]], dtype=np.float64)
+        out = cv2.warpAffine(img, m, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT,
+                             borderValue=(114, 114, 114))
+        nb = rel.copy()
+        nb[:, [0, 2]] = nb[:, [0, 2]] * sx + (1 - sx) / 2 + tx
+        nb[:, [1, 3]] = nb[:, [1, 3]] * sy + (1 - sy) / 2 + ty
+        clipped = np.clip(nb, 0, 1)
+        area = (nb[:, 2] - nb[:, 0]) * (nb[:, 3] - nb[:, 1])
+        carea = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
+        keep = (carea > 0.3 * np.maximum(area, 1e-12)) & ((clipped[:, 2] - clipped[:, 0]) * size >= 2) & \
+               ((clipped[:, 3] - clipped[:, 1]) * size >= 2)
+        return out, clipped[keep].astype(np.float32), labels[keep]
+
+    def rng_for(self, index: int) -> np.random.Generator:
+        """The augmentation generator of (seed, epoch, index)."""
+        return np.random.default_rng([self.seed, self.epoch, int(index)])
+
+    def __getitem__(self, index: int):
+        rng = self.rng_for(index) if self.augment else None
+        img, boxes, labels = self.prepare(index, rng)
+        codes = image_to_codes(img)
+        image = torch.from_numpy(np.ascontiguousarray(codes.transpose(2, 0, 1))).float()
+        target = torch.from_numpy(encode_targets(boxes, labels, self.grid, self.num_classes))
+        return image, target, index, self.original_size(index)
+
+
+def collate(batch):
+    """Stack samples: images (N, 3, S, S) float32, targets (N, G, G, 10+C) float32, indices (N,) int64,
+    original sizes (N, 2) int64 as (width, height) pixels."""
+    images = torch.stack([b[0] for b in batch])
+    targets = torch.stack([b[1] for b in batch])
+    indices = torch.tensor([b[2] for b in batch], dtype=torch.int64)
+    sizes = torch.tensor([b[3] for b in batch], dtype=torch.int64)
+    return images, targets, indices, sizes
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: seed numpy/random from torch's per-worker seed (itself from the loader's generator)."""
+    seed = torch.initial_seed() % 2 ** 32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def build_dataset(cfg, split: str) -> DetectionDataset:
+    """DetectionDataset of ``split`` ("train" or "valid") from a resolved config."""
+    train = split == "train"
+    return DetectionDataset(
+        cfg.train_meta if train else cfg.valid_meta, os.path.join(cfg.dataset_dir, cfg.image_dir),
+        cfg.num_classes, cfg.image_size, cfg.grid_size, train=train, augment=cfg.augment, cache=cfg.cache_images,
+        max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,
+        hsv_gain=cfg.hsv_gain, scale_range=cfg.scale_range, shift_fraction=cfg.shift_fraction,
+        flip_prob=cfg.flip_prob, blur_prob=cfg.blur_prob)

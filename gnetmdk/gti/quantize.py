@@ -1,0 +1,293 @@
+"""The chip's quantization math as pure functions with straight-through gradients.
+
+Every formula here is from ../docs/gti-chip.md ("Quantization math (training side)"), which reads
+them off GTI's PyTorch MDK (gnetmdk/gti/quantize.py there). Notation:
+
+    R(x)   = round half away from zero ("chip rounding")
+    Q_s(x) = R(x * 2^s) / 2^s
+
+Training layers, the converter and the integer emulator all call these functions, so the weights
+the chip stores are the weights training used.
+
+Gradients: every rounding is a straight-through estimator (the gradient passes unchanged), the
+activation clip passes it on the open interval (0, cap) only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+#: weight schemes (mask bits) this module knows
+WEIGHT_SCHEMES = (1, 2, 3, 5, 8, 12)
+#: the largest shift the chip accepts
+MAX_SHIFT = 12
+#: 5-bit activation codes are 0..ACT_MAX
+ACT_MAX = 31
+
+
+def chip_round(x: torch.Tensor) -> torch.Tensor:
+    """R(x): round half away from zero, elementwise, no gradient handling.
+
+    Args:
+        x: any float tensor.
+    Returns:
+        a tensor of the same shape and dtype holding integers.
+    """
+    return torch.sign(x) * torch.floor(torch.abs(x) + 0.5)
+
+
+class _PassThrough(torch.autograd.Function):
+    """Forward returns ``value`` exactly; backward hands the gradient to ``x`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, value):  # noqa: D401
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def ste(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Straight-through estimator: the forward value is ``value`` (bit for bit), d/dx is identity.
+
+    Unlike ``x + (value - x).detach()`` this returns ``value`` exactly, so quantized weights stay
+    exact multiples of 2^-s in float32.
+    """
+    return _PassThrough.apply(x, value.detach())
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """R(x) with a straight-through gradient."""
+    return ste(x, chip_round(x.detach()))
+
+
+def quantize_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Q_s(x) = R(x * 2^s) / 2^s (no gradient handling; exact in float32 for |x| * 2^s < 2^24)."""
+    scale = float(2 ** shift)
+    return chip_round(x * scale) / scale
+
+
+def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int, bias_bits: int) -> int:
+    """Shift s of one sublayer (gti-chip.md):
+
+        s = clip(min(floor(log2((2^(Bw-1) - 1) / max|W|)), floor(log2((2^(Bb-1) - 1) / max|b|))), 0, 12)
+
+    A zero tensor does not constrain s.
+
+    Args:
+        weight: (O, I, 3, 3) float weights of the sublayer (before quantization).
+        bias: (O,) float bias or None.
+        weight_bits / bias_bits: register widths Bw / Bb of the scheme (gnetmdk.gti.spec).
+    Returns:
+        the shift, an int in 0..12.
+    """
+    limits = []
+    wmax = float(weight.detach().abs().max()) if weight.numel() else 0.0
+    if wmax > 0:
+        limits.append(math.floor(math.log2((2 ** (weight_bits - 1) - 1) / wmax)))
+    if bias is not None and bias.numel():
+        bmax = float(bias.detach().abs().max())
+        if bmax > 0:
+            limits.append(math.floor(math.log2((2 ** (bias_bits - 1) - 1) / bmax)))
+    s = min(limits) if limits else MAX_SHIFT
+    return int(min(max(s, 0), MAX_SHIFT))
+
+
+# ------------------------------------------------------------------ weight schemes
+_LEVELS = {1: (1.0,), 2: (0.0, 1.0), 3: (0.0, 1.0, 2.0, 4.0), 5: tuple(float(i) for i in range(16))}
+
+
+def _kernel_stats(w: torch.Tensor):
+    """mean|w| and max|w| per 3x3 kernel: (O, I, 1, 1) each."""
+    a = w.abs()
+    return a.mean(dim=(2, 3), keepdim=True), a.amax(dim=(2, 3), keepdim=True)
+
+
+def _nearest_level(r: torch.Tensor, levels: Tuple[float, ...]) -> torch.Tensor:
+    """Map |w|/d (>= 0) to the nearest of ``levels``."""
+    lv = torch.tensor(levels, dtype=r.dtype, device=r.device)
+    idx = (r.unsqueeze(-1) - lv).abs().argmin(dim=-1)
+    return lv[idx]
+
+
+def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -> torch.Tensor:
+    """Per-kernel d in {Q_s(f * max|w| / top level)} minimising ||w - w_q||^2 (nearest levels).
+
+    Returns (O, I, 1, 1) scales already quantized to multiples of 2^-shift.
+    """
+    levels = _LEVELS[scheme]
+    top = levels[-1]
+    _, amax = _kernel_stats(w)
+    o, i = w.shape[:2]
+    flat = w.reshape(o * i, -1)                       # (K, 9)
+    base = amax.reshape(o * i, 1) / top               # (K, 1)
+    f = torch.linspace(0.15, 1.0, candidates, dtype=w.dtype, device=w.device)
+    best = torch.empty(o * i, 1, dtype=w.dtype, device=w.device)
+    chunk = max(1, (1 << 22) // (candidates * flat.shape[1]))
+    for start in range(0, flat.shape[0], chunk):
+        x = flat[start:start + chunk]                                    # (k, 9)
+        d = quantize_shift(base[start:start + chunk] * f, shift)         # (k, C)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        r = x.abs().unsqueeze(1) / safe.unsqueeze(-1)                    # (k, C, 9)
+        q = torch.sign(x).unsqueeze(1) * _nearest_level(r, levels) * d.unsqueeze(-1)
+        err = ((q - x.unsqueeze(1)) ** 2).sum(-1)                        # (k, C)
+        best[start:start + chunk] = d.gather(1, err.argmin(dim=1, keepdim=True))
+    return best.reshape(o, i, 1, 1)
+
+
+def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits: int,
+                          method: str = "gti") -> torch.Tensor:
+    """Quantized weights w_q (no gradient handling): every value is an integer multiple of 2^-shift.
+
+    Schemes (gti-chip.md), statistics per 3x3 kernel:
+      * 1-bit:  w_q = sign(w) * Q_s(mean|w|)
+      * 2-bit:  m = Q_s(mean|w|), w_q = sign(w) * m * [|w| >= m/4]
+      * 3-bit:  d = mean|w|/4, c = floor(|w|/d), c >= 3 -> 4, w_q = sign(w) * c * Q_s(d)
+      * 5-bit:  d = max|w|/15, w_q = R(w/d) * Q_s(d)
+      * 8, 12-bit: w_q = Q_s(w)
+    ``method="mse"`` keeps the same levels ({0, 1, 2, 4} x d for 3-bit, ...) but assigns each weight
+    to its nearest level and picks the per-kernel d (a multiple of 2^-s, so the chip can store it)
+    with the least squared error; for 8/12-bit it changes nothing.
+    The integer codes w_q * 2^s are finally clamped to the weight register, +-(2^(Bw-1) - 1).
+
+    Args:
+        w: (O, I, kh, kw) float weights.
+        scheme: mask bits, one of WEIGHT_SCHEMES.
+        shift: the sublayer's shift s (compute_shift).
+        weight_bits: Bw of the scheme on the chip.
+        method: "gti" or "mse".
+    Raises:
+        ValueError: unknown scheme or method.
+    """
+    if scheme not in WEIGHT_SCHEMES:
+        raise ValueError(f"unknown weight scheme {scheme}: use one of {WEIGHT_SCHEMES}")
+    if method not in ("gti", "mse"):
+        raise ValueError(f"unknown weight scale method '{method}': use 'gti' or 'mse'")
+    w = w.detach()
+    sign = torch.sign(w)
+    absw = w.abs()
+    if scheme in (8, 12):
+        wq = quantize_shift(w, shift)
+    elif method == "mse":
+        d = _mse_scale(w, scheme, shift)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        wq = sign * _nearest_level(absw / safe, _LEVELS[scheme]) * d
+    else:
+        mean, amax = _kernel_stats(w)
+        if scheme == 1:
+            wq = sign * quantize_shift(mean, shift)
+        elif scheme == 2:
+            m = quantize_shift(mean, shift)
+            wq = sign * m * (absw >= m / 4).to(w.dtype)
+        elif scheme == 3:
+            d = mean / 4
+            safe = torch.where(d > 0, d, torch.ones_like(d))
+            c = torch.floor(absw / safe)
+            c = torch.where(c >= 3, torch.full_like(c, 4.0), c)
+            wq = sign * c * quantize_shift(d, shift)
+        else:  # 5-bit
+            d = amax / 15
+            safe = torch.where(d > 0, d, torch.ones_like(d))
+            wq = chip_round(w / safe) * quantize_shift(d, shift)
+    limit = float(2 ** (weight_bits - 1) - 1)
+    scale = float(2 ** shift)
+    return torch.clamp(chip_round(wq * scale), -limit, limit) / scale
+
+
+def quantize_bias_value(b: torch.Tensor, shift: int, bias_bits: int) -> torch.Tensor:
+    """b_q = Q_s(b), clamped to the bias register +-(2^(Bb-1) - 1) / 2^s (no gradient handling)."""
+    limit = float(2 ** (bias_bits - 1) - 1)
+    scale = float(2 ** shift)
+    return torch.clamp(chip_round(b.detach() * scale), -limit, limit) / scale
+
+
+def quantize_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme: int, weight_bits: int,
+                         bias_bits: int, method: str = "gti"):
+    """Quantize one sublayer's conv parameters with straight-through gradients.
+
+    Args:
+        weight: (O, I, 3, 3) float32 parameter.
+        bias: (O,) float32 parameter or None.
+        scheme, weight_bits, bias_bits: the scheme and its registers (gnetmdk.gti.spec.register_bits).
+        method: "gti" (GTI's rule) or "mse" (MSE-best per-kernel scale), see quantize_weight_value.
+    Returns:
+        (w_q, b_q, shift): w_q and b_q carry identity gradients to weight and bias; shift is an int.
+    """
+    shift = compute_shift(weight, bias, weight_bits, bias_bits)
+    w_q = ste(weight, quantize_weight_value(weight, scheme, shift, weight_bits, method))
+    b_q = None if bias is None else ste(bias, quantize_bias_value(bias, shift, bias_bits))
+    return w_q, b_q, shift
+
+
+def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme: int, weight_bits: int,
+                        bias_bits: int, method: str = "gti"):
+    """The integers the chip stores for one sublayer: (W_int int64 (O,I,3,3), b_int int64 (O,), shift)."""
+    w_q, b_q, shift = quantize_conv_params(weight.detach(), None if bias is None else bias.detach(),
+                                           scheme, weight_bits, bias_bits, method)
+    scale = float(2 ** shift)
+    w_int = torch.round(w_q.detach().double() * scale).to(torch.int64)
+    if b_q is None:
+        b_int = torch.zeros(weight.shape[0], dtype=torch.int64)
+    else:
+        b_int = torch.round(b_q.detach().double() * scale).to(torch.int64)
+    return w_int, b_int, shift
+
+
+# ------------------------------------------------------------------ activations
+class _CappedQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cap, quantize, integer):
+        ctx.save_for_backward(x, cap)
+        y = torch.minimum(torch.clamp(x, min=0), cap)
+        if not quantize:
+            return y
+        if integer:  # cap == 31: the codes are R(y) themselves, no multiply that could round
+            return chip_round(y)
+        return chip_round(y * ACT_MAX / cap) * cap / ACT_MAX
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, cap = ctx.saved_tensors
+        mask = (x > 0) & (x < cap)
+        return grad * mask.to(grad.dtype), None, None, None
+
+
+def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False) -> torch.Tensor:
+    """Capped ReLU with optional 5-bit quantization (gti-chip.md, "Activations"):
+
+        y = clip(x, 0, cap),  y_q = R(y * 31 / cap) * cap / 31
+
+    Args:
+        x: float tensor, any shape (pre-activation).
+        cap: 0-d float tensor (> 0), same dtype/device as x.
+        quantize: False gives the clip alone.
+        integer: step-4 semantics, cap must be 31: returns the codes R(clip(x, 0, 31)) exactly.
+    Returns:
+        tensor like x; the gradient passes where 0 < x < cap (straight-through on the rounding).
+    """
+    cap = cap.to(dtype=x.dtype, device=x.device)
+    return _CappedQuant.apply(x, cap, quantize, integer)
+
+
+def activation_codes(y: torch.Tensor, cap: float | torch.Tensor) -> torch.Tensor:
+    """Codes 0..31 (int64) of quantized activations y_q (inverse of y_q = code * cap / 31)."""
+    return torch.clamp(chip_round(y.detach().double() * ACT_MAX / float(cap)), 0, ACT_MAX).to(torch.int64)
+
+
+def image_to_codes(img_u8):
+    """The chip's input conversion, 8-bit pixels -> 5-bit codes: x5 = min(((x8 >> 2) + 1) >> 1, 31).
+
+    Args:
+        img_u8: numpy uint8 array or torch uint8 tensor, any shape.
+    Returns:
+        the same container type, dtype uint8, values 0..31.
+    """
+    if isinstance(img_u8, torch.Tensor):
+        x = img_u8.to(torch.int32)
+        return torch.clamp(((x >> 2) + 1) >> 1, max=ACT_MAX).to(torch.uint8)
+    import numpy as np
+    x = np.asarray(img_u8).astype(np.int32)
+    return np.minimum(((x >> 2) + 1) >> 1, ACT_MAX).astype(np.uint8)

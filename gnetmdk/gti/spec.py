@@ -1,0 +1,65 @@
+"""Per-chip limits and weight schemes ("mask bits") of the Lightspeeur chips (gti-chip.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+from gnetmdk.config.base import ConfigError
+
+
+class ChipSpecError(ConfigError):
+    """An unknown chip or a scheme the chip does not have."""
+
+
+@dataclass(frozen=True)
+class ChipSpec:
+    """Limits of one chip.
+
+    Attributes:
+        name: "2801", "2803" or "5801".
+        schemes: mask bits -> (weight register bits Bw, bias register bits Bb).
+        input_sizes: accepted square input sizes in pixels.
+        min_channels / max_channels: channel limits of every conv (powers of 2 only).
+        max_major_layers / max_sublayers: structure limits.
+        max_output_channels: output channels of the last conv.
+    """
+    name: str
+    schemes: Dict[int, Tuple[int, int]]
+    input_sizes: Tuple[int, ...] = (224, 448)
+    min_channels: int = 16
+    max_channels: int = 1024
+    max_major_layers: int = 6
+    max_sublayers: int = 12
+    max_output_channels: int = 256
+
+
+CHIPS: Dict[str, ChipSpec] = {
+    "2801": ChipSpec("2801", {1: (12, 12), 3: (12, 18)}),
+    "2803": ChipSpec("2803", {2: (12, 12), 5: (12, 16), 12: (12, 20)}),
+    "5801": ChipSpec("5801", {1: (8, 20), 3: (8, 20), 8: (8, 20)}, input_sizes=(224, 320, 448, 640),
+                     min_channels=4, max_major_layers=7),
+}
+
+
+def get_chip_spec(chip: str | int) -> ChipSpec:
+    """Return the ChipSpec of ``chip`` ("2801", "2803", "5801").
+
+    Raises:
+        ChipSpecError: unknown chip, naming the known ones.
+    """
+    key = str(chip)
+    if key not in CHIPS:
+        raise ChipSpecError(f"unknown chip '{chip}': choose one of {', '.join(CHIPS)} (config field 'chip')")
+    return CHIPS[key]
+
+
+def register_bits(chip: str | int, scheme: int) -> Tuple[int, int]:
+    """(Bw, Bb) of ``scheme`` on ``chip``.
+
+    Raises:
+        ChipSpecError: the chip has no such scheme.
+    """
+    spec = get_chip_spec(chip)
+    if scheme not in spec.schemes:
+        raise ChipSpecError(f"chip {spec.name} has no {scheme}-bit weight scheme; it has {sorted(spec.schemes)}")
+    return spec.schemes[scheme]

@@ -1,0 +1,240 @@
+"""GNetDet: the chip-friendly VGG-style detector (gti-chip.md, "GNetDet"; arXiv 2103.15756).
+
+The network is a flat list of sublayers (3x3 conv [+ BN] + capped ReLU) grouped into major layers;
+a major layer may end in a 2x2/2 max pool. Output: (N, S, S, 10 + C) with S = 14, each cell holding
+two boxes [x, y, w, h, conf] (x, y in cell units inside the cell, w, h relative to the image) and C
+class scores.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gnetmdk.config.base import ConfigError
+from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
+from .quant import QConv2d, QReLU
+
+
+class ChipLimitError(ConfigError):
+    """The model breaks a limit of the chosen chip; the message names the layer and the limit."""
+
+
+# full-width layer lists: (channels of the sublayers, pool at the end); "OUT" = 10 + C
+GNETDET_448: List[Tuple[List[object], bool]] = [
+    ([64], True), ([64], True), ([128, 128], True), ([256, 256, 256], True), ([256, 256, 256], True),
+    ([256, 256, 256], False), ([256, 256, "OUT"], False)]
+# 224 input drops the first pool; the first two convs then share one resolution and one major layer
+GNETDET_224: List[Tuple[List[object], bool]] = [
+    ([64, 64], True), ([128, 128], True), ([256, 256, 256], True), ([256, 256, 256], True),
+    ([256, 256, 256], False), ([256, 256, "OUT"], False)]
+
+DEFAULT_SCHEMES = {"5801": (3, 8), "2801": (3, 3), "2803": (5, 12)}   # (first major layers, last one)
+
+
+def _pow2(c: float) -> int:
+    return int(2 ** round(math.log2(max(c, 1.0))))
+
+
+@dataclass
+class LayerSpec:
+    """One sublayer: its major layer (0-based), channels, scheme, and whether a pool follows it."""
+    major: int
+    index_in_major: int
+    in_channels: int
+    out_channels: int
+    scheme: int
+    pool_after: bool
+
+
+def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, chip: str = "5801",
+                   mask_bits: Sequence[int] = ()) -> List[LayerSpec]:
+    """Expand the GNetDet layer list for an input size, class count, width multiplier and chip.
+
+    Hidden widths are ``width * width_mult`` rounded to a power of 2 (at least the chip's minimum);
+    the last conv has 10 + num_classes outputs.
+
+    Raises:
+        ChipLimitError: unsupported input size, or ``mask_bits`` whose length is not the number of
+        major layers, or a scheme the chip lacks.
+    """
+    spec = get_chip_spec(chip)
+    if image_size == 448:
+        table = GNETDET_448
+    elif image_size == 224:
+        table = GNETDET_224
+    else:
+        raise ChipLimitError(f"GNetDet is defined for image_size 224 or 448, not {image_size}")
+    n_major = len(table)
+    if mask_bits:
+        if len(mask_bits) != n_major:
+            raise ChipLimitError(f"mask_bits has {len(mask_bits)} entries but GNetDet-{image_size} has "
+                                 f"{n_major} major layers: give one scheme per major layer")
+        schemes = [int(b) for b in mask_bits]
+    else:
+        first, last = DEFAULT_SCHEMES[spec.name]
+        schemes = [first] * (n_major - 1) + [last]
+    layers: List[LayerSpec] = []
+    cin = 3
+    for m, (chans, pool) in enumerate(table):
+        for j, c in enumerate(chans):
+            if c == "OUT":
+                cout = 10 + num_classes
+            else:
+                cout = min(spec.max_channels, max(spec.min_channels, _pow2(float(c) * width_mult)))
+            layers.append(LayerSpec(m, j, cin, cout, schemes[m], pool and j == len(chans) - 1))
+            cin = cout
+    return layers
+
+
+def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: int) -> None:
+    """Refuse a layer list the chip cannot run (gti-chip.md, "Limits").
+
+    Raises:
+        ChipLimitError: naming the layer (major.sub, 1-based) and the limit.
+    """
+    if image_size not in spec.input_sizes:
+        raise ChipLimitError(f"input size {image_size} not supported by chip {spec.name} "
+                             f"(accepted: {list(spec.input_sizes)})")
+    majors = sorted({l.major for l in layers})
+    if len(majors) > spec.max_major_layers:
+        raise ChipLimitError(f"{len(majors)} major layers, chip {spec.name} allows at most "
+                             f"{spec.max_major_layers}")
+    for m in majors:
+        subs = [l for l in layers if l.major == m]
+        if len(subs) > spec.max_sublayers:
+            raise ChipLimitError(f"major layer {m + 1} has {len(subs)} sublayers, chip {spec.name} "
+                                 f"allows at most {spec.max_sublayers}")
+        if len({l.scheme for l in subs}) != 1:
+            raise ChipLimitError(f"major layer {m + 1} mixes weight schemes; all its sublayers must share one")
+    for n, l in enumerate(layers):
+        name = f"conv {n + 1} (major layer {l.major + 1}, sublayer {l.index_in_major + 1})"
+        if l.scheme not in spec.schemes:
+            raise ChipLimitError(f"{name}: scheme {l.scheme} not on chip {spec.name} "
+                                 f"(has {sorted(spec.schemes)})")
+        last = n == len(layers) - 1
+        if last:
+            if l.out_channels > spec.max_output_channels:
+                raise ChipLimitError(f"{name}: {l.out_channels} output channels, the last layer of chip "
+                                     f"{spec.name} allows at most {spec.max_output_channels} "
+                                     f"(GNetDet: at most {spec.max_output_channels - 10} classes)")
+        else:
+            c = l.out_channels
+            if c & (c - 1) or not spec.min_channels <= c <= spec.max_channels:
+                raise ChipLimitError(f"{name}: {c} output channels; chip {spec.name} needs a power of 2 in "
+                                     f"{spec.min_channels}..{spec.max_channels}")
+
+
+class Sublayer(nn.Module):
+    """conv (QConv2d) -> optional BatchNorm2d -> capped ReLU (QReLU); pool handled by the parent."""
+
+    def __init__(self, ls: LayerSpec, chip: str, use_bn: bool, method: str, percentile: float):
+        super().__init__()
+        bw, bb = register_bits(chip, ls.scheme)
+        self.conv = QConv2d(ls.in_channels, ls.out_channels, ls.scheme, bw, bb, method)
+        self.bn: Optional[nn.BatchNorm2d] = nn.BatchNorm2d(ls.out_channels) if use_bn else None
+        self.relu = QReLU(percentile)
+        self.pool_after = ls.pool_after
+        self.major = ls.major
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.bn is not None:
+            x = self.bn(x)
+        x = self.relu(x)
+        if self.pool_after:
+            x = F.max_pool2d(x, 2, 2)
+        return x
+
+
+class GNetDet(nn.Module):
+    """The GNetDet detector.
+
+    Args:
+        num_classes: C.
+        image_size: 224 or 448 (input is (N, 3, image_size, image_size) float, 5-bit chip codes 0..31, BGR).
+        width_mult: channel multiplier (0.25 gives widths 16..64, a CPU-trainable model).
+        use_bn: BatchNorm after each hidden conv (step 1 only; folded on entry to step 2).
+        chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
+        weight_scale: "gti" or "mse"; cap_percentile: calibration percentile.
+        l_coord, l_noobj, l_class: loss weights.
+
+    Raises:
+        ChipLimitError: the layer list breaks a limit of ``chip``.
+
+    ``forward`` returns (N, S, S, 10 + C) float predictions (S = 14); in step 4 it multiplies the
+    output codes by cap_last / 31 (the host-side rescale), so loss and decode never change.
+    """
+
+    def __init__(self, num_classes: int, image_size: int = 448, width_mult: float = 1.0, use_bn: bool = True,
+                 chip: str = "5801", mask_bits: Sequence[int] = (), weight_scale: str = "gti",
+                 cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
+                 l_class: float = 1.0, channels_last: bool = False):
+        super().__init__()
+        self.num_classes = int(num_classes)
+        self.image_size = int(image_size)
+        self.width_mult = float(width_mult)
+        self.chip = str(chip)
+        self.grid_size = 14
+        self.specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+        check_chip_limits(self.specs, get_chip_spec(chip), image_size)
+        n = len(self.specs)
+        self.layers = nn.ModuleList(
+            Sublayer(ls, chip, use_bn and i < n - 1, weight_scale, cap_percentile) for i, ls in enumerate(self.specs))
+        self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class)
+        self.channels_last = channels_last
+        self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
+
+    # ------------------------------------------------------------------ interface
+    @property
+    def has_bn(self) -> bool:
+        return any(l.bn is not None for l in self.layers)
+
+    def meta(self) -> Dict[str, object]:
+        """What is needed to rebuild this model (stored in every checkpoint)."""
+        return {"name": "gnetdet", "num_classes": self.num_classes, "image_size": self.image_size,
+                "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
+                "mask_bits": [int(s) for s in self.mask_bits()],
+                "weight_scale": self.layers[0].conv.method}
+
+    def mask_bits(self) -> List[int]:
+        out: Dict[int, int] = {}
+        for ls in self.specs:
+            out[ls.major] = ls.scheme
+        return [out[m] for m in sorted(out)]
+
+    def convs(self) -> List[QConv2d]:
+        return [l.conv for l in self.layers]
+
+    def relus(self) -> List[QReLU]:
+        return [l.relu for l in self.layers]
+
+    def features(self, x: torch.Tensor, return_all: bool = False):
+        """Run the chain; with ``return_all`` also return every sublayer's output (after pool)."""
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            if return_all:
+                outs.append(x)
+        return (x, outs) if return_all else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = self.features(x)
+        y = y * self.output_scale.to(y.dtype)
+        return y.permute(0, 2, 3, 1).float().contiguous()
+
+    def loss(self, pred: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """GNetDet loss terms (see gnetmdk.layers.loss.gnetdet_loss)."""
+        from .loss import gnetdet_loss
+        return gnetdet_loss(pred, target, **self.loss_weights)
+
+    def decode(self, pred: torch.Tensor, conf_thresh: float, nms_thresh: float, max_detections: int = 100):
+        """Per-image detections (see gnetmdk.layers.decode.decode_gnetdet)."""
+        from .decode import decode_gnetdet
+        return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections)

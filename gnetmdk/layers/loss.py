@@ -1,0 +1,113 @@
+"""GNetDet loss (gti-chip.md, "GNetDet"; the YOLOv1 family, Redmon et al. 2016, with smooth-L1 terms).
+
+Layout of the last dimension of predictions and targets (10 + C):
+    [x1, y1, w1, h1, conf1, x2, y2, w2, h2, conf2, class_0 .. class_{C-1}]
+x, y: offset of the box centre inside its cell (cell units, 0..1); w, h: box size relative to the
+image (0..1). A target cell holding an object carries the box in both slots, conf 1 and the one-hot
+class; every other target cell is all zero.
+
+Alignment rule (alignment.md): every term is a sum over the cells of one image, then a mean over
+the images of the batch, with no normaliser that depends on how a batch is split, so N processes
+with B/N images each average to exactly the loss of one process with B images.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+
+
+def cell_boxes_to_xyxy(boxes: torch.Tensor, grid: int) -> torch.Tensor:
+    """Convert (..., S, S, 4) [x, y, w, h] cell-encoded boxes to image-relative [x1, y1, x2, y2].
+
+    Args:
+        boxes: (N, S, S, 4) or (N, S, S, K, 4) float; x, y in cell units, w, h relative to the image.
+        grid: S.
+    Returns:
+        same shape, corners relative to the image (0..1 for boxes inside it).
+    """
+    s = grid
+    rows = torch.arange(s, device=boxes.device, dtype=boxes.dtype).view(1, s, 1)
+    cols = torch.arange(s, device=boxes.device, dtype=boxes.dtype).view(1, 1, s)
+    extra = boxes.dim() - 4
+    for _ in range(extra):
+        rows, cols = rows.unsqueeze(-1), cols.unsqueeze(-1)
+    cx = (cols + boxes[..., 0]) / s
+    cy = (rows + boxes[..., 1]) / s
+    hw, hh = boxes[..., 2] / 2, boxes[..., 3] / 2
+    return torch.stack([cx - hw, cy - hh, cx + hw, cy + hh], dim=-1)
+
+
+def _pair_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise IoU of (..., 4) xyxy boxes a and b."""
+    lt = torch.maximum(a[..., :2], b[..., :2])
+    rb = torch.minimum(a[..., 2:], b[..., 2:])
+    wh = (rb - lt).clamp(min=0)
+    inter = wh[..., 0] * wh[..., 1]
+    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
+    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
+    return inter / (area_a + area_b - inter).clamp(min=1e-12)
+
+
+def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0, l_noobj: float = 0.005,
+                 l_class: float = 1.0) -> Dict[str, torch.Tensor]:
+    """GNetDet loss terms.
+
+    Args:
+        pred: (N, S, S, 10 + C) float predictions (>= 0: the last layer has a capped ReLU).
+        target: (N, S, S, 10 + C) float targets (see the module docstring).
+        l_coord: weight of the localisation of the responsible box (x, y, sqrt w, sqrt h).
+        l_noobj: weight of the confidence of both boxes of cells without an object.
+        l_class: weight of the class scores of cells with an object.
+    Returns:
+        dict of 0-d tensors: ``loc``, ``conf`` (responsible box toward its IoU with the target),
+        ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls`` and ``total``
+        (their sum). Each is a per-image sum averaged over the batch.
+    Raises:
+        ValueError: shapes differ or the last dimension is < 11.
+    """
+    if pred.shape != target.shape or pred.dim() != 4 or pred.shape[-1] < 11:
+        raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must both be (N, S, S, 10 + C)")
+    n, s = pred.shape[0], pred.shape[1]
+    pred = pred.float()
+    target = target.float()
+    obj = target[..., 4] > 0                                   # (N, S, S)
+    objf = obj.float()
+    pboxes = torch.stack([pred[..., 0:5], pred[..., 5:10]], dim=3)    # (N, S, S, 2, 5)
+    tbox = target[..., 0:4]                                           # (N, S, S, 4)
+
+    with torch.no_grad():
+        pxy = cell_boxes_to_xyxy(pboxes[..., :4], s)                  # (N, S, S, 2, 4)
+        txy = cell_boxes_to_xyxy(tbox, s).unsqueeze(3)                # (N, S, S, 1, 4)
+        ious = _pair_iou(pxy, txy)                                    # (N, S, S, 2)
+        resp = (ious[..., 1] > ious[..., 0]).long()                   # responsible slot, ties -> 0
+        resp_iou = ious.gather(3, resp.unsqueeze(-1)).squeeze(-1)
+    rmask = F.one_hot(resp, 2).float()                                # (N, S, S, 2)
+    rbox = (pboxes * rmask.unsqueeze(-1)).sum(3)                      # (N, S, S, 5)
+    obox = (pboxes * (1 - rmask).unsqueeze(-1)).sum(3)
+
+    def sl1(a, b):
+        return F.smooth_l1_loss(a, b, reduction="none", beta=1.0)
+
+    eps = 1e-6
+    loc = (sl1(rbox[..., 0], tbox[..., 0]) + sl1(rbox[..., 1], tbox[..., 1])
+           + sl1(torch.sqrt(rbox[..., 2].clamp(min=0) + eps), torch.sqrt(tbox[..., 2] + eps))
+           + sl1(torch.sqrt(rbox[..., 3].clamp(min=0) + eps), torch.sqrt(tbox[..., 3] + eps)))
+    conf = sl1(rbox[..., 4], resp_iou)
+    noresp = sl1(obox[..., 4], torch.zeros_like(obox[..., 4]))
+    noobj = sl1(pred[..., 4], torch.zeros_like(pred[..., 4])) + sl1(pred[..., 9], torch.zeros_like(pred[..., 9]))
+    cls = sl1(pred[..., 10:], target[..., 10:]).sum(-1)
+
+    def per_image(cell_term, mask):
+        return (cell_term * mask).reshape(n, -1).sum(1).mean()
+
+    terms = {
+        "loc": l_coord * per_image(loc, objf),
+        "conf": per_image(conf, objf),
+        "noresp": per_image(noresp, objf),
+        "noobj": l_noobj * per_image(noobj, 1.0 - objf),
+        "cls": l_class * per_image(cls, objf),
+    }
+    terms["total"] = sum(terms.values())
+    return terms

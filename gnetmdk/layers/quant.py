@@ -1,0 +1,122 @@
+"""Quantized conv and capped-ReLU layers whose quantizers switch on per step.
+
+Both layers keep their state (scheme, cap) as attributes/buffers and expose switches that the stage
+table (gnetmdk.engine.stages) sets; the math itself is in gnetmdk.gti.quantize.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gnetmdk.gti import quantize as Q
+
+
+class QConv2d(nn.Conv2d):
+    """3x3 / stride 1 / padding 1 convolution with bias, optionally with chip-quantized weights.
+
+    Args:
+        in_channels, out_channels: channel counts.
+        scheme: mask bits of the major layer (1, 2, 3, 5, 8, 12).
+        weight_bits, bias_bits: the registers of that scheme on the chip (Bw, Bb).
+        method: "gti" or "mse" per-kernel scale (see gnetmdk.gti.quantize.quantize_weight_value).
+
+    Switches:
+        quant_weight: use w_q, b_q (steps 2..4).
+        exact: compute in float64 (step-4 evaluation: exact while partial sums < 2^53, so the
+            result equals the chip's integer accumulation; gti-chip.md "integer semantics").
+
+    Input (N, in_channels, H, W) float; output (N, out_channels, H, W) of the same dtype.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, scheme: int = 8, weight_bits: int = 12,
+                 bias_bits: int = 20, method: str = "gti"):
+        super().__init__(in_channels, out_channels, kernel_size=3, stride=1, padding=1, bias=True)
+        self.scheme = int(scheme)
+        self.weight_bits = int(weight_bits)
+        self.bias_bits = int(bias_bits)
+        self.method = method
+        self.quant_weight = False
+        self.exact = False
+
+    def quantized_params(self):
+        """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients)."""
+        if not self.quant_weight:
+            return self.weight, self.bias, None
+        return Q.quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
+                                      self.bias_bits, self.method)
+
+    def integer_params(self):
+        """(W_int int64 (O,I,3,3), b_int int64 (O,), shift): what the chip stores."""
+        return Q.integer_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
+                                     self.bias_bits, self.method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b, _ = self.quantized_params()
+        if self.exact:
+            return F.conv2d(x.double(), w.double(), b.double(), 1, 1)
+        return F.conv2d(x, w, b, 1, 1)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, scheme={self.scheme}, Bw={self.weight_bits}, Bb={self.bias_bits}, "
+                f"method={self.method}")
+
+
+class QReLU(nn.Module):
+    """ReLU with a calibrated cap and 5-bit activation quantization.
+
+    Buffers:
+        cap: 0-d float32, the clip value (0 until calibrated; 31 in step 4).
+
+    Switches:
+        use_cap: clip at ``cap`` (steps 3, 4).
+        quant_act: quantize to 5-bit codes (steps 3, 4).
+        integer: step 4, cap = 31: outputs are the integer codes.
+        calibrating: record the running max over batches of the batch's ``percentile`` of the
+            pre-ReLU values into ``cap`` (gti-chip.md, "cal"); output is a plain ReLU meanwhile.
+
+    Input and output: any shape, float.
+    """
+
+    def __init__(self, percentile: float = 99.0):
+        super().__init__()
+        self.register_buffer("cap", torch.zeros((), dtype=torch.float32))
+        self.percentile = float(percentile)
+        self.use_cap = False
+        self.quant_act = False
+        self.integer = False
+        self.calibrating = False
+        #: optional hook (tensor) -> 0-d tensor computing the batch percentile; the distributed
+        #: trainer replaces it with one that sees the whole global batch
+        self.percentile_fn: Optional[Callable[[torch.Tensor, float], torch.Tensor]] = None
+
+    @staticmethod
+    def batch_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
+        """The ``percentile``-th percentile (nearest rank) of all elements of x, as a 0-d float32 tensor.
+
+        If it is not positive (fewer than (100 - p)% positive values) the largest value is used,
+        so that a cap is never 0 or negative while some output is positive.
+        """
+        flat = x.detach().float().reshape(-1)
+        k = max(1, min(flat.numel(), int(-(-percentile * flat.numel() // 100))))
+        value = flat.kthvalue(k).values
+        if value <= 0:
+            value = flat.max()
+        return value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calibrating:
+            fn = self.percentile_fn or self.batch_percentile
+            value = fn(x, self.percentile).to(self.cap)
+            self.cap.copy_(torch.maximum(self.cap, value))
+            return F.relu(x)
+        if not self.use_cap:
+            return F.relu(x)
+        if self.cap <= 0:
+            raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
+        return Q.capped_relu(x, self.cap, quantize=self.quant_act, integer=self.integer)
+
+    def extra_repr(self) -> str:
+        return f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}"

@@ -1,0 +1,442 @@
+"""Tests for the VOC -> meta conversion (gnetmdk.dataset.voc, tools/xml_2_txt.py) and the shapes
+generator (gnetmdk.dataset.shapes, tools/make_shapes.py).
+
+Real datasets are read in place from /work/shared/data; every fixture is written under tmp_path.
+"""
+
+import os
+import subprocess
+import sys
+
+import cv2
+import numpy as np
+import pytest
+
+from gnetmdk.dataset.shapes import make_shapes_dataset
+from gnetmdk.dataset.voc import (
+    MetaFormatError,
+    VOCFormatError,
+    convert_voc_to_meta,
+    parse_voc_xml,
+    read_meta,
+    write_voc_xml,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = "/work/shared/data"
+CARDS = os.path.join(DATA, "cards")
+RACCOON = os.path.join(DATA, "raccoon")
+CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
+SHAPES = ["circle", "square", "triangle"]
+XML_2_TXT = os.path.join(REPO, "tools", "xml_2_txt.py")
+MAKE_SHAPES = os.path.join(REPO, "tools", "make_shapes.py")
+
+needs_cards = pytest.mark.skipif(not os.path.isdir(CARDS), reason="cards dataset not present")
+needs_raccoon = pytest.mark.skipif(not os.path.isdir(RACCOON), reason="raccoon dataset not present")
+
+
+def run_tool(script, *args):
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def count(meta_path):
+    entries = read_meta(meta_path)
+    return len(entries), sum(len(labels) for _, _, labels in entries)
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures: small VOC trees
+# ------------------------------------------------------------------------------------------------
+
+def make_tree(root, n=6, classes=("cat", "dog"), imagesets=True, val_every=3):
+    """A tiny valid VOC tree: image i has 1 + i % 2 objects. Returns the list of ids."""
+    for sub in ("JPEGImages", "Annotations"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    ids = []
+    for i in range(n):
+        stem = f"img{i:03d}"
+        w, h = 64 + i, 48
+        cv2.imwrite(os.path.join(root, "JPEGImages", stem + ".jpg"), np.full((h, w, 3), 40 * (i % 5), np.uint8))
+        objs = [(classes[j % len(classes)], 5 + j * 20, 5, 20 + j * 20, 30, False) for j in range(1 + i % 2)]
+        write_voc_xml(os.path.join(root, "Annotations", stem + ".xml"), stem + ".jpg", w, h, objs)
+        ids.append(stem)
+    if imagesets:
+        d = os.path.join(root, "ImageSets", "Main")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "train.txt"), "w") as fh:
+            fh.write("".join(s + "\n" for k, s in enumerate(ids) if k % val_every))
+        with open(os.path.join(d, "val.txt"), "w") as fh:
+            fh.write("".join(s + "\n" for k, s in enumerate(ids) if not k % val_every))
+    return ids
+
+
+def ann(root, stem):
+    return os.path.join(root, "Annotations", stem + ".xml")
+
+
+def break_malformed(root, stem):
+    with open(ann(root, stem), "w") as fh:
+        fh.write("<annotation>\n  <filename>x.jpg</filename>\n  <size><width>10</width>\n</annotation>\n")
+
+
+def break_unknown_class(root, stem):
+    write_voc_xml(ann(root, stem), stem + ".jpg", 64, 48, [("zebra", 1, 1, 20, 20, False)])
+
+
+def break_missing_image(root, stem):
+    os.remove(os.path.join(root, "JPEGImages", stem + ".jpg"))
+
+
+def break_degenerate(root, stem):
+    write_voc_xml(ann(root, stem), stem + ".jpg", 64, 48, [("cat", 30, 5, 30, 20, False)])
+
+
+def break_outside(root, stem):
+    write_voc_xml(ann(root, stem), stem + ".jpg", 64, 48, [("cat", 100, 5, 120, 20, False)])
+
+
+def break_missing_field(root, stem):
+    with open(ann(root, stem)) as fh:
+        text = fh.read()
+    with open(ann(root, stem), "w") as fh:
+        fh.write(text.replace("<ymax>30</ymax>", ""))
+
+
+def break_missing_size(root, stem):
+    with open(ann(root, stem)) as fh:
+        text = fh.read()
+    start, end = text.index("<size>"), text.index("</size>") + len("</size>")
+    with open(ann(root, stem), "w") as fh:
+        fh.write(text[:start] + text[end:])
+
+
+def break_non_numeric(root, stem):
+    with open(ann(root, stem)) as fh:
+        text = fh.read()
+    with open(ann(root, stem), "w") as fh:
+        fh.write(text.replace("<xmin>5</xmin>", "<xmin>five</xmin>", 1))
+
+
+BREAKERS = {
+    "malformed": (break_malformed, "line"),
+    "unknown_class": (break_unknown_class, "zebra"),
+    "missing_image": (break_missing_image, "img002.jpg"),
+    "degenerate": (break_degenerate, "degenerate"),
+    "outside": (break_outside, "outside"),
+    "missing_field": (break_missing_field, "ymax"),
+    "missing_size": (break_missing_size, "size"),
+    "non_numeric": (break_non_numeric, "xmin"),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# real datasets
+# ------------------------------------------------------------------------------------------------
+
+@needs_cards
+def test_cards_cli_counts(tmp_path):
+    res = run_tool(XML_2_TXT, "--name", "cards", "--dataset-dir", CARDS,
+                   "--classes", ",".join(CARD_CLASSES), "--out-dir", tmp_path)
+    assert res.returncode == 0, res.stderr
+    train, valid = tmp_path / "cards_train.txt", tmp_path / "cards_valid.txt"
+    assert count(train) == (296, 527)
+    assert count(valid) == (67, 143)
+    for path in (train, valid):
+        for name, boxes, labels in read_meta(path, num_classes=len(CARD_CLASSES)):
+            assert os.path.isfile(os.path.join(CARDS, "JPEGImages", name))
+            assert labels.min() >= 0 and labels.max() < len(CARD_CLASSES)
+            assert np.all(boxes[:, 2] > boxes[:, 0]) and np.all(boxes[:, 3] > boxes[:, 1])
+    assert "527" in res.stdout and "143" in res.stdout
+
+
+@needs_cards
+def test_cards_per_class_and_round_trip(tmp_path):
+    rep = convert_voc_to_meta(CARDS, CARD_CLASSES, tmp_path / "t.txt", tmp_path / "v.txt")
+    assert rep["skipped"] == []
+    assert dict(rep["splits"]["train"]["per_class"]) == {
+        "nine": 89, "ten": 82, "jack": 89, "queen": 80, "king": 95, "ace": 92}
+    assert dict(rep["splits"]["valid"]["per_class"]) == {
+        "nine": 26, "ten": 18, "jack": 24, "queen": 26, "king": 23, "ace": 26}
+    for name, boxes, labels in read_meta(tmp_path / "t.txt") + read_meta(tmp_path / "v.txt"):
+        a = parse_voc_xml(os.path.join(CARDS, "Annotations", os.path.splitext(name)[0] + ".xml"),
+                          CARD_CLASSES)
+        assert boxes.dtype == np.float32 and boxes.shape == (len(a["boxes"]), 4)
+        assert labels.dtype == np.int64
+        np.testing.assert_array_equal(boxes, np.array(a["boxes"], np.float32))
+        np.testing.assert_array_equal(labels, np.array(a["labels"]))
+
+
+@needs_raccoon
+def test_raccoon_including_grayscale(tmp_path):
+    rep = convert_voc_to_meta(RACCOON, ["raccoon"], tmp_path / "t.txt", tmp_path / "v.txt")
+    assert count(tmp_path / "t.txt") == (160, 173)
+    assert count(tmp_path / "v.txt") == (40, 44)
+    names = {n for n, _, _ in read_meta(tmp_path / "t.txt") + read_meta(tmp_path / "v.txt")}
+    assert {"raccoon-150.jpg", "raccoon-152.jpg", "raccoon-161.jpg"} <= names
+    assert rep["splits"]["train"]["no_objects"] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# round trip, clipping, split
+# ------------------------------------------------------------------------------------------------
+
+def test_meta_round_trip_matches_xml(tmp_path):
+    root = tmp_path / "ds"
+    ids = make_tree(root, n=9)
+    convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
+    got = {n: (b, l) for n, b, l in read_meta(tmp_path / "t.txt") + read_meta(tmp_path / "v.txt")}
+    assert sorted(got) == sorted(s + ".jpg" for s in ids)
+    for stem in ids:
+        a = parse_voc_xml(ann(root, stem), ["cat", "dog"])
+        boxes, labels = got[stem + ".jpg"]
+        np.testing.assert_array_equal(boxes, np.array(a["boxes"], np.float32))
+        np.testing.assert_array_equal(labels, a["labels"])
+
+
+def test_parse_rounds_and_clips(tmp_path):
+    path = tmp_path / "a.xml"
+    write_voc_xml(path, "a.jpg", 100, 80, [("cat", -3, 10.6, 120, 80, False), ("dog", 1.4, 2, 50, 60.5, True)])
+    a = parse_voc_xml(path, ["cat", "dog"], keep_difficult=True)
+    assert (a["filename"], a["width"], a["height"]) == ("a.jpg", 100, 80)
+    assert a["boxes"] == [[0, 11, 100, 80], [1, 2, 50, 61]]
+    assert a["labels"] == [0, 1] and a["difficult"] == [False, True]
+
+
+def test_random_split_deterministic_disjoint_complete(tmp_path):
+    root = tmp_path / "ds"
+    ids = make_tree(root, n=20, imagesets=False)
+
+    def split(seed, tag):
+        rep = convert_voc_to_meta(root, ["cat", "dog"], tmp_path / f"{tag}_t.txt", tmp_path / f"{tag}_v.txt",
+                                  val_fraction=0.25, seed=seed)
+        assert rep["split_source"].startswith("random")
+        t = [n for n, _, _ in read_meta(tmp_path / f"{tag}_t.txt")]
+        v = [n for n, _, _ in read_meta(tmp_path / f"{tag}_v.txt")]
+        return t, v
+
+    t1, v1 = split(7, "a")
+    t2, v2 = split(7, "b")
+    assert (t1, v1) == (t2, v2)
+    assert (tmp_path / "a_t.txt").read_bytes() == (tmp_path / "b_t.txt").read_bytes()
+    assert len(v1) == 5 and not set(t1) & set(v1)
+    assert sorted(t1 + v1) == sorted(s + ".jpg" for s in ids)
+    t3, v3 = split(8, "c")
+    assert sorted(t3 + v3) == sorted(t1 + v1) and set(v3) != set(v1)
+
+
+def test_imagesets_split_is_used(tmp_path):
+    root = tmp_path / "ds"
+    ids = make_tree(root, n=9, val_every=3)
+    rep = convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt", seed=123)
+    assert "ImageSets" in rep["split_source"]
+    assert [n for n, _, _ in read_meta(tmp_path / "v.txt")] == [ids[k] + ".jpg" for k in (0, 3, 6)]
+
+
+def test_image_found_by_stem_when_filename_is_wrong(tmp_path):
+    root = tmp_path / "ds"
+    make_tree(root, n=3)
+    os.rename(root / "JPEGImages" / "img001.jpg", root / "JPEGImages" / "img001.png")
+    convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
+    assert "img001.png" in [n for n, _, _ in read_meta(tmp_path / "t.txt")]
+
+
+# ------------------------------------------------------------------------------------------------
+# bad inputs: refused, file named, nothing written
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(BREAKERS))
+def test_bad_input_refused_and_nothing_written(tmp_path, kind):
+    root = tmp_path / "ds"
+    make_tree(root, n=6)
+    breaker, needle = BREAKERS[kind]
+    breaker(root, "img002")
+    out = tmp_path / "out"
+    with pytest.raises(VOCFormatError) as err:
+        convert_voc_to_meta(root, ["cat", "dog"], out / "t.txt", out / "v.txt")
+    msg = str(err.value)
+    assert "img002.xml" in msg and needle in msg, msg
+    assert not out.exists() or os.listdir(out) == []
+
+
+def test_error_messages_are_specific(tmp_path):
+    root = tmp_path / "ds"
+    make_tree(root, n=3)
+    break_malformed(root, "img000")
+    with pytest.raises(VOCFormatError, match=r"img000\.xml: malformed XML at line \d+"):
+        parse_voc_xml(ann(root, "img000"), ["cat", "dog"])
+    break_unknown_class(root, "img001")
+    with pytest.raises(VOCFormatError, match=r"'zebra'.*\['cat', 'dog'\].*VOC_CLASSES"):
+        parse_voc_xml(ann(root, "img001"), ["cat", "dog"])
+    break_degenerate(root, "img002")
+    with pytest.raises(VOCFormatError, match=r"object #0.*\(30, 5, 30, 20\)"):
+        parse_voc_xml(ann(root, "img002"), ["cat", "dog"])
+
+
+def test_failed_run_keeps_previous_outputs(tmp_path):
+    root = tmp_path / "ds"
+    make_tree(root, n=6)
+    convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
+    before = (tmp_path / "t.txt").read_bytes(), (tmp_path / "v.txt").read_bytes()
+    break_degenerate(root, "img005")
+    with pytest.raises(VOCFormatError):
+        convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
+    assert ((tmp_path / "t.txt").read_bytes(), (tmp_path / "v.txt").read_bytes()) == before
+    assert sorted(os.listdir(tmp_path)) == ["ds", "t.txt", "v.txt"]  # no temp files left
+
+
+def test_listed_id_without_annotation(tmp_path):
+    root = tmp_path / "ds"
+    make_tree(root, n=4)
+    with open(root / "ImageSets" / "Main" / "train.txt", "a") as fh:
+        fh.write("ghost\n")
+    with pytest.raises(VOCFormatError, match="ghost.xml"):
+        convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
+
+
+def test_skip_bad_lists_every_skipped_file(tmp_path):
+    root = tmp_path / "ds"
+    ids = make_tree(root, n=8)
+    bad = {"img001": break_malformed, "img003": break_unknown_class, "img004": break_missing_image,
+           "img006": break_degenerate}
+    for stem, breaker in bad.items():
+        breaker(root, stem)
+    rep = convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt", skip_bad=True)
+    assert sorted(os.path.basename(p) for p, _ in rep["skipped"]) == sorted(s + ".xml" for s in bad)
+    written = [n for n, _, _ in read_meta(tmp_path / "t.txt") + read_meta(tmp_path / "v.txt")]
+    assert sorted(written) == sorted(s + ".jpg" for s in ids if s not in bad)
+
+    res = run_tool(XML_2_TXT, "--name", "x", "--dataset-dir", root, "--classes", "cat,dog",
+                   "--out-dir", tmp_path / "cli", "--skip-bad")
+    assert res.returncode == 0, res.stderr
+    for stem in bad:
+        assert stem + ".xml" in res.stderr
+    assert count(tmp_path / "cli" / "x_train.txt")[0] + count(tmp_path / "cli" / "x_valid.txt")[0] == 4
+
+
+def test_difficult_dropped_by_default(tmp_path):
+    root = tmp_path / "ds"
+    make_tree(root, n=3)
+    write_voc_xml(ann(root, "img001"), "img001.jpg", 65, 48,
+                  [("cat", 2, 2, 20, 20, True), ("dog", 30, 5, 60, 40, False)])
+    write_voc_xml(ann(root, "img002"), "img002.jpg", 66, 48, [("dog", 2, 2, 20, 20, True)])
+
+    rep = convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
+    train = {n: l.tolist() for n, _, l in read_meta(tmp_path / "t.txt")}
+    assert train == {"img001.jpg": [1]}  # img002 had only a difficult object
+    assert [os.path.basename(p) for p in rep["splits"]["train"]["no_objects"]] == ["img002.xml"]
+    assert rep["splits"]["train"]["dropped_difficult"] == 2
+
+    convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt", keep_difficult=True)
+    train = {n: l.tolist() for n, _, l in read_meta(tmp_path / "t.txt")}
+    assert train == {"img001.jpg": [0, 1], "img002.jpg": [1]}
+
+
+# ------------------------------------------------------------------------------------------------
+# read_meta errors
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, needle", [
+    ("a.jpg 1 2 3 4", "fields"),
+    ("a.jpg 1 2 3 4 0 5", "fields"),
+    ("a.jpg 1 2 x 4 0", "non-numeric"),
+    ("a.jpg 1 2 3 4 -1", "negative"),
+    ("a.jpg 1 2 3 4 c", "integer"),
+])
+def test_read_meta_errors_name_file_and_line(tmp_path, line, needle):
+    path = tmp_path / "m.txt"
+    path.write_text("ok.jpg 1 2 3 4 0\n\n" + line + "\n")
+    with pytest.raises(MetaFormatError, match=rf"m\.txt:3: .*{needle}"):
+        read_meta(path)
+
+
+def test_read_meta_class_range(tmp_path):
+    path = tmp_path / "m.txt"
+    path.write_text("a.jpg 1 2 3 4 0 5 6 7 8 2\nb.jpg\n")
+    entries = read_meta(path)
+    assert entries[1][1].shape == (0, 4) and entries[1][2].shape == (0,)
+    with pytest.raises(MetaFormatError, match=r"m\.txt:1: class index 2 out of range"):
+        read_meta(path, num_classes=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI errors
+# ------------------------------------------------------------------------------------------------
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path):
+    root = tmp_path / "ds"
+    make_tree(root, n=4)
+    break_unknown_class(root, "img001")
+    out = tmp_path / "out"
+    res = run_tool(XML_2_TXT, "--name", "X", "--dataset-dir", root, "--classes", "cat,dog", "--out-dir", out)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "img001.xml" in lines[0] and "zebra" in lines[0]
+    assert "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+def test_cli_missing_dataset_dir_exits_2(tmp_path):
+    res = run_tool(XML_2_TXT, "--name", "X", "--dataset-dir", tmp_path / "nope", "--classes", "a",
+                   "--out-dir", tmp_path / "out")
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()) == 1 and "nope" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# shapes
+# ------------------------------------------------------------------------------------------------
+
+def test_shapes_deterministic_and_convertible(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    rep = make_shapes_dataset(a, num_train=12, num_val=4, seed=3)
+    make_shapes_dataset(b, num_train=12, num_val=4, seed=3)
+    make_shapes_dataset(c, num_train=12, num_val=4, seed=4)
+
+    files = sorted(os.path.relpath(os.path.join(d, f), a) for d, _, fs in os.walk(a) for f in fs)
+    assert len(files) == 2 * 16 + 2
+    assert files == sorted(os.path.relpath(os.path.join(d, f), b) for d, _, fs in os.walk(b) for f in fs)
+    for rel in files:
+        if rel.endswith(".jpg"):
+            np.testing.assert_array_equal(cv2.imread(str(a / rel)), cv2.imread(str(b / rel)))
+        else:
+            assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    assert (a / "Annotations" / "train_00000.xml").read_bytes() != (c / "Annotations" / "train_00000.xml").read_bytes()
+
+    conv = convert_voc_to_meta(a, SHAPES, tmp_path / "t.txt", tmp_path / "v.txt")
+    assert conv["skipped"] == [] and "ImageSets" in conv["split_source"]
+    assert count(tmp_path / "t.txt") == (12, rep["splits"]["train"]["boxes"])
+    assert count(tmp_path / "v.txt") == (4, rep["splits"]["val"]["boxes"])
+    for name, boxes, labels in read_meta(tmp_path / "t.txt"):
+        h, w = cv2.imread(str(a / "JPEGImages" / name)).shape[:2]
+        assert 256 <= w <= 320 and 256 <= h <= 320
+        assert 1 <= len(labels) <= 3
+        sides = np.maximum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
+        assert np.all(sides >= 0.14 * min(w, h)) and np.all(sides <= 0.46 * min(w, h))
+        assert np.all(boxes[:, :2] >= 0) and np.all(boxes[:, 2] <= w) and np.all(boxes[:, 3] <= h)
+
+
+def test_shapes_box_is_tight(tmp_path):
+    """Every box is filled by its shape's colour well away from the background at its centre."""
+    make_shapes_dataset(tmp_path, num_train=6, num_val=0, seed=0, classes=("square",), max_objects=1)
+    for name, boxes, _ in read_meta_from_tree(tmp_path, ["square"]):
+        img = cv2.imread(str(tmp_path / "JPEGImages" / name)).astype(np.int32)
+        x1, y1, x2, y2 = boxes[0].astype(int)
+        inside = img[y1 + 2:y2 - 2, x1 + 2:x2 - 2].reshape(-1, 3).mean(0)
+        ring = np.concatenate([img[y1 + 2:y2 - 2, max(0, x1 - 3)], img[y1 + 2:y2 - 2, min(img.shape[1] - 1, x2 + 2)]])
+        assert np.abs(inside - ring.mean(0)).sum() > 60
+
+
+def read_meta_from_tree(root, classes):
+    convert_voc_to_meta(root, classes, root / "m_t.txt", root / "m_v.txt")
+    return read_meta(root / "m_t.txt")
+
+
+def test_make_shapes_cli(tmp_path):
+    res = run_tool(MAKE_SHAPES, tmp_path / "s", "--num-train", 4, "--num-val", 2, "--seed", 1)
+    assert res.returncode == 0, res.stderr
+    res = run_tool(XML_2_TXT, "--name", "shapes", "--dataset-dir", tmp_path / "s",
+                   "--classes", ",".join(SHAPES), "--out-dir", tmp_path / "meta")
+    assert res.returncode == 0, res.stderr
+    assert count(tmp_path / "meta" / "shapes_train.txt")[0] == 4
+    assert count(tmp_path / "meta" / "shapes_valid.txt")[0] == 2
