@@ -239,8 +239,9 @@ def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme:
 # ------------------------------------------------------------------ activations
 class _CappedQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cap, quantize, integer):
+    def forward(ctx, x, cap, quantize, integer, revive):
         ctx.save_for_backward(x, cap)
+        ctx.revive = revive
         y = torch.minimum(torch.clamp(x, min=0), cap)
         if not quantize:
             return y
@@ -252,10 +253,14 @@ class _CappedQuant(torch.autograd.Function):
     def backward(ctx, grad):
         x, cap = ctx.saved_tensors
         mask = (x > 0) & (x < cap)
-        return grad * mask.to(grad.dtype), None, None, None
+        if ctx.revive:
+            # outside (0, cap) let through only the gradients that lead back inside
+            mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))
+        return grad * mask.to(grad.dtype), None, None, None, None
 
 
-def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False) -> torch.Tensor:
+def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False,
+                revive: bool = False) -> torch.Tensor:
     """Capped ReLU with optional 5-bit quantization (gti-chip.md, "Activations"):
 
         y = clip(x, 0, cap),  y_q = R(y * 31 / cap) * cap / 31
@@ -265,11 +270,15 @@ def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integ
         cap: 0-d float tensor (> 0), same dtype/device as x.
         quantize: False gives the clip alone.
         integer: step-4 semantics, cap must be 31: returns the codes R(clip(x, 0, 31)) exactly.
+        revive: training-only gradient choice for the output layer: outside (0, cap) the gradient
+            also passes when it points back inside (x <= 0 with a gradient that raises x, x >= cap
+            with one that lowers it), so an output unit whose pre-activation went negative for an
+            object cell is not dead for good. The forward value is unchanged.
     Returns:
         tensor like x; the gradient passes where 0 < x < cap (straight-through on the rounding).
     """
     cap = cap.to(dtype=x.dtype, device=x.device)
-    return _CappedQuant.apply(x, cap, quantize, integer)
+    return _CappedQuant.apply(x, cap, quantize, integer, revive)
 
 
 def activation_codes(y: torch.Tensor, cap: float | torch.Tensor) -> torch.Tensor:

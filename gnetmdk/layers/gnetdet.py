@@ -185,9 +185,21 @@ class GNetDet(nn.Module):
         n = len(self.specs)
         self.layers = nn.ModuleList(
             Sublayer(ls, chip, use_bn and i < n - 1, weight_scale, cap_percentile) for i, ls in enumerate(self.specs))
+        # the output layer's ReLU lets object-cell gradients through below 0 (training only; the
+        # forward value, and so the chip, is unchanged)
+        self.layers[-1].relu.revive = True
         self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class)
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
+        #: step 4: evaluate in float64 so every code equals the chip's integer result
+        self.exact_eval = False
+
+    def train(self, mode: bool = True):
+        """Switch train/eval; in eval with ``exact_eval`` the convs compute in float64 (bit-exact)."""
+        super().train(mode)
+        for conv in self.convs():
+            conv.exact = (not mode) and self.exact_eval
+        return self
 
     # ------------------------------------------------------------------ interface
     @property

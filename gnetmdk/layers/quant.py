@@ -88,6 +88,8 @@ class QReLU(nn.Module):
         self.quant_act = False
         self.integer = False
         self.calibrating = False
+        #: output layer only: let gradients revive units stuck outside (0, cap) (capped_relu's ``revive``)
+        self.revive = False
         #: optional hook (tensor) -> 0-d tensor computing the batch percentile; the distributed
         #: trainer replaces it with one that sees the whole global batch
         self.percentile_fn: Optional[Callable[[torch.Tensor, float], torch.Tensor]] = None
@@ -113,10 +115,13 @@ class QReLU(nn.Module):
             self.cap.copy_(torch.maximum(self.cap, value))
             return F.relu(x)
         if not self.use_cap:
+            if self.revive and torch.is_grad_enabled():
+                return Q.capped_relu(x, torch.tensor(float("inf")), quantize=False, revive=True)
             return F.relu(x)
         if self.cap <= 0:
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
-        return Q.capped_relu(x, self.cap, quantize=self.quant_act, integer=self.integer)
+        return Q.capped_relu(x, self.cap, quantize=self.quant_act, integer=self.integer,
+                             revive=self.revive and torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}"

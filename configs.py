@@ -1,0 +1,33 @@
+"""Your dataset's configuration: the only file to edit for a new dataset.
+
+Every field and its default is in gnetmdk/config/base.py (BaseConfig). Set here what differs;
+override anything per run on the command line (`python3 train.py --step 3 batch-size 32`).
+Values per stage go in `per_step` ({1: {...}, 2: {...}, "cal": {...}, 3: {...}, 4: {...}}).
+"""
+from gnetmdk.config import BaseConfig
+
+DEFAULT_STEP = 1
+
+
+class Config(BaseConfig):
+    DEFAULT_STEP = DEFAULT_STEP
+
+    # dataset: data/<DS_NAME> in VOC layout; run `python3 tools/xml_2_txt.py` after changing it
+    DS_NAME = "cards"
+    VOC_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
+
+    # a reduced GNetDet that trains on a CPU in minutes (widths 16..64 at 224 px)
+    image_size = 224
+    width_mult = 0.25
+    chip = "5801"
+
+    batch_size = 16
+    num_workers = 2
+
+    per_step = {
+        1: dict(learning_rate=2e-3, num_epochs=60, warmup_epochs=2),
+        2: dict(learning_rate=2e-4, num_epochs=10, warmup_epochs=0.5),
+        "cal": dict(),
+        3: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5),
+        4: dict(learning_rate=2e-5, num_epochs=5, warmup_epochs=0.5),
+    }

@@ -1,0 +1,26 @@
+"""Config of the offline demo: the synthetic shapes dataset made by tools/make_shapes.py.
+
+    python3 tools/make_shapes.py data/shapes
+    python3 tools/xml_2_txt.py --config examples/shapes.py
+    python3 tools/run_pipeline.py --config examples/shapes.py
+"""
+from gnetmdk.config import BaseConfig
+
+
+class Config(BaseConfig):
+    DEFAULT_STEP = 1
+    DS_NAME = "shapes"
+    VOC_CLASSES = ["circle", "square", "triangle"]
+    image_size = 224
+    width_mult = 0.25
+    chip = "5801"
+    batch_size = 16
+    num_workers = 0
+    threads = 2
+    eval_interval = 2
+    per_step = {
+        1: dict(learning_rate=3e-3, num_epochs=12, warmup_epochs=1),
+        2: dict(learning_rate=3e-4, num_epochs=2, warmup_epochs=0.2),
+        3: dict(learning_rate=1e-4, num_epochs=2, warmup_epochs=0.2),
+        4: dict(learning_rate=2e-5, num_epochs=2, warmup_epochs=0.2),
+    }

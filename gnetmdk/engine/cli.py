@@ -1,0 +1,98 @@
+"""Command line shared by train.py and train-dist.py.
+
+    train.py      [--config FILE] [--step N | --cal] [--resume] [KEY VALUE | KEY=VALUE ...]
+    train-dist.py [--gpus N] [--world-size M --rank R --dist-url HOST:PORT] [same as train.py]
+
+Overrides after the options: ``batch-size 32`` or ``learning-rate=3e-5`` (``-`` read as ``_``).
+Precedence: command line > Config.per_step > Config (configs.py) > BaseConfig.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, Sequence
+
+from gnetmdk.config import ConfigError, build_config, load_config_class
+
+
+def build_parser(distributed: bool) -> argparse.ArgumentParser:
+    prog = "train-dist.py" if distributed else "train.py"
+    p = argparse.ArgumentParser(
+        prog=prog, description="Train one stage of the gnetmdk pipeline (step1 -> step2 -> cal -> step3 -> step4).",
+        epilog="Config overrides follow the options: KEY VALUE or KEY=VALUE, e.g. 'batch-size 32 learning-rate=3e-5'.")
+    p.add_argument("--config", default=None, help="configs.py defining 'class Config(BaseConfig)' (default ./configs.py)")
+    p.add_argument("--step", type=int, choices=[1, 2, 3, 4], default=None, help="stage to train (default DEFAULT_STEP)")
+    p.add_argument("--cal", action="store_true", help="calibration pass: measure ReLU caps on the step-2 model")
+    p.add_argument("--resume", action="store_true", help="continue this step from its last.pth")
+    if distributed:
+        p.add_argument("--gpus", type=int, default=1, help="processes on this machine (GPUs; CPU processes without one)")
+        p.add_argument("--world-size", type=int, default=1, help="number of machines")
+        p.add_argument("--rank", type=int, default=0, help="this machine's rank, from 0")
+        p.add_argument("--dist-url", default="", help="machine 0's host:port (or tcp://host:port)")
+        p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for peers / collectives")
+    return p
+
+
+def parse(argv: Sequence[str], distributed: bool):
+    """(args, cfg): parsed options and the resolved config. Raises ConfigError / SystemExit."""
+    parser = build_parser(distributed)
+    args, rest = parser.parse_known_args(list(argv))
+    unknown_opts = [t for t in rest if t.startswith("--") and "=" not in t and t[2:].replace("-", "_") not in
+                    load_config_class(args.config).field_types()]
+    if unknown_opts:
+        parser.error(f"unrecognised option {unknown_opts[0]}")
+    overrides = list(rest)
+    if args.resume:
+        overrides += ["resume", "true"]
+    cfg = build_config(load_config_class(args.config), overrides, step=args.step, cal=args.cal)
+    return args, cfg
+
+
+def run_stage(cfg) -> dict:
+    """Train (or calibrate) the stage ``cfg`` names in this process; returns the trainer's summary."""
+    from .trainer import Trainer
+    return Trainer(cfg).run()
+
+
+def _worker_entry(cfg) -> None:
+    run_stage(cfg)
+
+
+USER_ERRORS = ()
+
+
+def user_errors():
+    """Exception types that are the user's to fix: printed as one line, exit code 2."""
+    from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.dataset.dataset import ImageReadError
+    from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
+    from gnetmdk.dist.launch import LaunchError
+    from .trainer import TrainingError
+    return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, LaunchError,
+            TrainingError, FileNotFoundError)
+
+
+def main(argv: Optional[Sequence[str]] = None, distributed: bool = False) -> int:
+    """Entry point of train.py / train-dist.py; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, cfg = parse(argv, distributed)
+        if not distributed:
+            run_stage(cfg)
+            return 0
+        import torch
+        from gnetmdk.dist.launch import DistSpec, launch
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        spec = DistSpec(gpus=args.gpus, world_size=args.world_size, rank=args.rank, dist_url=args.dist_url,
+                        timeout=args.dist_timeout, use_cuda=use_cuda)
+        if not use_cuda and spec.total > 1:
+            print(f"no GPU in use: running {spec.gpus} CPU process(es) on this machine with the gloo backend",
+                  flush=True)
+        launch(_worker_entry, spec, (cfg,))
+        return 0
+    except user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,53 @@
+"""Optimizers and per-iteration learning-rate schedules built from torch.optim.lr_scheduler.
+
+Schedule = LinearLR warm-up (from ``warmup_factor`` x lr to lr over ``warmup_epochs``) followed by
+CosineAnnealingLR (down to ``min_lr_ratio`` x lr), StepLR, MultiStepLR or a constant rate, chained
+with SequentialLR and stepped once per optimizer step. Epoch-based fields are converted to
+iterations with the number of iterations per epoch.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim import lr_scheduler as S
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """AdamW / Adam / SGD over the trainable parameters; weight decay on conv weights only
+    (biases and BatchNorm parameters get none). Frozen parameters are left out entirely."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() > 1 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=cfg.momentum, nesterov=True)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=cfg.learning_rate)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, iters_per_epoch: int) -> S.LRScheduler:
+    """The per-iteration schedule described in the module docstring.
+
+    Args:
+        iters_per_epoch: optimizer steps per epoch (>= 1).
+    """
+    ipe = max(1, int(iters_per_epoch))
+    total = max(1, cfg.num_epochs * ipe)
+    warm = min(int(round(cfg.warmup_epochs * ipe)), total - 1) if cfg.warmup_epochs > 0 else 0
+    rest = max(1, total - warm)
+    kind = cfg.lr_scheduler
+    if kind == "cosine":
+        main = S.CosineAnnealingLR(optimizer, T_max=rest, eta_min=cfg.learning_rate * cfg.min_lr_ratio)
+    elif kind == "step":
+        main = S.StepLR(optimizer, step_size=max(1, cfg.lr_step_size * ipe), gamma=cfg.lr_gamma)
+    elif kind == "multistep":
+        main = S.MultiStepLR(optimizer, milestones=[max(1, m * ipe - warm) for m in cfg.lr_milestones],
+                             gamma=cfg.lr_gamma)
+    else:
+        main = S.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if warm <= 0:
+        return main
+    warmup = S.LinearLR(optimizer, start_factor=cfg.warmup_factor, end_factor=1.0, total_iters=warm)
+    return S.SequentialLR(optimizer, [warmup, main], milestones=[warm])

@@ -1,0 +1,421 @@
+"""The one trainer behind train.py and train-dist.py (a single process is world size 1).
+
+A run of one stage: load the stage's starting checkpoint, run its entry hooks, evaluate it (so the
+cost of each quantization step is visible), train for ``num_epochs`` (or, for cal, measure the
+caps), keep best.pth (by val mAP) and last.pth in checkpoint/step<N>, log to tensorboard.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, check_compatible,
+                                   load_checkpoint, load_matching, save_checkpoint, save_config_json,
+                                   atomic_write_text)
+from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
+from gnetmdk.dist.comm import all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process
+from gnetmdk.dist.sampler import GlobalBatchSampler, ShardSampler
+from gnetmdk.evaluation.evaluator import evaluate_model
+from gnetmdk.evaluation.voc import format_ap_table
+from gnetmdk.layers.registry import model_from_config
+from .schedule import build_optimizer, build_scheduler
+from .stages import Stage, apply_stage, get_stage, source_path
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (non-finite loss, ...); the message names the iteration and the last good checkpoint."""
+
+
+def resolve_device(cfg) -> torch.device:
+    """cfg.device "auto" -> cuda if available else cpu."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' asked for but torch sees no GPU: set device=cpu or auto")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> Dict[str, object]:
+    """RNG states of python, numpy and torch as checkpoint-safe values."""
+    py = random.getstate()
+    npst = np.random.get_state()
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [npst[0], torch.from_numpy(npst[1].astype(np.int64)), int(npst[2]), int(npst[3]), float(npst[4])],
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: Dict[str, object]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(state["torch"])
+
+
+class Trainer:
+    """Run one stage of the pipeline for a resolved config.
+
+    Args:
+        cfg: resolved config (gnetmdk.config.build_config).
+        device: torch device (default from cfg.device).
+        log: print function of rank 0 (others stay silent).
+    """
+
+    def __init__(self, cfg, device: Optional[torch.device] = None):
+        self.cfg = cfg
+        self.stage: Stage = get_stage(cfg)
+        self.rank = get_rank()
+        self.world_size = get_world_size()
+        self.main = is_main_process()
+        self.device = device or resolve_device(cfg)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
+        self.summary: Dict[str, object] = {"stage": self.stage.name}
+        self.writer = None
+
+    # ------------------------------------------------------------------ logging
+    def log(self, msg: str) -> None:
+        if self.main:
+            print(msg, flush=True)
+
+    def _tb(self):
+        if self.writer is None and self.main:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(self.cfg.log_dir)
+        return self.writer
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        w = self._tb()
+        if w is not None:
+            w.add_scalar(tag, value, step)
+
+    # ------------------------------------------------------------------ data
+    def build_data(self) -> None:
+        cfg = self.cfg
+        if cfg.batch_size % self.world_size:
+            raise ValueError(f"batch_size {cfg.batch_size} does not split over {self.world_size} processes "
+                             f"(world_size x gpus): choose a multiple of {self.world_size}")
+        self.local_batch = cfg.batch_size // self.world_size
+        self.train_set = build_dataset(cfg, "train")
+        self.val_set = build_dataset(cfg, "valid")
+        g = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
+        shuffle = self.stage.name != "cal"
+        self.train_sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, self.rank, self.world_size,
+                                                shuffle=shuffle, seed=cfg.seed)
+        if self.stage.name == "cal":
+            self.train_set.augment = False
+        self.train_loader = DataLoader(self.train_set, batch_sampler=self.train_sampler, num_workers=cfg.num_workers,
+                                       collate_fn=collate, worker_init_fn=seed_worker, generator=g,
+                                       pin_memory=self.device.type == "cuda")
+        self.val_loader = DataLoader(self.val_set, batch_size=self.local_batch,
+                                     sampler=ShardSampler(len(self.val_set), self.rank, self.world_size),
+                                     num_workers=cfg.num_workers, collate_fn=collate, worker_init_fn=seed_worker,
+                                     pin_memory=self.device.type == "cuda")
+
+    # ------------------------------------------------------------------ model
+    def build_model(self) -> None:
+        """Load the stage's starting checkpoint (or resume), run entry hooks, set layer switches."""
+        cfg, stage = self.cfg, self.stage
+        self.resume_state = None
+        self.source_stage = None
+        set_seed(cfg.seed)
+        last = os.path.join(self.out_dir, "last.pth")
+        if cfg.resume:
+            if stage.name == "cal":
+                raise CheckpointError("--resume does not apply to calibration (one pass): run --cal again")
+            ckpt = load_checkpoint(last, f"nothing to resume: no {last}; start the stage without --resume")
+            if ckpt.get("stage") != stage.name:
+                raise CheckpointError(f"'{last}' is a {ckpt.get('stage')} checkpoint, not {stage.name}")
+            check_compatible(ckpt, cfg, last)
+            self.model = build_model_from_checkpoint(ckpt, cfg, last)
+            self.resume_state = ckpt
+            self.source_stage = stage.name
+            self.log(f"[{stage.name}] resuming from {last} (epoch {ckpt['epoch']}, iteration {ckpt['iteration']})")
+        else:
+            path = source_path(cfg, stage)
+            if path and os.path.isfile(path):
+                ckpt = load_checkpoint(path)
+                self.source_stage = ckpt.get("stage")
+                if stage.name == "step1" and not cfg.load:
+                    # a pretrained step0 model: take what fits (another class count keeps its backbone)
+                    self.model = model_from_config(cfg)
+                    res = load_matching(self.model, ckpt["model"])
+                    self.log(f"[step1] pretrained {path}: loaded {len(res['loaded'])} tensors, "
+                             f"skipped {len(res['skipped'])}")
+                else:
+                    check_compatible(ckpt, cfg, path)
+                    self.model = build_model_from_checkpoint(ckpt, cfg, path)
+                    self.log(f"[{stage.name}] starting from {path} ({self.source_stage})")
+            elif stage.source_required:
+                raise CheckpointError(f"{stage.name} starts from '{path}', which does not exist: {stage.fresh_hint}")
+            else:
+                self.model = model_from_config(cfg)
+                self.log(f"[{stage.name}] starting from a fresh {cfg.model_name} "
+                         f"({sum(p.numel() for p in self.model.parameters())} parameters)")
+            for hook in stage.enter:
+                msg = hook(self.model, self.source_stage)
+                if msg:
+                    self.log(f"[{stage.name}] {msg}")
+        self.model.to(self.device)
+        if cfg.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        apply_stage(self.model, stage)
+        self.model.train()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, tag: str) -> Dict[str, object]:
+        cfg = self.cfg
+        t0 = time.time()
+        res = evaluate_model(self.eval_model, self.val_loader, self.val_set, self.device, cfg.conf_thresh,
+                             cfg.nms_thresh, cfg.max_detections)
+        res["seconds"] = time.time() - t0
+        return res
+
+    @property
+    def eval_model(self):
+        return self.model
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, epoch: int, iteration: int, full: bool) -> Dict[str, object]:
+        m = self.model
+        st = {"stage": self.stage.name, "step": self.stage.step, "model_meta": m.meta(),
+              "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
+              "caps": [float(r.cap) for r in m.relus()], "config": self.cfg.to_dict(),
+              "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
+              "map": self.last_map, "entry_map": self.summary.get("entry_map"),
+              "world_size": self.world_size}
+        if full:
+            st["optimizer"] = self.optimizer.state_dict()
+            st["scheduler"] = self.scheduler.state_dict()
+            st["rng"] = rng_state()
+        return st
+
+    def save(self, name: str, epoch: int, iteration: int, full: bool = False) -> Optional[str]:
+        if not self.main:
+            return None
+        path = os.path.join(self.out_dir, name)
+        save_checkpoint(path, self.state(epoch, iteration, full))
+        save_config_json(self.out_dir, self.cfg.to_dict())
+        return path
+
+    def check_output_dir(self) -> None:
+        """Fail before training if checkpoints cannot be written."""
+        if not self.main:
+            return
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            probe = os.path.join(self.out_dir, ".write-test")
+            with open(probe, "wb") as fh:
+                fh.write(b"0" * 1024)
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoints to '{self.out_dir}' ({exc.strerror}): fix its "
+                                  "permissions or free disk space, or set checkpoint_root") from None
+
+    # ------------------------------------------------------------------ calibration
+    @torch.no_grad()
+    def calibrate(self) -> List[float]:
+        """One forward pass over the training data measuring every ReLU cap (gti-chip.md, "cal")."""
+        model = self.model
+        for relu in model.relus():
+            relu.cap.zero_()
+        apply_stage(model, self.stage, calibrating=True)
+        model.eval()
+        self.train_sampler.set_epoch(0)
+        it = self._progress(self.train_loader, "cal")
+        for images, _, _, _ in it:
+            model(images.to(self.device, non_blocking=True))
+        caps = torch.stack([r.cap for r in model.relus()]).float()
+        all_reduce(caps, "max")
+        for relu, c in zip(model.relus(), caps):
+            relu.cap.fill_(float(c))
+        from .stages import STAGES
+        apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start
+        model.train()
+        return caps.tolist()
+
+    def write_caps(self, caps: List[float]) -> str:
+        path = os.path.join(self.cfg.model_root, "relu_cap.txt")
+        if self.main:
+            atomic_write_text(path, "".join(f"{c:.8g}\n" for c in caps))
+        return path
+
+    # ------------------------------------------------------------------ loop
+    def _progress(self, iterable, desc: str):
+        if self.main and self.cfg.progress:
+            from tqdm import tqdm
+            return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+        return iterable
+
+    def train_one_epoch(self, epoch: int) -> Dict[str, float]:
+        cfg, model = self.cfg, self.model
+        model.train()
+        self.train_sampler.set_epoch(epoch, self.start_batch if epoch == self.start_epoch else 0)
+        self.train_set.set_epoch(epoch)
+        sums: Dict[str, float] = {}
+        count = 0
+        t0 = time.time()
+        bar = self._progress(self.train_loader, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}")
+        for images, targets, _, _ in bar:
+            images = images.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            pred = self.ddp_model(images)
+            terms = model.loss(pred, targets)
+            loss = terms["total"]
+            if not torch.isfinite(loss):
+                raise TrainingError(
+                    f"non-finite loss ({float(loss)}) at epoch {epoch + 1}, iteration {self.iteration + 1}; the last "
+                    f"good checkpoint is {os.path.join(self.out_dir, 'last.pth')}: lower learning_rate or check the data")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.iteration += 1
+            values = {k: float(v.detach()) for k, v in terms.items()}
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v
+            count += 1
+            if self.main:
+                lr = self.optimizer.param_groups[0]["lr"]
+                for k, v in values.items():
+                    self.scalar(f"{self.stage.name}/loss_{k}", v, self.iteration)
+                self.scalar(f"{self.stage.name}/lr", lr, self.iteration)
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
+        mean = {k: v / max(count, 1) for k, v in sums.items()}
+        if is_dist():
+            t = torch.tensor([mean.get(k, 0.0) for k in sorted(mean)], dtype=torch.float64)
+            all_reduce(t, "mean")
+            mean = dict(zip(sorted(mean), t.tolist()))
+        mean["seconds"] = time.time() - t0
+        mean["images_per_s"] = count * cfg.batch_size / max(mean["seconds"], 1e-9)
+        return mean
+
+    def setup_optimizer(self) -> None:
+        cfg = self.cfg
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.iters_per_epoch = len(self.train_set) // cfg.batch_size
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
+        self.ddp_model = self.wrap_model(self.model)
+
+    def wrap_model(self, model):
+        """Data-parallel wrapper (DistributedDataParallel when world size > 1)."""
+        if not is_dist():
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+    def run(self) -> Dict[str, object]:
+        """Run the stage; returns a summary (entry_map, best_map, final_map, caps, timings, paths)."""
+        cfg, stage = self.cfg, self.stage
+        t_start = time.time()
+        self.check_output_dir()
+        self.build_data()
+        self.build_model()
+        self.best_map = -1.0
+        self.last_map = None
+        self.iteration = 0
+        self.start_epoch = 0
+        self.start_batch = 0
+        self.log(f"[{stage.name}] {len(self.train_set)} train / {len(self.val_set)} val images, "
+                 f"batch {cfg.batch_size} ({self.world_size} x {cfg.batch_size // self.world_size}), "
+                 f"device {self.device}, model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}")
+        if stage.name == "cal":
+            return self._run_cal(t_start)
+        self.setup_optimizer()
+        if self.resume_state is not None:
+            st = self.resume_state
+            self.optimizer.load_state_dict(st["optimizer"])
+            self.scheduler.load_state_dict(st["scheduler"])
+            set_rng_state(st["rng"])
+            self.iteration = int(st["iteration"])
+            self.start_epoch = int(st["epoch"])
+            self.start_batch = self.iteration - self.start_epoch * self.iters_per_epoch
+            if self.start_batch >= self.iters_per_epoch:
+                self.start_epoch, self.start_batch = self.start_epoch + 1, 0
+            self.best_map = float(st.get("best_map", -1.0))
+            self.summary["entry_map"] = st.get("entry_map")
+        elif cfg.eval_before:
+            res = self.evaluate("entry")
+            self.summary["entry_map"] = res["map"]
+            self.last_map = res["map"]
+            self.log(f"[{stage.name}] entry mAP {res['map']:.4f} (before training, {res['seconds']:.1f}s)")
+            self.scalar(f"{stage.name}/mAP", res["map"], 0)
+            # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
+            self.best_map = res["map"]
+            self.save("best.pth", 0, 0)
+        if cfg.num_epochs == 0 and self.resume_state is None:
+            if not cfg.eval_before:
+                self.save("best.pth", 0, 0)
+            self.save("last.pth", 0, 0, full=True)
+        for epoch in range(self.start_epoch, cfg.num_epochs):
+            tr = self.train_one_epoch(epoch)
+            do_eval = (epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs
+            msg = (f"[{stage.name}] epoch {epoch + 1}/{cfg.num_epochs} loss {tr['total']:.4f} "
+                   f"(loc {tr['loc']:.3f} conf {tr['conf']:.3f} noresp {tr['noresp']:.3f} noobj {tr['noobj']:.3f} "
+                   f"cls {tr['cls']:.3f}) lr {self.optimizer.param_groups[0]['lr']:.2e} "
+                   f"{tr['images_per_s']:.1f} img/s")
+            if do_eval:
+                res = self.evaluate(f"epoch{epoch + 1}")
+                self.last_map = res["map"]
+                better = res["map"] > self.best_map
+                msg += f" | val mAP {res['map']:.4f} loss {res['loss'].get('total', float('nan')):.4f}"
+                self.scalar(f"{stage.name}/mAP", res["map"], epoch + 1)
+                self.scalar(f"{stage.name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
+                if better:
+                    self.best_map = res["map"]
+                    self.save("best.pth", epoch + 1, self.iteration)
+                    msg += " *best*"
+            self.save("last.pth", epoch + 1, self.iteration, full=True)
+            self.log(msg)
+        barrier()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+        self.summary.update(best_map=self.best_map, final_map=self.last_map, seconds=time.time() - t_start,
+                            best_path=os.path.join(self.out_dir, "best.pth"))
+        self.log(f"[{stage.name}] done in {self.summary['seconds']:.0f}s: entry mAP "
+                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(self.best_map)} -> "
+                 f"{self.summary['best_path']}")
+        return self.summary
+
+    def _run_cal(self, t_start: float) -> Dict[str, object]:
+        cfg = self.cfg
+        if cfg.eval_before:
+            res = self.evaluate("entry")
+            self.summary["entry_map"] = res["map"]
+            self.log(f"[cal] step-2 model mAP {res['map']:.4f}")
+        caps = self.calibrate()
+        self.log(f"[cal] caps ({cfg.cap_percentile:g}th percentile, running max over {len(self.train_loader)} "
+                 f"batches): " + " ".join(f"{c:.3g}" for c in caps))
+        res = self.evaluate("cal")
+        self.best_map = self.last_map = res["map"]
+        self.log(f"[cal] mAP with 5-bit activations and these caps (step 3 before training): {res['map']:.4f}")
+        path = self.save("cal.pth", 0, 0)
+        cap_file = self.write_caps(caps)
+        barrier()
+        self.summary.update(best_map=res["map"], final_map=res["map"], caps=caps, seconds=time.time() - t_start,
+                            best_path=path, cap_file=cap_file)
+        self.log(f"[cal] wrote {path} and {cap_file}")
+        return self.summary
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
