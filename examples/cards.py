@@ -1,0 +1,27 @@
+"""CPU configuration for the real cards dataset (../shared/data/cards: 6 classes, 296 train / 67 val).
+
+    python3 tools/xml_2_txt.py --config examples/cards.py
+    python3 tools/run_pipeline.py --config examples/cards.py
+Results and wall times: docs/results.md.
+"""
+from gnetmdk.config import BaseConfig
+
+
+class Config(BaseConfig):
+    DEFAULT_STEP = 1
+    DS_NAME = "cards"
+    VOC_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
+    dataset_path = "../shared/data/cards"
+    image_size = 224
+    width_mult = 0.25          # widths 16..64
+    chip = "5801"
+    batch_size = 16
+    num_workers = 2
+    threads = 2
+    per_step = {
+        1: dict(learning_rate=2e-3, num_epochs=100, warmup_epochs=3, eval_interval=5),
+        2: dict(learning_rate=3e-4, num_epochs=10, warmup_epochs=0.5, eval_interval=2),
+        "cal": dict(),
+        3: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5, eval_interval=2),
+        4: dict(learning_rate=2e-5, num_epochs=4, warmup_epochs=0.5, eval_interval=2),
+    }

@@ -1,0 +1,326 @@
+"""Tests for gnetmdk.config: precedence, override parsing, type conversion, validation, paths."""
+
+import os
+import textwrap
+from typing import List
+
+import pytest
+
+from gnetmdk.config import (BaseConfig, ConfigError, build_config, config_from_dict, convert_value,
+                            load_config, load_config_class, parse_overrides)
+
+
+class Config(BaseConfig):
+    """A user config as a configs.py would hold it."""
+
+    DEFAULT_STEP = 1
+    DS_NAME = "toy"
+    VOC_CLASSES = ["a", "b"]
+    batch_size = 8                       # Config > BaseConfig (16)
+    learning_rate = 1e-3
+    num_epochs = 7
+    image_size = 224
+    per_step = {
+        1: dict(learning_rate=2e-3, num_epochs=3),
+        2: dict(learning_rate=2e-4),
+        "cal": dict(batch_size=4),
+        3: dict(batch_size=2, augment="False"),     # a string bool must be converted, not bool("False")
+    }
+
+
+class Step3Config(Config):
+    DEFAULT_STEP = 3
+
+
+FIELDS = BaseConfig.field_types()
+
+
+# ------------------------------------------------------------------ precedence
+def test_base_defaults_when_nothing_set():
+    cfg = build_config(BaseConfig)
+    assert cfg.batch_size == 16
+    assert cfg.learning_rate == 1e-4
+    assert cfg.step == 1
+    assert cfg.DS_NAME == "shapes"
+
+
+def test_class_attrs_override_base():
+    cfg = build_config(Config, step=2)
+    assert cfg.batch_size == 8                 # Config
+    assert cfg.num_epochs == 7                 # Config (per_step[2] does not set it)
+    assert cfg.weight_decay == BaseConfig.weight_decay   # BaseConfig
+    assert cfg.DS_NAME == "toy"
+
+
+def test_per_step_overrides_class_attrs():
+    cfg = build_config(Config, step=1)
+    assert cfg.learning_rate == 2e-3 and cfg.num_epochs == 3 and cfg.batch_size == 8
+    cfg = build_config(Config, step=2)
+    assert cfg.learning_rate == 2e-4 and cfg.num_epochs == 7
+    cfg = build_config(Config, step=4)         # no per_step entry: class values
+    assert cfg.learning_rate == 1e-3 and cfg.batch_size == 8
+
+
+def test_cli_overrides_per_step():
+    cfg = build_config(Config, ["learning_rate", "5e-5", "num_epochs=11"], step=1)
+    assert cfg.learning_rate == 5e-5
+    assert cfg.num_epochs == 11
+    cfg = build_config(Config, ["batch-size", "32"], step=3)
+    assert cfg.batch_size == 32                # CLI beats per_step[3] (2)
+
+
+def test_per_step_string_bool_converted():
+    cfg = build_config(Config, step=3)
+    assert cfg.augment is False
+    assert cfg.batch_size == 2
+
+
+def test_instances_do_not_share_mutable_defaults():
+    a = build_config(Config)
+    b = build_config(Config)
+    a.VOC_CLASSES.append("c")
+    assert b.VOC_CLASSES == ["a", "b"]
+    assert Config.VOC_CLASSES == ["a", "b"]
+
+
+# ------------------------------------------------------------------ step / cal
+def test_default_step_and_step_argument():
+    assert build_config(Config).step == 1
+    assert build_config(Step3Config).step == 3
+    assert build_config(Step3Config).batch_size == 2          # per_step[3] follows DEFAULT_STEP
+    assert build_config(Step3Config, step=2).step == 2        # --step beats DEFAULT_STEP
+    assert build_config(Config, ["step", "4"]).step == 4      # step as an override
+    assert build_config(Config, ["step", "4"], step=2).step == 2   # --step beats "step 4"
+
+
+def test_cal_sets_step_2_and_stage_name():
+    cfg = build_config(Config, step=4, cal=True)
+    assert cfg.cal is True
+    assert cfg.step == 2
+    assert cfg.stage_name == "cal"
+    assert cfg.batch_size == 4                 # per_step["cal"]
+    assert cfg.checkpoint_dir() == os.path.join("checkpoint", "step2")
+    assert cfg.log_dir == os.path.join("log", "cal")
+    cfg = build_config(Config, ["cal", "true"], step=3)
+    assert cfg.cal and cfg.step == 2 and cfg.stage_name == "cal"
+    assert build_config(Config, step=3).stage_name == "step3"
+
+
+def test_bad_step_refused():
+    with pytest.raises(ConfigError, match="step"):
+        build_config(Config, step=5)
+
+
+# ------------------------------------------------------------------ override syntax
+def test_key_value_forms_and_dashes():
+    a = parse_overrides(["batch-size", "4", "learning_rate=0.5", "--num-epochs", "3"], FIELDS)
+    assert a == {"batch_size": 4, "learning_rate": 0.5, "num_epochs": 3}
+    assert isinstance(a["batch_size"], int) and isinstance(a["learning_rate"], float)
+    # "=" inside the value stays in the value
+    assert parse_overrides(["load=a=b.pth"], FIELDS) == {"load": "a=b.pth"}
+
+
+def test_unknown_key_names_closest_field():
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(["batch-szie", "4"], FIELDS)
+    assert "batch_size" in str(e.value)
+    assert "batch_szie" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        build_config(Config, ["lerning_rate=1e-3"])
+    assert "learning_rate" in str(e.value)
+
+
+def test_key_without_value_refused():
+    with pytest.raises(ConfigError, match="no value"):
+        parse_overrides(["batch_size"], FIELDS)
+    with pytest.raises(ConfigError, match="no value"):
+        parse_overrides(["num_epochs", "3", "batch_size"], FIELDS)
+
+
+# ------------------------------------------------------------------ conversion by type
+@pytest.mark.parametrize("raw,expected", [
+    ("true", True), ("True", True), ("1", True), ("yes", True), ("YES", True), ("on", True),
+    ("false", False), ("False", False), ("0", False), ("no", False), ("off", False),
+])
+def test_bool_conversion(raw, expected):
+    assert convert_value("augment", raw, bool) is expected
+    assert parse_overrides(["augment", raw], FIELDS)["augment"] is expected
+
+
+def test_bool_false_string_trap():
+    # bool("False") is True in Python; the config must give False
+    assert build_config(Config, ["augment", "False"]).augment is False
+    assert build_config(Config, ["cache_images=0"]).cache_images is False
+
+
+@pytest.mark.parametrize("raw", ["maybe", "2", "", "tru"])
+def test_bool_refuses_garbage(raw):
+    with pytest.raises(ConfigError, match="augment"):
+        convert_value("augment", raw, bool)
+
+
+def test_int_conversion():
+    assert convert_value("batch_size", "12", int) == 12
+    assert convert_value("batch_size", "12.0", int) == 12
+    assert type(convert_value("batch_size", "12", int)) is int
+    for raw in ("1.5", "abc", ""):
+        with pytest.raises(ConfigError, match="batch_size"):
+            convert_value("batch_size", raw, int)
+
+
+def test_float_conversion():
+    assert convert_value("learning_rate", "1e-3", float) == pytest.approx(1e-3)
+    assert convert_value("learning_rate", "2", float) == 2.0
+    assert type(convert_value("learning_rate", "2", float)) is float
+    with pytest.raises(ConfigError, match="learning_rate"):
+        convert_value("learning_rate", "fast", float)
+
+
+def test_list_conversion():
+    assert convert_value("mask_bits", "1,2,3", List[int]) == [1, 2, 3]
+    assert convert_value("mask_bits", "[1, 2]", List[int]) == [1, 2]
+    assert convert_value("mask_bits", "3", List[int]) == [3]
+    assert convert_value("mask_bits", "[]", List[int]) == []
+    assert convert_value("hsv_gain", "0.1,0.2,0.3", List[float]) == [0.1, 0.2, 0.3]
+    assert convert_value("VOC_CLASSES", "cat,dog", List[str]) == ["cat", "dog"]
+    assert convert_value("VOC_CLASSES", "['cat', 'dog']", List[str]) == ["cat", "dog"]
+    with pytest.raises(ConfigError, match="mask_bits"):
+        convert_value("mask_bits", "1,2.5", List[int])
+    with pytest.raises(ConfigError, match="mask_bits"):
+        convert_value("mask_bits", "[1, 2", List[int])
+    cfg = build_config(Config, ["VOC_CLASSES", "x,y,z", "lr_milestones=[3, 5]"])
+    assert cfg.VOC_CLASSES == ["x", "y", "z"] and cfg.num_classes == 3
+    assert cfg.lr_milestones == [3, 5]
+
+
+def test_non_string_passes_through():
+    assert convert_value("batch_size", 5, int) == 5
+
+
+# ------------------------------------------------------------------ validation
+@pytest.mark.parametrize("override,field", [
+    (["batch_size", "0"], "batch_size"),
+    (["learning_rate", "-1e-3"], "learning_rate"),
+    (["learning_rate", "0"], "learning_rate"),
+    (["chip", "9999"], "9999"),
+    (["mask_bits", "3,3,5,3,3,8"], "mask_bits"),        # 5801 has no 5-bit scheme
+    (["chip", "2801", "image_size", "300"], "image_size"),
+    (["cap_percentile", "0"], "cap_percentile"),
+    (["cap_percentile", "100.5"], "cap_percentile"),
+    (["weight_scale", "l1"], "weight_scale"),
+    (["optimizer", "lion"], "optimizer"),
+    (["VOC_CLASSES", "a,a"], "VOC_CLASSES"),
+    (["num_epochs", "-1"], "num_epochs"),
+])
+def test_out_of_range_refused(override, field):
+    with pytest.raises(ConfigError) as e:
+        build_config(Config, override)
+    assert field in str(e.value)
+
+
+def test_in_range_values_accepted():
+    cfg = build_config(Config, ["chip", "2803", "mask_bits", "5,5,5,5,5,12", "cap_percentile", "100"])
+    assert cfg.chip == "2803" and cfg.mask_bits == [5, 5, 5, 5, 5, 12]
+    assert build_config(Config, ["image_size", "320"]).image_size == 320     # 5801 takes 320
+
+
+def test_misspelt_class_attribute_refused():
+    class Bad(BaseConfig):
+        batch_sise = 4
+
+    with pytest.raises(ConfigError) as e:
+        build_config(Bad)
+    assert "batch_sise" in str(e.value) and "batch_size" in str(e.value)
+
+
+def test_extra_helpers_in_config_allowed():
+    class Fine(BaseConfig):
+        DEFAULT_STEP = 2
+        _private = 3
+
+        def helper(self):
+            return 1
+
+    assert build_config(Fine).step == 2
+
+
+def test_per_step_unknown_field_refused():
+    class BadStep(BaseConfig):
+        per_step = {1: {"batch_sise": 4}}
+
+    with pytest.raises(ConfigError, match="batch_sise"):
+        build_config(BadStep)
+
+
+# ------------------------------------------------------------------ config files
+def test_load_config_class_missing_file(tmp_path):
+    path = str(tmp_path / "nope.py")
+    with pytest.raises(ConfigError) as e:
+        load_config_class(path)
+    assert path in str(e.value)
+
+
+def test_load_config_class_without_config(tmp_path):
+    path = tmp_path / "configs_noclass.py"
+    path.write_text("X = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config_class(str(path))
+    assert str(path) in str(e.value)
+    path2 = tmp_path / "configs_wrongbase.py"
+    path2.write_text("class Config:\n    batch_size = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config_class(str(path2))
+    assert str(path2) in str(e.value)
+
+
+def test_load_config_from_file(tmp_path):
+    path = tmp_path / "configs_ok.py"
+    path.write_text(textwrap.dedent("""
+        from gnetmdk.config import BaseConfig
+        DEFAULT_STEP = 2
+
+        class Config(BaseConfig):
+            DEFAULT_STEP = DEFAULT_STEP
+            DS_NAME = "filecfg"
+            batch_size = 6
+            per_step = {2: dict(batch_size=3)}
+    """))
+    klass = load_config_class(str(path))
+    assert issubclass(klass, BaseConfig) and klass.DS_NAME == "filecfg"
+    cfg = load_config(str(path), ["num_epochs", "2"])
+    assert cfg.step == 2 and cfg.batch_size == 3 and cfg.num_epochs == 2
+    assert cfg.train_meta == os.path.join("data/meta", "filecfg_train.txt")
+
+
+# ------------------------------------------------------------------ derived values
+def test_derived_paths():
+    cfg = build_config(Config, ["data_root", "/d", "meta_root", "/m", "checkpoint_root", "ck"], step=3)
+    assert cfg.dataset_dir == os.path.join("/d", "toy")
+    assert cfg.train_meta == os.path.join("/m", "toy_train.txt")
+    assert cfg.valid_meta == os.path.join("/m", "toy_valid.txt")
+    assert cfg.checkpoint_dir() == os.path.join("ck", "step3")
+    assert cfg.checkpoint_dir(2) == os.path.join("ck", "step2")
+    assert cfg.num_classes == 2
+    cfg = build_config(Config, ["dataset_path", "/voc/here"])
+    assert cfg.dataset_dir == "/voc/here"
+
+
+@pytest.mark.parametrize("size,grid", [(224, 14), (448, 14), (320, 10), (640, 20)])
+def test_grid_size(size, grid):
+    assert build_config(Config, ["image_size", str(size)]).grid_size == grid
+
+
+# ------------------------------------------------------------------ round trip
+def test_to_dict_round_trip():
+    cfg = build_config(Config, ["batch_size", "5", "mask_bits", "3,3,3,3,3,8", "augment", "no"], step=2)
+    d = cfg.to_dict()
+    assert set(d) == set(FIELDS)
+    assert d["batch_size"] == 5 and d["mask_bits"] == [3, 3, 3, 3, 3, 8] and d["augment"] is False
+    back = config_from_dict(d, Config)
+    assert isinstance(back, Config)
+    assert back.to_dict() == d
+    assert back.step == 2 and back.learning_rate == 2e-4
+    # unknown keys ignored, missing keys take the class value
+    partial = config_from_dict({"batch_size": 9, "gone_field": 1}, Config)
+    assert partial.batch_size == 9 and partial.DS_NAME == "toy"
+    assert not hasattr(partial, "gone_field")

@@ -1,0 +1,447 @@
+"""Property and hand-worked tests for gnetmdk.gti.quantize (gti-chip.md, "Quantization math")."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gnetmdk.gti import quantize as Q
+from gnetmdk.gti.spec import CHIPS
+
+SETTINGS = settings(max_examples=50, deadline=None)
+FEW = settings(max_examples=25, deadline=None)
+
+# every (scheme, Bw, Bb) some chip has, plus the 2-bit/5-bit/12-bit schemes with 8-bit registers
+REGISTERS = sorted({(scheme, bw, bb) for spec in CHIPS.values() for scheme, (bw, bb) in spec.schemes.items()})
+SCHEMES = (1, 2, 3, 5, 8, 12)
+
+
+def exact_round(v: float) -> int:
+    """R(v) in exact rational arithmetic: round half away from zero."""
+    f = Fraction(v)
+    r = math.floor(abs(f) + Fraction(1, 2))
+    return r if f >= 0 else -r
+
+
+def weights(seed, o, i, log_std, zero_frac, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(o, i, 3, 3, generator=g, dtype=torch.float64) * (10.0 ** log_std)
+    if zero_frac > 0:
+        w = w * (torch.rand(o, i, 3, 3, generator=g, dtype=torch.float64) >= zero_frac)
+    return w.to(dtype)
+
+
+weight_args = dict(
+    seed=st.integers(0, 2 ** 31 - 1),
+    o=st.integers(1, 4),
+    i=st.integers(1, 4),
+    log_std=st.floats(-3.5, 0.5),
+    zero_frac=st.sampled_from([0.0, 0.0, 0.3]),
+)
+
+
+# ------------------------------------------------------------------ chip_round
+def test_chip_round_hand_cases():
+    x = torch.tensor([0.5, -0.5, 1.5, 2.5, -2.5, -1.5, 0.49, -0.51, 3.0, 0.0, 2.4999, 7.5])
+    assert Q.chip_round(x).tolist() == [1, -1, 2, 3, -3, -2, 0, -1, 3, 0, 2, 8]
+    assert Q.chip_round(x).dtype == torch.float32
+    assert Q.chip_round(x.double()).tolist() == [1, -1, 2, 3, -3, -2, 0, -1, 3, 0, 2, 8]
+
+
+def test_chip_round_does_not_round_the_sum():
+    # the largest float32 below 0.5: |x| + 0.5 rounds up to 1.0 in float32, R(x) must still be 0
+    below_half = float(np.nextafter(np.float32(0.5), np.float32(0)))
+    x = torch.tensor([below_half, -below_half, 2.0 ** 23 + 1, -(2.0 ** 23 + 1)], dtype=torch.float32)
+    assert Q.chip_round(x).tolist() == [0, 0, 2.0 ** 23 + 1, -(2.0 ** 23 + 1)]
+    xd = torch.tensor([0.5 - 2.0 ** -54, 2.0 ** 52 + 1], dtype=torch.float64)
+    assert Q.chip_round(xd).tolist() == [0, 2.0 ** 52 + 1]
+
+
+@SETTINGS
+@given(st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=40))
+def test_chip_round_float32_property(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    assert Q.chip_round(x).tolist() == [exact_round(v) for v in x.tolist()]
+
+
+@SETTINGS
+@given(st.lists(st.floats(-1e9, 1e9), min_size=1, max_size=40),
+       st.lists(st.integers(-1000, 1000), min_size=1, max_size=10))
+def test_chip_round_float64_property(values, halves):
+    values = values + [h + 0.5 for h in halves]          # make sure ties are exercised
+    x = torch.tensor(values, dtype=torch.float64)
+    r = Q.chip_round(x)
+    assert r.tolist() == [exact_round(v) for v in values]
+    assert torch.equal(Q.chip_round(-x), -r)
+
+
+def test_round_ste_gradient_identity():
+    x = torch.tensor([0.4, 1.5, -2.5, 3.7], requires_grad=True)
+    y = Q.round_ste(x)
+    assert y.tolist() == [0, 2, -3, 4]
+    g = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+
+
+# ------------------------------------------------------------------ compute_shift
+def test_compute_shift_hand_cases():
+    w = torch.zeros(2, 1, 3, 3)
+    w[0, 0, 1, 1] = -0.9
+    w[1, 0, 0, 0] = 0.3
+    # floor(log2(127 / 0.9)) = floor(7.14) = 7
+    assert Q.compute_shift(w, None, 8, 20) == 7
+    # Bw = 12: floor(log2(2047 / 0.9)) = floor(11.15) = 11
+    assert Q.compute_shift(w, None, 12, 20) == 11
+    # a zero bias does not constrain
+    assert Q.compute_shift(w, torch.zeros(2), 8, 20) == 7
+    assert Q.compute_shift(w, torch.zeros(2), 8, 2) == 7
+    # bias limits: floor(log2(2047 / 10)) = floor(7.68) = 7 < floor(log2(2047 / 0.9)) = 11
+    assert Q.compute_shift(w, torch.tensor([10.0, -1.0]), 12, 12) == 7
+    # bias limits: floor(log2(2047 / 40)) = floor(5.68) = 5
+    assert Q.compute_shift(w, torch.tensor([1.0, -40.0]), 12, 12) == 5
+    # bias not limiting: floor(log2(524287 / 40)) = 13 > 7
+    assert Q.compute_shift(w, torch.tensor([1.0, -40.0]), 8, 20) == 7
+    # exact power of 2: 127 / (127/128) = 128 = 2^7 -> 7 (not 6)
+    w2 = torch.full((1, 1, 3, 3), 127.0 / 128.0)
+    assert Q.compute_shift(w2, None, 8, 20) == 7
+    # clipped to 12 from above
+    assert Q.compute_shift(torch.full((1, 1, 3, 3), 1e-4), None, 8, 20) == 12
+    assert Q.compute_shift(torch.zeros(1, 1, 3, 3), None, 8, 20) == 12
+    assert Q.compute_shift(torch.zeros(1, 1, 3, 3), torch.zeros(1), 8, 20) == 12
+    # clipped to 0 from below
+    assert Q.compute_shift(torch.full((1, 1, 3, 3), 1000.0), None, 8, 20) == 0
+    assert Q.compute_shift(w, torch.tensor([1e9]), 8, 20) == 0
+
+
+@SETTINGS
+@given(**weight_args, bias_log=st.floats(-4, 4), bias_zero=st.booleans(),
+       regs=st.sampled_from([(8, 20), (12, 12), (12, 18), (12, 16)]))
+def test_compute_shift_formula(seed, o, i, log_std, zero_frac, bias_log, bias_zero, regs):
+    w = weights(seed, o, i, log_std, zero_frac)
+    bw, bb = regs
+    b = torch.randn(o, generator=torch.Generator().manual_seed(seed + 1)) * 10.0 ** bias_log
+    if bias_zero:
+        b = torch.zeros(o)
+    limits = []
+    wmax = float(w.abs().max())
+    if wmax > 0:
+        limits.append(math.floor(math.log2((2 ** (bw - 1) - 1) / wmax)))
+    bmax = float(b.abs().max())
+    if bmax > 0:
+        limits.append(math.floor(math.log2((2 ** (bb - 1) - 1) / bmax)))
+    expected = min(max(min(limits), 0), 12) if limits else 12
+    s = Q.compute_shift(w, b, bw, bb)
+    assert s == expected
+    # the shift fits max|W| and max|b| into the registers (unless clipped at 0)
+    if s > 0:
+        assert wmax * 2 ** s <= 2 ** (bw - 1) - 1 and bmax * 2 ** s <= 2 ** (bb - 1) - 1
+
+
+# ------------------------------------------------------------------ weight schemes
+def _int_codes(wq: torch.Tensor, shift: int) -> np.ndarray:
+    return (wq.double() * 2.0 ** shift).numpy()
+
+
+def _check_levels(scheme, method, w, wint, shift, bw):
+    """Per-kernel level structure of the integer codes ``wint`` (O, I, 3, 3) int64 numpy."""
+    limit = 2 ** (bw - 1) - 1
+    scale = 2.0 ** shift
+    w64 = w.double().numpy()
+    absw = np.abs(w.numpy())                                     # float32, as the library sees it
+    mean = w.abs().mean(dim=(2, 3)).numpy()                      # float32 per-kernel statistics
+    amax = w.abs().amax(dim=(2, 3)).numpy()
+    o, i = w.shape[:2]
+    for a in range(o):
+        for b in range(i):
+            k = wint[a, b].reshape(-1)
+            mags = np.abs(k)
+            nz = sorted(set(mags[mags > 0].tolist()))
+            # the sign of every nonzero code is the sign of its weight
+            assert np.all(np.sign(k[mags > 0]) == np.sign(w64[a, b].reshape(-1)[mags > 0]))
+            if scheme == 1:
+                assert len(nz) <= 1
+                if method == "gti":
+                    m = min(exact_round(float(np.float32(mean[a, b]) * np.float32(scale))), limit)
+                    expect = np.where(w64[a, b].reshape(-1) != 0, m, 0)
+                    assert np.array_equal(mags, expect)
+            elif scheme == 2:
+                assert len(nz) <= 1
+                if method == "gti":
+                    m = exact_round(float(np.float32(mean[a, b]) * np.float32(scale)))
+                    mf = np.float32(m / scale)
+                    keep = absw[a, b].reshape(-1) >= mf / np.float32(4)
+                    assert np.array_equal(mags, np.where(keep, min(m, limit), 0))
+            elif scheme == 3:
+                assert len(nz) <= 3
+                if method == "gti":
+                    d = np.float32(mean[a, b]) / np.float32(4)
+                    ds = [exact_round(float(d * np.float32(scale)))]
+                else:
+                    ds = sorted({m // f for m in nz for f in (1, 2, 4) if m % f == 0} | {1})
+                ok = any(set(nz) <= {D, 2 * D, min(4 * D, limit)} for D in ds if D > 0) or not nz
+                assert ok, (nz, ds)
+            elif scheme == 5:
+                assert len(nz) <= 15
+                if method == "gti":
+                    d = np.float32(amax[a, b]) / np.float32(15)
+                    ds = [exact_round(float(d * np.float32(scale)))]
+                else:
+                    top = max([m for m in nz if m != limit], default=0)
+                    ds = [D for D in range(max(1, -(-top // 15)), top + 1)]
+                ok = (not nz) or any(all((m % D == 0 and m // D <= 15) or m == limit for m in nz)
+                                     for D in ds if D > 0)
+                assert ok, (nz, ds)
+            else:  # 8, 12: W_int = clamp(R(w * 2^s))
+                expect = [max(-limit, min(limit, exact_round(float(v * np.float32(scale)))))
+                          for v in w.numpy()[a, b].reshape(-1)]
+                assert k.tolist() == expect
+
+
+@pytest.mark.parametrize("method", ["gti", "mse"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+@FEW
+@given(**weight_args, bw=st.sampled_from([8, 12]))
+def test_weight_quantization_properties(scheme, method, seed, o, i, log_std, zero_frac, bw):
+    w = weights(seed, o, i, log_std, zero_frac)
+    shift = Q.compute_shift(w, None, bw, 20)
+    wq = Q.quantize_weight_value(w, scheme, shift, bw, method)
+    assert wq.dtype == torch.float32 and wq.shape == w.shape
+    scaled32 = wq * 2.0 ** shift
+    # every w_q * 2^s is an integer, in float32 and in float64
+    assert torch.equal(scaled32, torch.round(scaled32))
+    scaled64 = wq.double() * 2.0 ** shift
+    assert torch.equal(scaled64, torch.round(scaled64))
+    assert torch.equal(scaled64, scaled32.double())
+    wint = scaled64.numpy().astype(np.int64)
+    limit = 2 ** (bw - 1) - 1
+    assert np.abs(wint).max() <= limit
+    _check_levels(scheme, method, w, wint, shift, bw)
+
+
+# a kernel worked by hand: mean|w| = 1.9 / 9, max|w| = 0.45, Bw = 8 -> s = floor(log2(127/0.45)) = 8
+HAND_KERNEL = [0.1, -0.2, 0.05, 0.3, -0.4, 0.0, 0.15, -0.25, 0.45]
+HAND_EXPECTED = {
+    # Q_8(mean) = R(54.04) / 256 = 54 / 256, signs of w, 0 stays 0
+    1: [54, -54, 54, 54, -54, 0, 54, -54, 54],
+    # m = 54/256 = 0.2109, keep |w| >= m/4 = 0.0527: 0.05 and 0 drop out
+    2: [54, -54, 0, 54, -54, 0, 54, -54, 54],
+    # d = mean/4 = 0.05278, c = floor(|w|/d) = 1, 3, 0, 5, 7, 0, 2, 4, 8 -> c >= 3 -> 4;
+    # Q_8(d) = R(13.51) = 14
+    3: [14, -56, 0, 56, -56, 0, 28, -56, 56],
+    # d = 0.45 / 15 = 0.03, codes R(w/d) = 3, -7, 2, 10, -13, 0, 5, -8, 15; Q_8(d) = R(7.68) = 8
+    5: [24, -56, 16, 80, -104, 0, 40, -64, 120],
+    # R(w * 256) = R(25.6), R(-51.2), R(12.8), R(76.8), R(-102.4), 0, R(38.4), R(-64), R(115.2)
+    8: [26, -51, 13, 77, -102, 0, 38, -64, 115],
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(HAND_EXPECTED))
+def test_weight_schemes_by_hand(scheme):
+    w = torch.tensor(HAND_KERNEL).reshape(1, 1, 3, 3)
+    b = torch.tensor([0.3])
+    wq, bq, shift = Q.quantize_conv_params(w, b, scheme, 8, 20, "gti")
+    assert shift == 8
+    assert (wq.detach().double() * 256).reshape(-1).tolist() == HAND_EXPECTED[scheme]
+    assert float(bq) * 256 == 77                      # R(0.3 * 256) = R(76.8)
+    wint, bint, s2 = Q.integer_conv_params(w, b, scheme, 8, 20, "gti")
+    assert s2 == 8 and wint.reshape(-1).tolist() == HAND_EXPECTED[scheme] and bint.tolist() == [77]
+
+
+def test_3bit_gti_rule_on_one_kernel_generic():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1, 1, 3, 3, generator=g) * 0.2
+    shift = Q.compute_shift(w, None, 8, 20)
+    wq = Q.quantize_weight_value(w, 3, shift, 8, "gti")
+    flat = w.reshape(-1).tolist()
+    mean = sum(abs(v) for v in flat) / 9
+    d = mean / 4
+    dq = exact_round(d * 2 ** shift) / 2 ** shift
+    expect = []
+    for v in flat:
+        c = math.floor(abs(v) / d)
+        c = 4 if c >= 3 else c
+        expect.append(math.copysign(c * dq, v) if c else 0.0)
+    assert wq.reshape(-1).tolist() == pytest.approx(expect, abs=0)
+
+
+@pytest.mark.parametrize("method", ["gti", "mse"])
+def test_codes_clamped_to_weight_register(method):
+    # all |w| = 0.99, Bw = 8: s = floor(log2(127 / 0.99)) = 7; 3-bit d = 0.99 / 4, Q_7(d) * 2^7 =
+    # R(31.68) = 32, c = 4 -> 4 * 32 = 128 does not fit the 8-bit register: clamped to 127
+    w = torch.tensor([0.99, -0.99] * 4 + [0.99]).reshape(1, 1, 3, 3)
+    wq, _, shift = Q.quantize_conv_params(w, None, 3, 8, 20, method)
+    assert shift == 7
+    assert (wq.double() * 128).reshape(-1).tolist() == [127.0, -127.0] * 4 + [127.0]
+    wint, _, _ = Q.integer_conv_params(w, None, 3, 8, 20, method)
+    assert int(wint.abs().max()) == 127
+
+
+def test_bias_clamped_to_bias_register():
+    # s is 12 from the tiny weights; the bias 0.6 * 2^12 = 2457.6 > 2047 is held at the 12-bit limit
+    # only if the bias did not limit s: pass it to quantize_bias_value directly
+    assert (Q.quantize_bias_value(torch.tensor([0.6, -0.6, 0.1]), 12, 12) * 4096).tolist() == [2047, -2047, 410]
+
+
+def test_weight_scheme_refusals():
+    w = torch.randn(1, 1, 3, 3)
+    with pytest.raises(ValueError, match="scheme"):
+        Q.quantize_weight_value(w, 4, 8, 8)
+    with pytest.raises(ValueError, match="method"):
+        Q.quantize_weight_value(w, 3, 8, 8, method="l1")
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 31 - 1), o=st.integers(1, 6), i=st.integers(1, 6),
+       log_std=st.floats(-3, 0), bw=st.sampled_from([8, 12]))
+def test_mse_error_not_above_gti_for_3bit(seed, o, i, log_std, bw):
+    w = weights(seed, o, i, log_std, 0.0)
+    shift = Q.compute_shift(w, None, bw, 20)
+    e_gti = float(((Q.quantize_weight_value(w, 3, shift, bw, "gti").double() - w.double()) ** 2).sum())
+    e_mse = float(((Q.quantize_weight_value(w, 3, shift, bw, "mse").double() - w.double()) ** 2).sum())
+    assert e_mse <= e_gti * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("method", ["gti", "mse"])
+@pytest.mark.parametrize("regs", REGISTERS)
+@FEW
+@given(**weight_args, bias_log=st.floats(-3, 2), with_bias=st.booleans())
+def test_integer_params_agree_with_quantized(regs, method, seed, o, i, log_std, zero_frac, bias_log, with_bias):
+    scheme, bw, bb = regs
+    w = weights(seed, o, i, log_std, zero_frac)
+    b = (torch.randn(o, generator=torch.Generator().manual_seed(seed ^ 5)) * 10.0 ** bias_log
+         if with_bias else None)
+    wq, bq, shift = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+    wint, bint, s2 = Q.integer_conv_params(w, b, scheme, bw, bb, method)
+    assert s2 == shift
+    assert wint.dtype == torch.int64 and bint.dtype == torch.int64 and bint.shape == (o,)
+    assert torch.equal(wint.double() / 2.0 ** shift, wq.double())
+    assert int(wint.abs().max()) <= 2 ** (bw - 1) - 1
+    assert int(bint.abs().max()) <= 2 ** (bb - 1) - 1
+    if b is None:
+        assert bq is None and int(bint.abs().max()) == 0
+    else:
+        assert torch.equal(bint.double() / 2.0 ** shift, bq.double())
+        # b_int = R(b * 2^s), clamped to the bias register
+        lim = 2 ** (bb - 1) - 1
+        assert bint.tolist() == [max(-lim, min(lim, exact_round(float(v) * 2 ** shift))) for v in b.tolist()]
+
+
+@pytest.mark.parametrize("method", ["gti", "mse"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_conv_params_gradient_is_identity(scheme, method):
+    g = torch.Generator().manual_seed(scheme)
+    w = (torch.randn(3, 2, 3, 3, generator=g) * 0.1).requires_grad_()
+    b = (torch.randn(3, generator=g) * 0.1).requires_grad_()
+    wq, bq, shift = Q.quantize_conv_params(w, b, scheme, 12, 20, method)
+    assert not torch.equal(wq.detach(), w.detach())              # it did quantize
+    gw = torch.randn(3, 2, 3, 3, generator=g)
+    gb = torch.randn(3, generator=g)
+    ((wq * gw).sum() + (bq * gb).sum()).backward()
+    assert torch.equal(w.grad, gw)
+    assert torch.equal(b.grad, gb)
+
+
+# ------------------------------------------------------------------ activations
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 31 - 1), cap=st.floats(0.05, 40.0), n=st.integers(1, 64))
+def test_capped_relu_forward_and_codes(seed, cap, n):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(n, generator=g) * 1.6 - 0.3) * cap
+    x[0] = -1.0
+    capt = torch.tensor(cap, dtype=torch.float32)
+    y = Q.capped_relu(x, capt)
+    c32 = float(capt)
+    # y_q = R(clip(x, 0, cap) * 31 / cap) * cap / 31, computed independently in float32 + exact rounding
+    t = (torch.clamp(x, 0, c32) * 31 / c32).tolist()
+    codes_ref = [exact_round(v) for v in t]
+    assert all(0 <= c <= 31 for c in codes_ref)
+    expect = torch.tensor(codes_ref, dtype=torch.float32) * c32 / 31
+    assert torch.allclose(y, expect, rtol=1e-6, atol=0)
+    codes = Q.activation_codes(y, capt)
+    assert codes.dtype == torch.int64
+    assert codes.tolist() == codes_ref
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 31
+    # unquantized: the clip alone
+    assert torch.equal(Q.capped_relu(x, capt, quantize=False), torch.clamp(x, 0, c32))
+
+
+def test_capped_relu_hand_values():
+    cap = torch.tensor(6.2)
+    x = torch.tensor([-1.0, 0.0, 0.1, 0.3, 3.1, 6.2, 9.0])
+    # codes R(clip(x) * 31 / 6.2) = R(5 * clip(x)): 0, 0, R(0.5)=1, R(1.5)=2, R(15.5)=16, 31, 31
+    assert Q.activation_codes(Q.capped_relu(x, cap), cap).tolist() == [0, 0, 1, 2, 16, 31, 31]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 31 - 1), cap=st.floats(0.5, 40.0))
+def test_capped_relu_gradient(seed, cap):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(40, generator=g) * 2 - 0.5) * cap
+    capt = torch.tensor(cap, dtype=torch.float32)
+    x[:3] = torch.tensor([0.0, float(capt), -0.0])
+    x.requires_grad_()
+    up = torch.randn(40, generator=g)
+    Q.capped_relu(x, capt).backward(up)
+    inside = (x.detach() > 0) & (x.detach() < capt)
+    assert torch.equal(x.grad, torch.where(inside, up, torch.zeros_like(up)))
+    assert x.grad[0] == 0 and x.grad[1] == 0
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 31 - 1))
+def test_capped_relu_integer_mode(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(64, generator=g) * 50 - 10
+    x[:4] = torch.tensor([0.5, 1.5, 30.5, 31.4999])
+    y = Q.capped_relu(x, torch.tensor(31.0), integer=True)
+    expect = torch.tensor([float(exact_round(v)) for v in torch.clamp(x, 0, 31).tolist()])
+    assert torch.equal(y, expect)
+    assert y[:4].tolist() == [1, 2, 31, 31]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 31 - 1), cap=st.floats(0.5, 40.0))
+def test_capped_relu_revive(seed, cap):
+    g = torch.Generator().manual_seed(seed)
+    capt = torch.tensor(cap, dtype=torch.float32)
+    x = ((torch.rand(60, generator=g) * 2 - 0.5) * capt).requires_grad_()
+    up = torch.randn(60, generator=g)
+    y = Q.capped_relu(x, capt, revive=True)
+    assert torch.equal(y, Q.capped_relu(x.detach(), capt))       # forward unchanged
+    y.backward(up)
+    xd = x.detach()
+    inside = (xd > 0) & (xd < capt)
+    # below 0 only a gradient that raises x (negative, for descent) passes; above cap only one that lowers it
+    passes = inside | ((xd <= 0) & (up < 0)) | ((xd >= capt) & (up > 0))
+    assert torch.equal(x.grad, torch.where(passes, up, torch.zeros_like(up)))
+    below = xd <= 0
+    assert torch.all(x.grad[below & (up > 0)] == 0)
+
+
+def test_capped_relu_revive_hand():
+    x = torch.tensor([-1.0, -1.0, 2.0, 5.0, 5.0], requires_grad=True)
+    up = torch.tensor([-1.0, 1.0, 3.0, 1.0, -1.0])
+    Q.capped_relu(x, torch.tensor(4.0), revive=True).backward(up)
+    assert x.grad.tolist() == [-1.0, 0.0, 3.0, 1.0, 0.0]
+
+
+# ------------------------------------------------------------------ image input
+def test_image_to_codes_all_values():
+    v = np.arange(256, dtype=np.uint8)
+    expect = np.array([min(((x >> 2) + 1) >> 1, 31) for x in range(256)], dtype=np.uint8)
+    out = Q.image_to_codes(v)
+    assert isinstance(out, np.ndarray) and out.dtype == np.uint8
+    assert np.array_equal(out, expect)
+    tout = Q.image_to_codes(torch.arange(256, dtype=torch.int64).to(torch.uint8))
+    assert isinstance(tout, torch.Tensor) and tout.dtype == torch.uint8
+    assert tout.tolist() == expect.tolist()
+    # a few by hand: 0..3 -> 0, 4 -> 1, 11 -> 1, 12 -> 2, 243 -> 30, 244..255 -> 31
+    assert out[[0, 3, 4, 11, 12, 243, 244, 255]].tolist() == [0, 0, 1, 1, 2, 30, 31, 31]
+    img = np.arange(256, dtype=np.uint8).reshape(16, 16)[None].repeat(3, 0)
+    assert Q.image_to_codes(img).shape == (3, 16, 16)
+    assert np.array_equal(Q.image_to_codes(img)[2], expect.reshape(16, 16))

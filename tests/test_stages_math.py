@@ -1,0 +1,339 @@
+"""Stage transforms and loss invariants (gti-chip.md, "The staged pipeline" and "GNetDet"):
+BN folding keeps the outputs, gain editing keeps every activation code, the loss does not depend
+on how a batch is split."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gnetmdk.dataset.dataset import encode_targets
+from gnetmdk.engine.stages import STAGES, apply_stage
+from gnetmdk.gti.quantize import activation_codes
+from gnetmdk.gti.transforms import fold_bn, gain_edit
+from gnetmdk.layers.gnetdet import GNetDet
+from gnetmdk.layers.loss import gnetdet_loss
+
+TINY = dict(num_classes=2, image_size=224, width_mult=0.0625, chip="5801")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Single-threaded torch for these small models: intra-op threads only add waiting on a busy
+    machine (elementwise ops measured 400x slower with 2 threads under load). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _init_weights(model, seed):
+    """He-normal weights and small random biases, so activations stay alive through 16 layers."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for conv in model.convs():
+            fan_in = conv.in_channels * 9
+            conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) * math.sqrt(2.0 / fan_in))
+            conv.bias.copy_(torch.randn(conv.bias.shape, generator=g) * 0.5)
+        model.layers[0].conv.weight.mul_(1 / 16.0)           # the input holds codes 0..31
+
+
+def _codes_input(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32, (n, 3, 224, 224), generator=g).float()
+
+
+def _run(model, x):
+    """One forward: (model output, every sublayer's output after its pool), via forward hooks."""
+    feats = []
+    hooks = [layer.register_forward_hook(lambda mod, inp, out: feats.append(out)) for layer in model.layers]
+    try:
+        with torch.no_grad():
+            y = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(feats) == len(model.layers)
+    return y, feats
+
+
+# ------------------------------------------------------------------ BN folding
+def test_fold_bn_keeps_outputs():
+    torch.manual_seed(0)
+    model = GNetDet(use_bn=True, **TINY)
+    _init_weights(model, 1)
+    g = torch.Generator().manual_seed(2)
+    n_bn = 0
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.bn is None:
+                continue
+            n_bn += 1
+            c = layer.bn.num_features
+            layer.bn.running_mean.copy_(torch.randn(c, generator=g) * 0.5)
+            layer.bn.running_var.copy_(torch.rand(c, generator=g) * 2 + 0.2)
+            layer.bn.weight.copy_(torch.rand(c, generator=g) + 0.5)
+            layer.bn.bias.copy_(torch.randn(c, generator=g) * 0.3 + 0.2)
+    assert n_bn == len(model.layers) - 1                    # the output conv has no BN
+    model.eval()
+    x = _codes_input(1, 3)
+    before, before_all = _run(model, x)
+    assert float(before.abs().max()) > 0                    # not a dead network
+    assert model.has_bn
+
+    assert fold_bn(model) == n_bn
+    assert all(layer.bn is None for layer in model.layers)
+    assert not model.has_bn
+    after, after_all = _run(model, x)
+    rel = float((after - before).norm() / before.norm())
+    assert rel < 1e-4, rel
+    assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))
+    for a, b in zip(after_all, before_all):
+        assert float((a - b).norm()) <= 1e-4 * float(b.norm()) + 1e-6
+    assert fold_bn(model) == 0                              # nothing left to fold
+
+
+def test_fold_bn_formula_one_layer():
+    model = GNetDet(use_bn=True, **TINY)
+    layer = model.layers[0]
+    with torch.no_grad():
+        layer.conv.weight.fill_(1.0)
+        layer.conv.bias.fill_(2.0)
+        layer.bn.running_mean.fill_(1.0)
+        layer.bn.running_var.fill_(4.0 - layer.bn.eps)       # sd = 2
+        layer.bn.weight.fill_(3.0)
+        layer.bn.bias.fill_(0.5)
+    fold_bn(model)
+    # W' = 1 * 3 / 2 = 1.5, b' = (2 - 1) * 3 / 2 + 0.5 = 2
+    assert torch.allclose(layer.conv.weight, torch.full_like(layer.conv.weight, 1.5))
+    assert torch.allclose(layer.conv.bias, torch.full_like(layer.conv.bias, 2.0))
+
+
+# ------------------------------------------------------------------ gain editing
+@pytest.fixture(scope="module")
+def calibrated():
+    """A BN-free tiny GNetDet with caps measured on one batch of codes (the cal pass)."""
+    torch.manual_seed(0)
+    model = GNetDet(use_bn=False, **TINY)
+    _init_weights(model, 10)
+    model.eval()
+    apply_stage(model, STAGES["cal"], calibrating=True)
+    for conv in model.convs():
+        conv.quant_weight = False
+    with torch.no_grad():
+        model(_codes_input(1, 20))
+    caps = [float(r.cap) for r in model.relus()]
+    assert all(c > 0 for c in caps), caps
+    assert len(set(caps)) == len(caps)                     # distinct caps: the gain edit does something
+    return model
+
+
+def _step3_model(calibrated, dtype=torch.float32):
+    """A copy of the calibrated model in step 3, with float (unquantized) weights."""
+    model = copy.deepcopy(calibrated).to(dtype)
+    caps = [float(r.cap) for r in model.relus()]
+    apply_stage(model, STAGES["step3"])
+    for conv in model.convs():
+        conv.quant_weight = False                           # exact math, no weight rounding
+    assert all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in model.relus())
+    return model, caps
+
+
+def _to_step4(model, caps):
+    """Gain-edit a step-3 model, check the edit itself, and switch it to step 4 (float weights)."""
+    w_before = [conv.weight.detach().clone() for conv in model.convs()]
+    b_before = [conv.bias.detach().clone() for conv in model.convs()]
+    returned = gain_edit(model)
+    assert returned == caps
+    assert all(float(r.cap) == 31.0 for r in model.relus())
+    assert float(model.output_scale) == pytest.approx(caps[-1] / 31, rel=1e-6)
+    # W_i <- W_i * cap_{i-1} / cap_i (cap_{-1} = 31), b_i <- b_i * 31 / cap_i
+    prev = 31.0
+    for conv, w0, b0, c in zip(model.convs(), w_before, b_before, caps):
+        assert torch.allclose(conv.weight, w0 * prev / c, rtol=1e-6, atol=0)
+        assert torch.allclose(conv.bias, b0 * 31.0 / c, rtol=1e-6, atol=0)
+        prev = c
+    apply_stage(model, STAGES["step4"])
+    for conv in model.convs():
+        conv.quant_weight = False
+    model.eval()
+    assert all(r.integer and r.use_cap and r.quant_act for r in model.relus())
+    assert all(conv.exact for conv in model.convs())        # step-4 evaluation runs in float64
+
+
+def _check_step3_codes(feats3, caps):
+    codes3 = [activation_codes(f, c) for f, c in zip(feats3, caps)]
+    # the step-3 outputs are on the code grid: y = code * cap / 31
+    for f, c, k in zip(feats3, caps, codes3):
+        assert torch.allclose(f.double(), k.double() * c / 31, rtol=1e-5, atol=1e-6 * c)
+    # the test means something: every layer has nonzero codes, and the codes are spread out
+    for k in codes3:
+        assert int(k.max()) > 0
+    assert len(torch.unique(torch.cat([k.reshape(-1) for k in codes3]))) > 20
+    return codes3
+
+
+def test_gain_edit_keeps_codes_layer_by_layer_float32(calibrated):
+    """Each step-4 layer, fed the step-3 codes of the layer before, gives the step-3 codes.
+
+    (Layer by layer, because in a float32 chain one code flipped by rounding at a .5 boundary
+    changes the inputs of the next layers and the differences spread; the chained check is below,
+    in float64.)"""
+    model, caps = _step3_model(calibrated)
+    x = _codes_input(1, 99)
+    feats3 = _run(model, x)[1]
+    codes3 = _check_step3_codes(feats3, caps)
+    _to_step4(model, caps)
+    total = same = 0
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            inp = x if i == 0 else codes3[i - 1].float()
+            out = layer(inp)
+            # step-4 activations are the integer codes themselves
+            assert torch.equal(out, torch.round(out)) and float(out.min()) >= 0 and float(out.max()) <= 31
+            k4 = out.long()
+            agree = float((k4 == codes3[i]).double().mean())
+            assert agree >= 0.999, (i, agree)
+            assert int((k4 - codes3[i]).abs().max()) <= 1
+            total += k4.numel()
+            same += int((k4 == codes3[i]).sum())
+    assert same / total >= 0.9999
+
+
+def test_gain_edit_keeps_codes_and_outputs_chained_float64(calibrated):
+    model, caps = _step3_model(calibrated, torch.float64)
+    x = _codes_input(1, 98).double()
+    y3, feats3 = _run(model, x)
+    codes3 = _check_step3_codes(feats3, caps)
+    _to_step4(model, caps)
+    y4, feats4 = _run(model, x)
+    for i, (f4, k3) in enumerate(zip(feats4, codes3)):
+        assert torch.equal(f4, torch.round(f4)), f"layer {i}: not integer"
+        agree = float((f4.long() == k3).double().mean())
+        assert agree >= 0.999, (i, agree)
+    # host output: code * cap_last / 31 in both steps (step 4 through output_scale)
+    assert y4.shape == y3.shape == (1, 14, 14, 12)
+    assert float(y3.abs().max()) > 0
+    assert float((y4 - y3).norm() / y3.norm()) < 1e-4
+    assert float(torch.isclose(y4, y3, rtol=1e-4, atol=1e-6).double().mean()) >= 0.999
+
+
+def test_gain_edit_through_stage_hook_matches_direct_call(calibrated):
+    model_a, caps = _step3_model(calibrated)
+    model_b, _ = _step3_model(calibrated)
+    gain_edit(model_a)
+    for hook in STAGES["step4"].enter:                       # fold (no-op) then gain edit
+        hook(model_b, "step3")
+    for ca, cb in zip(model_a.convs(), model_b.convs()):
+        assert torch.equal(ca.weight, cb.weight) and torch.equal(ca.bias, cb.bias)
+    assert torch.equal(model_a.output_scale, model_b.output_scale)
+
+
+def test_gain_edit_refuses_uncalibrated_model():
+    model = GNetDet(use_bn=False, **TINY)
+    w0 = model.layers[0].conv.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="cap"):
+        gain_edit(model)
+    # one missing cap is enough
+    for r in model.relus():
+        r.cap.fill_(5.0)
+    model.relus()[3].cap.fill_(0.0)
+    with pytest.raises(RuntimeError, match="cap"):
+        gain_edit(model)
+    assert torch.equal(model.layers[0].conv.weight, w0)     # refused before editing anything
+    assert float(model.relus()[0].cap) == 5.0
+
+
+def test_gain_edit_refuses_model_with_bn():
+    model = GNetDet(use_bn=True, **TINY)
+    for r in model.relus():
+        r.cap.fill_(5.0)
+    w0 = model.layers[0].conv.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="BatchNorm"):
+        gain_edit(model)
+    assert torch.equal(model.layers[0].conv.weight, w0)
+    assert all(float(r.cap) == 5.0 for r in model.relus())
+
+
+# ------------------------------------------------------------------ loss
+GRID, C = 14, 2
+
+
+def _targets(n, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(1, 4))
+        xy = rng.uniform(0.0, 0.6, size=(k, 2))
+        wh = rng.uniform(0.05, 0.4, size=(k, 2))
+        boxes = np.concatenate([xy, xy + wh], axis=1).astype(np.float32)
+        labels = rng.integers(0, C, size=k)
+        out.append(encode_targets(boxes, labels, GRID, C))
+    return torch.from_numpy(np.stack(out))
+
+
+def test_loss_split_invariance():
+    target = _targets(8, 0)
+    assert target.shape == (8, GRID, GRID, 10 + C)
+    assert int((target[..., 4] > 0).sum()) >= 8
+    g = torch.Generator().manual_seed(1)
+    pred = torch.rand(8, GRID, GRID, 10 + C, generator=g)
+    # make some object cells' predictions close to their targets so both slots get used
+    pred[:4] = 0.5 * pred[:4] + 0.5 * target[:4]
+    full = gnetdet_loss(pred, target)
+    a = gnetdet_loss(pred[:4], target[:4])
+    b = gnetdet_loss(pred[4:], target[4:])
+    assert set(full) == {"loc", "conf", "noresp", "noobj", "cls", "total"}
+    for key in full:
+        half_mean = (float(a[key]) + float(b[key])) / 2
+        assert float(full[key]) == pytest.approx(half_mean, rel=1e-6, abs=1e-7), key
+        assert float(full[key]) > 0, key
+    # the two halves differ, so a wrong normaliser would show
+    assert abs(float(a["total"]) - float(b["total"])) > 1e-3
+    # uneven split too: 8 = 2 + 6 -> weighted mean
+    c = gnetdet_loss(pred[:2], target[:2])
+    d = gnetdet_loss(pred[2:], target[2:])
+    for key in full:
+        assert float(full[key]) == pytest.approx((2 * float(c[key]) + 6 * float(d[key])) / 8, rel=1e-6, abs=1e-7)
+
+
+def test_loss_total_is_sum_and_weights_apply():
+    target = _targets(4, 3)
+    pred = torch.rand(4, GRID, GRID, 10 + C, generator=torch.Generator().manual_seed(4))
+    base = gnetdet_loss(pred, target, l_coord=1.0, l_noobj=1.0, l_class=1.0)
+    weighted = gnetdet_loss(pred, target, l_coord=5.0, l_noobj=0.005, l_class=2.0)
+    assert float(weighted["loc"]) == pytest.approx(5 * float(base["loc"]), rel=1e-6)
+    assert float(weighted["noobj"]) == pytest.approx(0.005 * float(base["noobj"]), rel=1e-6)
+    assert float(weighted["cls"]) == pytest.approx(2 * float(base["cls"]), rel=1e-6)
+    parts = sum(float(weighted[k]) for k in ("loc", "conf", "noresp", "noobj", "cls"))
+    assert float(weighted["total"]) == pytest.approx(parts, rel=1e-6)
+
+
+def test_loss_of_perfect_prediction():
+    target = _targets(4, 7)
+    pred = target.clone()
+    obj = target[..., 4] > 0
+    pred[..., 4][obj] = 1.0
+    pred[..., 9][obj] = 1.0
+    terms = gnetdet_loss(pred, target)
+    assert float(terms["loc"]) == 0.0
+    assert float(terms["cls"]) == 0.0
+    assert float(terms["noobj"]) == 0.0                      # empty cells predict 0
+    assert float(terms["conf"]) < 1e-6                      # IoU of identical boxes is 1
+    # the second slot of every object cell predicts conf 1 toward 0: smooth-L1(1) = 0.5 per object cell
+    per_image = obj.reshape(4, -1).sum(1).double()
+    assert float(terms["noresp"]) == pytest.approx(0.5 * float(per_image.mean()), rel=1e-6)
+    # a shifted box is not perfect
+    worse = pred.clone()
+    worse[..., 0][obj] = (worse[..., 0][obj] + 0.3) % 1.0
+    worse[..., 5][obj] = (worse[..., 5][obj] + 0.3) % 1.0
+    assert float(gnetdet_loss(worse, target)["loc"]) > 0
+
+
+def test_loss_refuses_bad_shapes():
+    with pytest.raises(ValueError):
+        gnetdet_loss(torch.zeros(2, 14, 14, 12), torch.zeros(2, 14, 14, 11))
+    with pytest.raises(ValueError):
+        gnetdet_loss(torch.zeros(2, 14, 14, 10), torch.zeros(2, 14, 14, 10))
