@@ -57,6 +57,7 @@ class BaseConfig:
     l_coord: float = 5.0
     l_noobj: float = 0.005
     l_class: float = 1.0
+    score_loss: str = "smooth_l1"           # smooth_l1 (GTI) | bce (cross-entropy on the scores)
 
     # ---------------------------------------------------------------- optimisation
     batch_size: int = 16                    # global batch: split over world_size x gpus processes
@@ -161,6 +162,8 @@ class BaseConfig:
             value = getattr(self, name)
             if isinstance(value, tuple):
                 value = list(value)
+            if isinstance(value, dict):   # per_step: keys 1..4 and "cal" -> strings (JSON, sorting)
+                value = {str(k): dict(v) if isinstance(v, dict) else v for k, v in value.items()}
             out[name] = value
         return out
 

@@ -223,6 +223,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("cap_percentile", "must be in (0, 100]")
     if cfg.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
+    if cfg.score_loss not in ("smooth_l1", "bce"):
+        bad("score_loss", "must be smooth_l1 or bce")
     if cfg.optimizer not in ("adamw", "adam", "sgd"):
         bad("optimizer", "must be adamw, adam or sgd")
     if cfg.lr_scheduler not in ("cosine", "step", "multistep", "constant"):

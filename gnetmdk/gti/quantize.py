@@ -42,6 +42,12 @@ def chip_round(x: torch.Tensor) -> torch.Tensor:
     return torch.sub(x, t).mul_(2).trunc_().add_(t)
 
 
+def _chip_round_(x: torch.Tensor) -> torch.Tensor:
+    """In-place chip_round of a tensor this module owns (same arithmetic as chip_round)."""
+    t = torch.trunc(x)
+    return x.sub_(t).mul_(2).trunc_().add_(t)
+
+
 class _PassThrough(torch.autograd.Function):
     """Forward returns ``value`` exactly; backward hands the gradient to ``x`` unchanged."""
 
@@ -246,12 +252,14 @@ class _CappedQuant(torch.autograd.Function):
     def forward(ctx, x, cap, quantize, integer, revive):
         ctx.save_for_backward(x, cap)
         ctx.revive = revive
-        y = torch.minimum(torch.clamp(x, min=0), cap)
         if not quantize:
-            return y
-        if integer:  # cap == 31: the codes are R(y) themselves, no multiply that could round
-            return chip_round(y)
-        return chip_round(y * ACT_MAX / cap) * cap / ACT_MAX
+            return torch.minimum(torch.clamp(x, min=0), cap)
+        if integer:  # cap == 31: the codes are R(clip(x)) themselves, no multiply that could round
+            return _chip_round_(torch.clamp(x, 0, ACT_MAX))
+        # R(clip(x, 0, cap) * 31 / cap) * cap / 31, computed as clip(x * (31 / cap), 0, 31) in one
+        # buffer (fewer passes over the activations; the same codes up to float rounding)
+        v = torch.mul(x, ACT_MAX / cap).clamp_(0, ACT_MAX)
+        return _chip_round_(v).mul_(cap / ACT_MAX)
 
     @staticmethod
     def backward(ctx, grad):

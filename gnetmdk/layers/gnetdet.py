@@ -161,7 +161,7 @@ class GNetDet(nn.Module):
         use_bn: BatchNorm after each hidden conv (step 1 only; folded on entry to step 2).
         chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
         weight_scale: "gti" or "mse"; cap_percentile: calibration percentile.
-        l_coord, l_noobj, l_class: loss weights.
+        l_coord, l_noobj, l_class: loss weights; score_loss: "smooth_l1" or "bce" (gnetmdk.layers.loss).
 
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
@@ -173,7 +173,7 @@ class GNetDet(nn.Module):
     def __init__(self, num_classes: int, image_size: int = 448, width_mult: float = 1.0, use_bn: bool = True,
                  chip: str = "5801", mask_bits: Sequence[int] = (), weight_scale: str = "gti",
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
-                 l_class: float = 1.0, channels_last: bool = False):
+                 l_class: float = 1.0, score_loss: str = "smooth_l1", channels_last: bool = False):
         super().__init__()
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
@@ -188,7 +188,7 @@ class GNetDet(nn.Module):
         # the output layer's ReLU lets object-cell gradients through below 0 (training only; the
         # forward value, and so the chip, is unchanged)
         self.layers[-1].relu.revive = True
-        self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class)
+        self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss)
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result

@@ -50,8 +50,35 @@ def _pair_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return inter / (area_a + area_b - inter).clamp(min=1e-12)
 
 
+class _ClampBack(torch.autograd.Function):
+    """clamp(x, lo, hi) whose gradient also passes outside [lo, hi] when it points back inside."""
+
+    @staticmethod
+    def forward(ctx, x, lo, hi):
+        ctx.save_for_backward(x)
+        ctx.lo, ctx.hi = lo, hi
+        return x.clamp(lo, hi)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        inside = (x > ctx.lo) & (x < ctx.hi)
+        mask = inside | ((x <= ctx.lo) & (grad < 0)) | ((x >= ctx.hi) & (grad > 0))
+        return grad * mask.to(grad.dtype), None, None
+
+
+def score_bce(p: torch.Tensor, t: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Binary cross-entropy of a score used directly as a probability (no sigmoid: the chip's
+    output is a capped ReLU, so the score is the output value itself, clamped to [eps, 1 - eps]).
+
+    Elementwise; p, t float tensors of one shape, t in [0, 1].
+    """
+    q = _ClampBack.apply(p, eps, 1.0 - eps)
+    return -(t * torch.log(q) + (1 - t) * torch.log1p(-q))
+
+
 def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0, l_noobj: float = 0.005,
-                 l_class: float = 1.0) -> Dict[str, torch.Tensor]:
+                 l_class: float = 1.0, score_loss: str = "smooth_l1") -> Dict[str, torch.Tensor]:
     """GNetDet loss terms.
 
     Args:
@@ -60,6 +87,9 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         l_coord: weight of the localisation of the responsible box (x, y, sqrt w, sqrt h).
         l_noobj: weight of the confidence of both boxes of cells without an object.
         l_class: weight of the class scores of cells with an object.
+        score_loss: "smooth_l1" (GTI's GNetDet: every score regressed with smooth-L1) or "bce"
+            (confidence and class scores by binary cross-entropy on the score itself, see
+            score_bce; stronger gradients for badly wrong scores, same outputs and decoding).
     Returns:
         dict of 0-d tensors: ``loc``, ``conf`` (responsible box toward its IoU with the target),
         ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls`` and ``total``
@@ -94,10 +124,16 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
     loc = (sl1(rbox[..., 0], tbox[..., 0]) + sl1(rbox[..., 1], tbox[..., 1])
            + sl1(torch.sqrt(rbox[..., 2].clamp(min=0) + eps), torch.sqrt(tbox[..., 2] + eps))
            + sl1(torch.sqrt(rbox[..., 3].clamp(min=0) + eps), torch.sqrt(tbox[..., 3] + eps)))
-    conf = sl1(rbox[..., 4], resp_iou)
-    noresp = sl1(obox[..., 4], torch.zeros_like(obox[..., 4]))
-    noobj = sl1(pred[..., 4], torch.zeros_like(pred[..., 4])) + sl1(pred[..., 9], torch.zeros_like(pred[..., 9]))
-    cls = sl1(pred[..., 10:], target[..., 10:]).sum(-1)
+    if score_loss == "bce":
+        score = score_bce
+    elif score_loss == "smooth_l1":
+        score = sl1
+    else:
+        raise ValueError(f"score_loss must be 'smooth_l1' or 'bce', not {score_loss!r}")
+    conf = score(rbox[..., 4], resp_iou)
+    noresp = score(obox[..., 4], torch.zeros_like(obox[..., 4]))
+    noobj = score(pred[..., 4], torch.zeros_like(pred[..., 4])) + score(pred[..., 9], torch.zeros_like(pred[..., 9]))
+    cls = score(pred[..., 10:], target[..., 10:]).sum(-1)
 
     def per_image(cell_term, mask):
         return (cell_term * mask).reshape(n, -1).sum(1).mean()

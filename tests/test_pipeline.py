@@ -1,0 +1,200 @@
+"""End to end: every stage on real images (../shared/data/cards), tiny model; resume; CLI refusals."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gnetmdk.checkpoint.io import load_checkpoint, build_model_from_checkpoint
+from gnetmdk.config import build_config, load_config_class
+from gnetmdk.dataset.voc import convert_voc_to_meta
+from gnetmdk.engine import trainer as trainer_mod
+from gnetmdk.engine.cli import run_stage
+from gnetmdk.engine.stages import STAGES, apply_stage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CARDS = os.path.join(os.path.dirname(ROOT), "shared", "data", "cards")
+CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
+
+CONFIG = '''
+from gnetmdk.config import BaseConfig
+
+class Config(BaseConfig):
+    DS_NAME = "cards"
+    VOC_CLASSES = {classes!r}
+    dataset_path = {dataset!r}
+    meta_root = {root!r} + "/meta"
+    checkpoint_root = {root!r} + "/checkpoint"
+    log_root = {root!r} + "/log"
+    model_root = {root!r} + "/model"
+    image_size = 224
+    width_mult = 0.0625
+    batch_size = 4
+    max_train_images = 8
+    max_val_images = 4
+    num_workers = 0
+    threads = 1
+    progress = False
+    num_epochs = 1
+    warmup_epochs = 0.5
+    learning_rate = 1e-3
+'''
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("pipeline"))
+    convert_voc_to_meta(CARDS, CLASSES, os.path.join(root, "meta", "cards_train.txt"),
+                        os.path.join(root, "meta", "cards_valid.txt"))
+    path = os.path.join(root, "config.py")
+    with open(path, "w") as fh:
+        fh.write(CONFIG.format(classes=CLASSES, dataset=CARDS, root=root))
+    return root, path
+
+
+def _cfg(path, *over, step=None, cal=False):
+    return build_config(load_config_class(path), list(over), step=step, cal=cal)
+
+
+def _run(args, cwd=ROOT):
+    return subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pipeline(workdir):
+    root, path = workdir
+    torch.set_num_threads(1)
+    summaries = {}
+    for name in ["step1", "step2", "cal", "step3", "step4"]:
+        cfg = _cfg(path, cal=True) if name == "cal" else _cfg(path, step=int(name[-1]))
+        summaries[name] = run_stage(cfg)
+    return root, path, summaries
+
+
+def test_every_stage_writes_its_checkpoint(pipeline):
+    root, _, summaries = pipeline
+    ck = os.path.join(root, "checkpoint")
+    for name, rel in [("step1", "step1/best.pth"), ("step2", "step2/best.pth"), ("cal", "step2/cal.pth"),
+                      ("step3", "step3/best.pth"), ("step4", "step4/best.pth")]:
+        c = load_checkpoint(os.path.join(ck, rel))
+        assert c["stage"] == name
+        assert 0.0 <= summaries[name]["best_map"] <= 1.0
+        assert summaries[name]["entry_map"] is not None
+    for step in (1, 2, 3, 4):
+        assert os.path.isfile(os.path.join(ck, f"step{step}", "last.pth"))
+        with open(os.path.join(ck, f"step{step}", "config.json")) as fh:
+            saved = json.load(fh)
+        assert saved["step"] == step and saved["DS_NAME"] == "cards"
+    # tensorboard event files per stage
+    for stage in ("step1", "step3"):
+        files = os.listdir(os.path.join(root, "log", stage))
+        assert any(f.startswith("events.out.tfevents") for f in files)
+
+
+def test_step1_has_bn_and_step2_is_folded(pipeline):
+    root = pipeline[0]
+    s1 = load_checkpoint(os.path.join(root, "checkpoint/step1/best.pth"))
+    s2 = load_checkpoint(os.path.join(root, "checkpoint/step2/best.pth"))
+    assert any(".bn." in k for k in s1["model"])
+    assert not any(".bn." in k for k in s2["model"])
+    assert s1["model_meta"]["use_bn"] and not s2["model_meta"]["use_bn"]
+
+
+def test_cal_caps_in_checkpoint_and_text_file(pipeline):
+    root, _, summaries = pipeline
+    cal = load_checkpoint(os.path.join(root, "checkpoint/step2/cal.pth"))
+    caps = cal["caps"]
+    assert len(caps) == 16 and all(c > 0 for c in caps)
+    with open(os.path.join(root, "model", "relu_cap.txt")) as fh:
+        lines = [float(x) for x in fh.read().split()]
+    assert lines == pytest.approx(caps, rel=1e-6)
+    assert summaries["cal"]["caps"] == pytest.approx(caps)
+
+
+def test_step4_is_gain_edited_integer_model(pipeline):
+    root, path, _ = pipeline
+    cal = load_checkpoint(os.path.join(root, "checkpoint/step2/cal.pth"))
+    s4 = load_checkpoint(os.path.join(root, "checkpoint/step4/best.pth"))
+    model = build_model_from_checkpoint(s4)
+    apply_stage(model, STAGES["step4"])
+    # every cap is 31 and the host-side scale is cap_last / 31 of the step-3 caps
+    assert all(float(r.cap) == 31.0 for r in model.relus())
+    s3 = load_checkpoint(os.path.join(root, "checkpoint/step3/best.pth"))
+    assert float(model.output_scale) == pytest.approx(s3["caps"][-1] / 31, rel=1e-6)
+    assert s3["caps"] == pytest.approx(cal["caps"])
+    # weights the model computes with are integer multiples of 2^-shift
+    for conv in model.convs():
+        w, b, s = conv.quantized_params()
+        assert torch.equal(w.detach() * 2 ** s, torch.round(w.detach() * 2 ** s))
+        assert torch.equal(b.detach() * 2 ** s, torch.round(b.detach() * 2 ** s))
+    # in eval mode every activation is an integer code 0..31
+    model.eval()
+    x = torch.randint(0, 32, (1, 3, 224, 224)).float()
+    _, outs = model.features(x, return_all=True)
+    for o in outs:
+        assert torch.equal(o, o.round()) and o.min() >= 0 and o.max() <= 31
+
+
+def test_resume_gives_the_same_weights(workdir, tmp_path):
+    _, path = workdir
+    torch.set_num_threads(1)
+    over = ["num_epochs", "2", "eval_interval", "5", "eval_before", "false"]
+    straight = _cfg(path, *over, "checkpoint_root", str(tmp_path / "a"), "log_root", str(tmp_path / "la"), step=1)
+    run_stage(straight)
+    interrupted = _cfg(path, *over, "checkpoint_root", str(tmp_path / "b"), "log_root", str(tmp_path / "lb"),
+                       step=1)
+    original = trainer_mod.Trainer.train_one_epoch
+
+    def stop_after_first(self, epoch):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return original(self, epoch)
+
+    trainer_mod.Trainer.train_one_epoch = stop_after_first
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_stage(interrupted)
+    finally:
+        trainer_mod.Trainer.train_one_epoch = original
+    half = load_checkpoint(str(tmp_path / "b" / "step1" / "last.pth"))
+    assert half["epoch"] == 1
+    resumed = _cfg(path, *over, "checkpoint_root", str(tmp_path / "b"), "log_root", str(tmp_path / "lb"),
+                   "resume", "true", step=1)
+    run_stage(resumed)
+    a = load_checkpoint(str(tmp_path / "a" / "step1" / "last.pth"))
+    b = load_checkpoint(str(tmp_path / "b" / "step1" / "last.pth"))
+    assert a["iteration"] == b["iteration"] == 4
+    for k, v in a["model"].items():
+        assert torch.allclose(v.float(), b["model"][k].float(), atol=1e-6, rtol=0), k
+
+
+def test_cli_refuses_unknown_override(workdir):
+    _, path = workdir
+    r = _run(["train.py", "--config", path, "--step", "1", "batch-szie", "8"])
+    assert r.returncode == 2
+    assert "batch_size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_refuses_step3_without_calibration(workdir, tmp_path):
+    _, path = workdir
+    r = _run(["train.py", "--config", path, "--step", "3", "checkpoint_root", str(tmp_path / "empty")])
+    assert r.returncode == 2
+    assert "--cal" in r.stderr and "Traceback" not in r.stderr
+    assert not os.path.exists(tmp_path / "empty" / "step3" / "best.pth")
+
+
+def test_cli_refuses_missing_meta(workdir, tmp_path):
+    _, path = workdir
+    r = _run(["train.py", "--config", path, "--step", "1", "meta_root", str(tmp_path / "nometa")])
+    assert r.returncode == 2
+    assert "xml_2_txt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_refuses_checkpoint_of_another_class_count(pipeline, tmp_path):
+    root, path, _ = pipeline
+    r = _run(["train.py", "--config", path, "--step", "2", "VOC_CLASSES", "nine,ten,jack,queen,king,ace,joker", "checkpoint_root",
+              str(tmp_path / "ck"), "load", os.path.join(root, "checkpoint/step1/best.pth")])
+    assert r.returncode == 2
+    assert "num_classes" in r.stderr
