@@ -44,6 +44,29 @@ def decode_image(path: str) -> np.ndarray:
     return img
 
 
+def preprocess_image(img: np.ndarray, image_size: int) -> np.ndarray:
+    """The evaluation-time image path: what training's validation, the chip tools and predict.py feed.
+
+    Downscale once to at most 2 x image_size on the long side (INTER_AREA, as the dataset's loader
+    does), then resize to image_size x image_size (INTER_AREA). An image already at most 2 x image_size
+    (e.g. one the dataset loaded and downscaled) skips the first step, so the result is the same
+    whichever of the two paths produced the input.
+
+    Args:
+        img: (H, W, 3) uint8 BGR image (see decode_image).
+        image_size: network input side in pixels.
+    Returns:
+        (image_size, image_size, 3) uint8 BGR; turn it into chip codes with
+        gnetmdk.gti.quantize.image_to_codes.
+    """
+    h, w = img.shape[:2]
+    limit = 2 * int(image_size)
+    if max(h, w) > limit:
+        scale = limit / max(h, w)
+        img = cv2.resize(img, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+    return cv2.resize(img, (int(image_size), int(image_size)), interpolation=cv2.INTER_AREA)
+
+
 def encode_targets(boxes: np.ndarray, labels: np.ndarray, grid: int, num_classes: int) -> np.ndarray:
     """GNetDet targets (gti-chip.md): (S, S, 10 + C) float32.
 
@@ -183,7 +206,7 @@ class DetectionDataset(Dataset):
         rel = boxes.astype(np.float64) / np.array([ow, oh, ow, oh], dtype=np.float64)
         size = self.image_size
         if rng is None:
-            out = cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA)
+            out = preprocess_image(img, size)
             return out, rel.astype(np.float32), labels
         img = _hsv_jitter(img, self.hsv_gain, rng)
         if rng.random() < self.blur_prob:

@@ -256,19 +256,20 @@ class _CappedQuant(torch.autograd.Function):
             return torch.minimum(torch.clamp(x, min=0), cap)
         if integer:  # cap == 31: the codes are R(clip(x)) themselves, no multiply that could round
             return _chip_round_(torch.clamp(x, 0, ACT_MAX))
-        # R(clip(x, 0, cap) * 31 / cap) * cap / 31, computed as clip(x * (31 / cap), 0, 31) in one
-        # buffer (fewer passes over the activations; the same codes up to float rounding)
+        # R(clip(x, 0, cap) * 31 / cap) * cap / 31 in five passes over one buffer: v = clip(x * 31/cap,
+        # 0, 31) >= 0, so R(v) = floor(v + 0.5) (the sum is exact except for v in [0.5 - 2^-25, 0.5),
+        # a float32 training-only corner; the integer step-4 path above uses chip_round itself)
         v = torch.mul(x, ACT_MAX / cap).clamp_(0, ACT_MAX)
-        return _chip_round_(v).mul_(cap / ACT_MAX)
+        return v.add_(0.5).floor_().mul_(cap / ACT_MAX)
 
     @staticmethod
     def backward(ctx, grad):
         x, cap = ctx.saved_tensors
-        mask = (x > 0) & (x < cap)
+        mask = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
         if ctx.revive:
             # outside (0, cap) let through only the gradients that lead back inside
             mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))
-        return grad * mask.to(grad.dtype), None, None, None, None
+        return grad.masked_fill(mask.logical_not_(), 0), None, None, None, None
 
 
 def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False,

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Step time of step 3 (quantized weights and 5-bit activations) over step 1 (float), same model and
+batch, and data-loading images/s against training images/s. Prints ratios; asserts nothing.
+
+    python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [overrides...]
+
+Goal (issue "staged pipeline"): step3 / step1 <= 1.15.
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from gnetmdk.config import build_config, load_config_class  # noqa: E402
+from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
+from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
+from gnetmdk.layers.registry import model_from_config  # noqa: E402
+
+
+def time_steps(model, batch, iters, warmup=3):
+    images, targets = batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+    for i in range(warmup + iters):
+        if i == warmup:
+            t0 = time.perf_counter()
+        loss = model.loss(model(images), targets)["total"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return (time.perf_counter() - t0) / iters
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None)
+    p.add_argument("--iters", type=int, default=20)
+    args, overrides = p.parse_known_args()
+    cfg = build_config(load_config_class(args.config), overrides, step=1)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    ds = build_dataset(cfg, "train")
+    loader = DataLoader(ds, batch_size=cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
+                        collate_fn=collate, worker_init_fn=seed_worker, drop_last=True)
+    images, targets, _, _ = next(iter(loader))
+    batch = (images, targets)
+
+    torch.manual_seed(0)
+    float_model = model_from_config(cfg, use_bn=False)
+    apply_stage(float_model, STAGES["step1"])
+    quant_model = model_from_config(cfg, use_bn=False)
+    quant_model.load_state_dict(float_model.state_dict())
+    # caps from a calibration forward so step 3 runs with realistic clipping
+    apply_stage(quant_model, STAGES["cal"], calibrating=True)
+    with torch.no_grad():
+        quant_model(images)
+    apply_stage(quant_model, STAGES["step3"])
+
+    t1 = time_steps(float_model, batch, args.iters)
+    t3 = time_steps(quant_model, batch, args.iters)
+    print(f"model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}, batch {cfg.batch_size}, "
+          f"threads {torch.get_num_threads()}")
+    print(f"step 1 (float)      {t1 * 1000:8.1f} ms/step  {cfg.batch_size / t1:7.1f} img/s")
+    print(f"step 3 (quantized)  {t3 * 1000:8.1f} ms/step  {cfg.batch_size / t3:7.1f} img/s")
+    print(f"ratio step3/step1   {t3 / t1:8.3f}   (goal <= 1.15)")
+
+    # data loading alone (augmentation on, as in training), then training throughput
+    ds.set_epoch(1)
+    n = 0
+    t0 = time.perf_counter()
+    for images, _, _, _ in loader:
+        n += images.shape[0]
+    load_rate = n / (time.perf_counter() - t0)
+    train_rate = cfg.batch_size / t1
+    print(f"data loading        {load_rate:8.1f} img/s ({cfg.num_workers} workers, cache_images={cfg.cache_images})")
+    print(f"training (step 1)   {train_rate:8.1f} img/s")
+    print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""launch(): one entry for one process, several processes and several machines.
+
+Rank arithmetic lives here alone: with N processes per machine (``--gpus``), M machines
+(``--world-size``) and machine rank R (``--rank``), process ``local_rank`` has global rank
+``R * N + local_rank`` in a world of ``M * N`` processes. A world of one process runs the function
+directly in this process, without a process group: the same trainer, whose collectives are no-ops.
+
+Backend: NCCL when CUDA is used (process group ``cpu:gloo,cuda:nccl``: CUDA tensors go through
+NCCL, the few small CPU tensors of logging through gloo), gloo otherwise, so ``--gpus 2`` without a
+GPU runs 2 CPU processes. ``CUDA_VISIBLE_DEVICES`` is respected: local rank i uses visible GPU i.
+Started by torchrun, the RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables win.
+
+Supervision (several processes on this machine): the launcher starts the workers with the spawn
+method and waits. When one worker fails, the others are stopped (SIGTERM, then SIGKILL) and
+:class:`WorkerFailed` carries the failed rank's error and exit code; Ctrl-C (SIGINT) or SIGTERM to the
+launcher stops every worker; workers die with the launcher (PR_SET_PDEATHSIG) if it is killed.
+Every failure a user can cause ends with one message that names the fix (docs/distributed.md,
+"Troubleshooting").
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot start or a worker that failed; the message names the cause and the fix.
+
+    ``exit_code``: what the command should exit with (2: a user error; 1: a crash).
+    """
+    exit_code = 2
+
+
+class WorkerFailed(LaunchError):
+    """A worker process failed; the message is that worker's error, ``exit_code`` its exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1, rank: int = -1):
+        super().__init__(message)
+        self.exit_code = int(exit_code)
+        self.rank = int(rank)
+
+
+@dataclass
+class DistSpec:
+    """Where this launch sits.
+
+    Attributes:
+        gpus: processes on this machine (one per GPU; CPU processes without CUDA).
+        world_size: number of machines.
+        rank: this machine's rank, 0 .. world_size - 1.
+        dist_url: machine 0's ``host:port`` or ``tcp://host:port`` ("" on one machine: a free port
+            on 127.0.0.1 is chosen).
+        timeout: seconds to wait for peers to join, and for every collective.
+        use_cuda: NCCL on GPUs, else gloo on CPU.
+    """
+    gpus: int = 1
+    world_size: int = 1
+    rank: int = 0
+    dist_url: str = ""
+    timeout: float = 300.0
+    use_cuda: bool = False
+
+    @property
+    def total(self) -> int:
+        """World size in processes: machines x processes per machine."""
+        return self.gpus * self.world_size
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.rank * self.gpus + local_rank
+
+
+def torchrun_env() -> bool:
+    """True when started by torchrun / torch.distributed.run (RANK, WORLD_SIZE and LOCAL_WORLD_SIZE set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
+
+
+def backend_for(use_cuda: bool) -> str:
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
+def normalise_url(url: str) -> str:
+    """'host:port' or 'tcp://host:port' -> 'tcp://host:port'.
+
+    Raises:
+        LaunchError: no host, no port, or a port that is not a number in 1..65535.
+    """
+    u = url.strip()
+    if u.startswith("tcp://"):
+        u = u[len("tcp://"):]
+    host, sep, port = u.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--dist-url '{url}' must be host:port or tcp://host:port (machine 0's address, "
+                          "e.g. 192.168.3.100:8888)")
+    return f"tcp://{host}:{port}"
+
+
+def split_url(url: str) -> Tuple[str, int]:
+    host, port = url[len("tcp://"):].rsplit(":", 1)
+    return host, int(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(url: str) -> None:
+    """On machine 0, refuse a rendezvous port that another program already listens on.
+
+    Binds like the rendezvous server does (all interfaces, SO_REUSEADDR, so the TIME_WAIT leftovers of
+    an earlier run do not count).
+
+    Raises:
+        LaunchError: naming the port and how to find its holder.
+    """
+    _, port = split_url(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            s.listen(1)
+        except OSError:
+            raise LaunchError(port_in_use_message(port)) from None
+
+
+def port_in_use_message(port) -> str:
+    return (f"port {port} is already in use (Address already in use): pick another --dist-url port, or "
+            f"stop the program holding it (find it with: lsof -i :{port})")
+
+
+# ------------------------------------------------------------------------------------- messages
+_SHM_PATTERNS = ("unable to open shared memory", "shared memory", "/dev/shm", "too many open files",
+                 "bus error", "unable to mmap", "dataloader worker (pid")
+
+
+def explain_error(exc: BaseException) -> Optional[str]:
+    """A one-line explanation with the fix for failures whose raw text does not say what to do, or None.
+
+    Data-loader shared-memory failures (``unable to open shared memory object``, ``Too many open
+    files``, a worker killed by a bus error) -> lower num_workers / raise the open-file limit / give
+    Docker more /dev/shm.
+    """
+    text = str(exc)
+    low = text.lower()
+    if any(p in low for p in _SHM_PATTERNS):
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        return (f"the data loader ran out of shared memory or file handles ({first}): lower num_workers "
+                "(e.g. 'num_workers 0'), or raise the open-file limit ('ulimit -n 64000'); in Docker give the "
+                "container more /dev/shm (--shm-size 8g)")
+    return None
+
+
+def _peer_lost(text: str) -> bool:
+    low = text.lower()
+    return any(p in low for p in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                  "read error", "gloo::enforceerror", "socket closed", "connection refused"))
+
+
+def _join_error(exc: Exception, url: str, world: int, rank: int, timeout: float) -> LaunchError:
+    text = str(exc)
+    low = text.lower()
+    if "address already in use" in low or "eaddrinuse" in low:
+        return LaunchError(port_in_use_message(split_url(url)[1]))
+    if "timed out" in low or "timeout" in low:
+        if "connect" in low and rank != 0:
+            return LaunchError(
+                f"rank {rank}: could not reach machine 0 at {url} within {timeout:g}s: start machine 0 (--rank 0) "
+                f"with the same --dist-url, check that the address is machine 0's and reachable from here, and "
+                f"that no VPN or firewall blocks the port (dist_timeout / --dist-timeout sets the wait)")
+        return LaunchError(
+            f"rank {rank}: not all {world} processes joined at {url} within {timeout:g}s. Check that every "
+            f"machine runs the same command with its own --rank and the same --world-size and --gpus, that "
+            f"{url} is machine 0's reachable address, and that no VPN or firewall blocks the port "
+            f"(dist_timeout / --dist-timeout sets the wait)")
+    return LaunchError(f"rank {rank}: could not join the process group at {url}: {text.strip().splitlines()[0]}")
+
+
+def init_group(backend: str, url: str, world: int, rank: int, timeout: float) -> None:
+    """init_process_group with a time-out, translating failures to LaunchError (port in use, peers
+    that never join, machine 0 not reachable)."""
+    try:
+        dist.init_process_group(backend, init_method=url, world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # rendezvous time-out, refused connection, ...
+        raise _join_error(exc, url, world, rank, timeout) from None
+
+
+def _destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone: nothing left to tidy
+            pass
+
+
+# ------------------------------------------------------------------------------------- worker side
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the launcher dies, so no worker outlives it (best effort elsewhere)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _classify(exc: BaseException, user_errors: tuple) -> Tuple[int, str, bool]:
+    """(exit code, one-line message, print traceback?) of an exception ending a worker."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "interrupted", False
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return code, f"exited with code {code}", False
+    hint = explain_error(exc)
+    if hint:
+        return 2, hint, False
+    if isinstance(exc, LaunchError):
+        return getattr(exc, "exit_code", 2), str(exc), False
+    if user_errors and isinstance(exc, user_errors):
+        return 2, str(exc), False
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if _peer_lost(text):
+        return 1, (f"lost the connection to another process ({text.splitlines()[0]}): a process on another "
+                   "machine probably failed or was stopped; its console has the cause"), False
+    return 1, text.splitlines()[0] if text else type(exc).__name__, True
+
+
+def _worker(local_rank: int, fn: Callable, spec: DistSpec, url: str, args: tuple, err_dir: str,
+            user_errors: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the launcher's to handle
+    _die_with_parent()
+    rank = spec.global_rank(local_rank)
+    world = spec.total
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(spec.gpus), GROUP_RANK=str(spec.rank))
+    code = 0
+    try:
+        if spec.use_cuda:
+            torch.cuda.set_device(local_rank)
+        init_group(backend_for(spec.use_cuda), url, world, rank, spec.timeout)
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the launcher
+        code, msg, show_tb = _classify(exc, user_errors)
+        if code != 0:
+            record = {"rank": rank, "local_rank": local_rank, "pid": os.getpid(), "code": code,
+                      "message": msg, "type": type(exc).__name__, "time": time.time(),
+                      "traceback": traceback.format_exc()}
+            path = os.path.join(err_dir, f"rank{local_rank}.json")
+            try:
+                with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                    json.dump(record, fh)
+                os.replace(path + ".tmp", path)
+            except OSError:
+                pass
+            if show_tb:
+                print(f"rank {rank} failed:", file=sys.stderr)
+                traceback.print_exc()
+            sys.stderr.flush()
+    finally:
+        _destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)   # no atexit handlers of half-torn-down libraries in a failed worker
+
+
+# ------------------------------------------------------------------------------------- launcher side
+def _stop(procs: Sequence, grace: float = 3.0) -> None:
+    """SIGTERM every live process, then SIGKILL what is left after ``grace`` seconds; reap all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _failure(procs, err_dir: str, spec: DistSpec) -> WorkerFailed:
+    """The error of the worker that failed first (earliest error record; else a non-zero exit code)."""
+    records = []
+    for name in os.listdir(err_dir):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(err_dir, name), encoding="utf-8") as fh:
+                    records.append(json.load(fh))
+            except (OSError, ValueError):
+                pass
+    others = spec.gpus - 1
+    stopped = f"; stopped the other {others} worker(s) on this machine" if others else ""
+    if records:
+        # a peer's lost connection is a consequence; prefer a root cause when there is one
+        records.sort(key=lambda r: ("lost the connection" in r["message"], r["time"]))
+        r = records[0]
+        if r["code"] == 2:
+            msg = r["message"] if r["message"].startswith(f"rank {r['rank']}") else f"rank {r['rank']}: {r['message']}"
+            return WorkerFailed(msg + stopped, 2, r["rank"])
+        return WorkerFailed(f"rank {r['rank']} (pid {r['pid']}) failed: {r['message']}"
+                            f"{' (traceback above)' if r['code'] == 1 and 'lost the connection' not in r['message'] else ''}"
+                            f"{stopped}", r["code"] or 1, r["rank"])
+    for i, p in enumerate(procs):
+        if p.exitcode not in (0, None):
+            rank = spec.global_rank(i)
+            if p.exitcode < 0:
+                sig = signal.Signals(-p.exitcode).name
+                why = " (out of memory? check dmesg)" if sig == "SIGKILL" else ""
+                return WorkerFailed(f"rank {rank} (pid {p.pid}) was killed by {sig}{why}{stopped}", 1, rank)
+            return WorkerFailed(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}{stopped}",
+                                p.exitcode, rank)
+    return WorkerFailed("a worker failed without a report" + stopped, 1)
+
+
+def _spawn_and_supervise(fn: Callable, spec: DistSpec, url: str, args: tuple, user_errors: tuple) -> None:
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+    ctx = mp.get_context("spawn")
+    err_dir = tempfile.mkdtemp(prefix="gnetmdk-launch-")
+    procs: List = []
+    old_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        for local in range(spec.gpus):
+            p = ctx.Process(target=_worker, args=(local, fn, spec, url, args, err_dir, user_errors),
+                            name=f"gnetmdk-rank{spec.global_rank(local)}", daemon=False)
+            p.start()
+            procs.append(p)
+        live = list(procs)
+        while live:
+            wait([p.sentinel for p in live], timeout=1.0)
+            for p in list(live):
+                if p.exitcode is None:
+                    continue
+                live.remove(p)
+                if p.exitcode != 0:
+                    _stop(procs)
+                    raise _failure(procs, err_dir, spec)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        _stop(procs, grace=2.0)
+        print(f"interrupted: stopped {len(procs)} worker process(es)", file=sys.stderr, flush=True)
+        if isinstance(exc, _Terminated):
+            raise SystemExit(143) from None
+        raise KeyboardInterrupt from None
+    finally:
+        _stop(procs, grace=1.0)
+        signal.signal(signal.SIGTERM, old_term)
+        shutil.rmtree(err_dir, ignore_errors=True)
+
+
+def _run_here(fn: Callable, args: tuple) -> None:
+    try:
+        fn(*args)
+    except (LaunchError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        hint = explain_error(exc)
+        if hint:
+            raise LaunchError(hint) from exc
+        raise
+
+
+def describe(spec: DistSpec, url: str) -> str:
+    kind = ("GPU process(es), NCCL backend" if spec.use_cuda else
+            "CPU process(es), gloo backend (no GPU in use)")
+    return (f"launch: {spec.gpus} {kind} on this machine (machine {spec.rank} of {spec.world_size}), "
+            f"world size {spec.total}, global ranks {spec.global_rank(0)}..{spec.global_rank(spec.gpus - 1)}, "
+            f"rendezvous {url}, time-out {spec.timeout:g}s")
+
+
+def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = (),
+           log: Callable[[str], None] = lambda m: print(m, flush=True)) -> None:
+    """Run ``fn(*args)`` in every process of the world described by ``spec`` (or by torchrun's variables).
+
+    ``fn`` and ``args`` must be picklable (spawned processes import ``fn`` by name). Inside ``fn`` the
+    default process group is initialised when the world has more than one process.
+
+    Args:
+        user_errors: exception types that are the user's to fix (reported as one line, exit code 2).
+        log: where the one launch line goes.
+    Raises:
+        LaunchError: bad spec (exit code 2), busy port, peers that never join.
+        WorkerFailed: a worker failed; its message and exit code are that worker's, every other worker
+            on this machine was stopped.
+        KeyboardInterrupt: Ctrl-C; every worker was stopped.
+    """
+    if torchrun_env():
+        world = int(os.environ["WORLD_SIZE"])
+        rank = int(os.environ["RANK"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if spec.use_cuda:
+            torch.cuda.set_device(local)
+        if world > 1:
+            if rank == 0:
+                log(f"launch: started by torchrun, world size {world} "
+                    f"({'NCCL' if spec.use_cuda else 'gloo, CPU processes'}); --gpus/--world-size/--rank/"
+                    "--dist-url are torchrun's here")
+            url = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
+            try:
+                dist.init_process_group(backend_for(spec.use_cuda), init_method="env://",
+                                        timeout=datetime.timedelta(seconds=spec.timeout))
+            except Exception as exc:
+                raise _join_error(exc, url, world, rank, spec.timeout) from None
+        try:
+            _run_here(fn, args)
+        finally:
+            _destroy()
+        return
+    if spec.gpus < 1 or spec.world_size < 1:
+        raise LaunchError(f"--gpus ({spec.gpus}) and --world-size ({spec.world_size}) must be at least 1")
+    if not 0 <= spec.rank < spec.world_size:
+        raise LaunchError(f"--rank {spec.rank} must be in 0..{spec.world_size - 1} (this machine's index, from 0; "
+                          f"--world-size is the number of machines)")
+    if spec.timeout <= 0:
+        raise LaunchError(f"--dist-timeout {spec.timeout:g} must be a positive number of seconds")
+    if spec.use_cuda and spec.gpus > torch.cuda.device_count():
+        raise LaunchError(f"--gpus {spec.gpus} but only {torch.cuda.device_count()} GPU(s) are visible "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower --gpus "
+                          "or set device=cpu")
+    if spec.total == 1:
+        if spec.use_cuda:
+            torch.cuda.set_device(0)
+        _run_here(fn, args)
+        return
+    if spec.world_size > 1 and not spec.dist_url:
+        raise LaunchError("--world-size > 1 needs --dist-url HOST:PORT, machine 0's address, on every machine")
+    url = normalise_url(spec.dist_url) if spec.dist_url else f"tcp://127.0.0.1:{free_port()}"
+    if spec.rank == 0 and spec.dist_url:
+        check_port_free(url)
+    log(describe(spec, url))
+    _spawn_and_supervise(fn, spec, url, args, tuple(user_errors))

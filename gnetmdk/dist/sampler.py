@@ -1,0 +1,77 @@
+"""Deterministic data sharding: the same global batches whatever the number of processes."""
+from __future__ import annotations
+
+from typing import Iterator, List
+
+import torch
+from torch.utils.data import Sampler
+
+
+class GlobalBatchSampler(Sampler[List[int]]):
+    """Yields this rank's part of each global batch.
+
+    Each epoch draws one permutation from ``torch.Generator().manual_seed(seed + epoch)`` (or keeps
+    index order without shuffling); global batch i is ``perm[i*B:(i+1)*B]`` and rank r takes the
+    contiguous slice ``[r*b:(r+1)*b]`` of it (b = B / world_size). So concatenating the ranks' batches
+    in rank order gives exactly the batch one process would see. An incomplete last global batch is
+    dropped (every rank must take the same number of steps).
+
+    Args:
+        num_samples: dataset length.
+        global_batch: B (must be divisible by world_size).
+        rank, world_size: this process and the process count.
+        shuffle, seed: permutation control.
+        start_batch: skip the first global batches of the epoch set next (resume mid-epoch).
+    Raises:
+        ValueError: B not divisible by world_size, or fewer samples than one global batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0):
+        if global_batch % world_size:
+            raise ValueError(f"batch_size {global_batch} does not split over {world_size} processes: "
+                             f"choose a multiple of {world_size}")
+        if num_samples < global_batch:
+            raise ValueError(f"the training set has {num_samples} images, fewer than one batch of "
+                             f"{global_batch}: lower batch_size")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.local_batch = global_batch // world_size
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch = int(epoch)
+        self.start_batch = int(start_batch)
+
+    def __len__(self) -> int:
+        return self.num_samples // self.global_batch - self.start_batch
+
+    def global_order(self) -> List[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        perm = self.global_order()
+        for i in range(self.start_batch, self.num_samples // self.global_batch):
+            start = i * self.global_batch + self.rank * self.local_batch
+            yield perm[start:start + self.local_batch]
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation sharding: rank r takes indices r, r + W, r + 2W, ...; every image exactly once."""
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1):
+        self.indices = list(range(rank, num_samples, world_size))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):
+        return iter(self.indices)

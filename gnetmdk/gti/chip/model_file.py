@@ -1,0 +1,356 @@
+"""The open chip-model file: one self-describing JSON file holding everything the chip runs.
+
+It takes the place of GTI's proprietary ``.model`` binary (gti-chip.md, "Files GTI's converter
+consumed"): the layer structure, the integer weights and biases (W_int, b_int), the shift of every
+sublayer, pooling, caps, the input size, the chip, the class names, the host-side decode settings
+and a format version. docs/chip.md documents every field; :func:`load_chip_model` checks them all.
+
+Integer tensors are stored as ``{"dtype", "shape", "encoding": "base64-le", "sha256", "data"}``:
+the little-endian bytes of the C-ordered array, base64-encoded, with the SHA-256 of those bytes.
+Weights are int16 (the widest weight register is 12 bits), biases int32 (at most 20 bits).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from gnetmdk.config.base import ConfigError
+from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
+
+FORMAT = "gnetmdk-chip-model"
+VERSION = 1
+#: partial sums below this are exact in float32 (24-bit significand); gti-chip.md "integer semantics"
+FLOAT32_EXACT_LIMIT = 2 ** 24
+
+
+class ChipModelError(ConfigError):
+    """A chip-model file that is missing, malformed or inconsistent; the message names the file and field."""
+
+
+# ------------------------------------------------------------------ tensors
+def encode_tensor(array: np.ndarray, dtype: str) -> Dict[str, Any]:
+    """Encode an integer array for the chip-model file.
+
+    Args:
+        array: integer array (any shape); every value must fit ``dtype``.
+        dtype: "int16" or "int32".
+    Returns:
+        {"dtype", "shape", "encoding": "base64-le", "sha256", "data"}.
+    Raises:
+        ValueError: a value does not fit ``dtype``.
+    """
+    a = np.asarray(array)
+    info = np.iinfo(dtype)
+    if a.size and (a.min() < info.min or a.max() > info.max):
+        raise ValueError(f"values {a.min()}..{a.max()} do not fit {dtype}")
+    raw = np.ascontiguousarray(a.astype("<" + np.dtype(dtype).str[1:])).tobytes()
+    return {"dtype": dtype, "shape": list(a.shape), "encoding": "base64-le",
+            "sha256": hashlib.sha256(raw).hexdigest(), "data": base64.b64encode(raw).decode("ascii")}
+
+
+def decode_tensor(obj: Dict[str, Any], where: str) -> np.ndarray:
+    """Decode a tensor written by :func:`encode_tensor` into an int64 array.
+
+    Raises:
+        ChipModelError: unknown dtype or encoding, wrong byte count, checksum mismatch (``where``
+        names the file and field).
+    """
+    try:
+        dtype, shape, enc, digest, data = (obj["dtype"], obj["shape"], obj["encoding"], obj["sha256"], obj["data"])
+    except (KeyError, TypeError):
+        raise ChipModelError(f"{where}: a tensor needs dtype, shape, encoding, sha256 and data") from None
+    if dtype not in ("int8", "int16", "int32", "int64") or enc != "base64-le":
+        raise ChipModelError(f"{where}: unsupported tensor dtype {dtype!r} / encoding {enc!r} "
+                             "(expected int8..int64, base64-le)")
+    try:
+        raw = base64.b64decode(data.encode("ascii"), validate=True)
+    except Exception:
+        raise ChipModelError(f"{where}: data is not valid base64") from None
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise ChipModelError(f"{where}: SHA-256 mismatch: the file is corrupted or was edited by hand; "
+                             "convert the checkpoint again (tools/convert_to_chip.py)")
+    dt = np.dtype("<" + np.dtype(dtype).str[1:])
+    n = int(np.prod(shape)) if len(shape) else 1
+    if len(raw) != n * dt.itemsize:
+        raise ChipModelError(f"{where}: {len(raw)} bytes for shape {shape} of {dtype}")
+    return np.frombuffer(raw, dtype=dt).reshape(shape).astype(np.int64)
+
+
+# ------------------------------------------------------------------ structure
+@dataclass
+class ChipLayer:
+    """One sublayer as the chip runs it: 3x3 conv (stride 1, pad 1) + ReLU to codes + optional 2x2 pool.
+
+    Attributes:
+        major, index_in_major: 0-based major layer and position inside it.
+        in_channels, out_channels: channel counts as stored (the last conv is padded, see
+            gnetmdk.gti.chip.convert.padded_output_channels).
+        scheme, weight_bits, bias_bits: mask bits and register widths (Bw, Bb) of the major layer.
+        shift: s, 0..12: out = clamp(R((sum W_int * a + b_int) / 2^s), 0, 31).
+        pool_after: a 2x2/2 max pool on the codes follows.
+        input_size: spatial side (pixels) of this sublayer's input.
+        weight: (out_channels, in_channels, 3, 3) int64 W_int.
+        bias: (out_channels,) int64 b_int.
+        calibrated_cap: the cap calibration measured for this conv before gain editing (None if unknown).
+    """
+    major: int
+    index_in_major: int
+    in_channels: int
+    out_channels: int
+    scheme: int
+    weight_bits: int
+    bias_bits: int
+    shift: int
+    pool_after: bool
+    input_size: int
+    weight: np.ndarray
+    bias: np.ndarray
+    calibrated_cap: Optional[float] = None
+
+    @property
+    def output_size(self) -> int:
+        """Spatial side after the optional pool."""
+        return self.input_size // 2 if self.pool_after else self.input_size
+
+    def max_abs_acc(self) -> int:
+        """Bound on |every partial sum| of the integer accumulation: max_o sum|W_int[o]| * 31 + |b_int[o]|."""
+        w = np.abs(self.weight.reshape(self.out_channels, -1)).sum(axis=1) * ACT_MAX
+        return int((w + np.abs(self.bias)).max()) if self.out_channels else 0
+
+    def float32_exact(self) -> bool:
+        """True when every partial sum stays below 2^24, so float32 convolution would be exact too."""
+        return self.max_abs_acc() < FLOAT32_EXACT_LIMIT
+
+
+@dataclass
+class ChipModel:
+    """A converted network: what the chip stores plus what the host needs to decode its output.
+
+    Attributes:
+        chip: "2801", "2803" or "5801".
+        model_name: "gnetdet".
+        input_size: square input side in pixels (the chip reads (input_size, input_size) 8-bit BGR).
+        layers: the sublayers in order.
+        class_names: C names, label order.
+        used_channels: 10 + C, the output channels the host decodes (the rest is padding).
+        output_scale: float32 cap_last / 31: the host multiplies the output codes by it.
+        grid: S, the output side (14).
+        conf_thresh, nms_thresh, max_detections: decode settings used for mAP.
+        predict_thresh: score threshold of tools/predict.py.
+        source: where it came from (checkpoint path, SHA-256, stage, mAP ...).
+    """
+    chip: str
+    model_name: str
+    input_size: int
+    layers: List[ChipLayer]
+    class_names: List[str]
+    used_channels: int
+    output_scale: float
+    grid: int = 14
+    conf_thresh: float = 0.05
+    nms_thresh: float = 0.5
+    max_detections: int = 100
+    predict_thresh: float = 0.3
+    source: Dict[str, Any] = field(default_factory=dict)
+
+    # -------------------------------------------------------------- derived
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def output_channels(self) -> int:
+        """Channels the chip outputs (padded)."""
+        return self.layers[-1].out_channels
+
+    @property
+    def cap_last(self) -> float:
+        """The last conv's calibrated cap: output_scale * 31."""
+        return float(np.float32(self.output_scale)) * ACT_MAX
+
+    def major_layers(self) -> List[List[int]]:
+        """Sublayer indices grouped by major layer."""
+        groups: Dict[int, List[int]] = {}
+        for i, l in enumerate(self.layers):
+            groups.setdefault(l.major, []).append(i)
+        return [groups[m] for m in sorted(groups)]
+
+    def calibrated_caps(self) -> Optional[List[float]]:
+        """Per-conv caps before gain editing, or None when the source did not record them."""
+        caps = [l.calibrated_cap for l in self.layers]
+        return None if any(c is None for c in caps) else [float(c) for c in caps]
+
+    # -------------------------------------------------------------- (de)serialisation
+    def header(self) -> Dict[str, Any]:
+        """Everything but the tensors (also stored in the ONNX model's metadata)."""
+        majors = []
+        for m, idx in enumerate(self.major_layers()):
+            first, last = self.layers[idx[0]], self.layers[idx[-1]]
+            majors.append({"major_layer": m + 1, "coef_bits": first.scheme, "image_size": first.input_size,
+                           "input_channels": first.in_channels, "output_channels": last.out_channels,
+                           "pooling": bool(last.pool_after), "sublayer_number": len(idx),
+                           "scaling": [self.layers[i].shift for i in idx]})
+        return {
+            "format": FORMAT, "version": VERSION, "chip": self.chip, "model": self.model_name,
+            "input": {"height": self.input_size, "width": self.input_size, "channels": 3, "pixel_bits": 8,
+                      "color_order": "BGR", "to_codes": "x5 = min(((x8 >> 2) + 1) >> 1, 31)"},
+            "activation": {"bits": 5, "max_code": ACT_MAX},
+            "output": {"height": self.grid, "width": self.grid, "channels": self.output_channels,
+                       "used_channels": self.used_channels, "scale": float(np.float32(self.output_scale)),
+                       "cap_last": self.cap_last,
+                       "host": "pred[n, y, x, c] = codes[n, c, y, x] * scale for c < used_channels"},
+            "classes": list(self.class_names),
+            "decode": {"grid": self.grid, "boxes_per_cell": 2, "conf_thresh": float(self.conf_thresh),
+                       "nms_thresh": float(self.nms_thresh), "max_detections": int(self.max_detections),
+                       "predict_thresh": float(self.predict_thresh)},
+            "major_layers": majors,
+            "source": dict(self.source),
+        }
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The whole file as a JSON-ready dict (header plus "layers" with encoded tensors)."""
+        d = self.header()
+        d["layers"] = [{
+            "name": f"conv{i + 1}", "major": l.major + 1, "sublayer": l.index_in_major + 1,
+            "in_channels": l.in_channels, "out_channels": l.out_channels, "input_size": l.input_size,
+            "scheme": l.scheme, "weight_bits": l.weight_bits, "bias_bits": l.bias_bits, "shift": l.shift,
+            "pool_after": bool(l.pool_after), "cap": float(ACT_MAX), "calibrated_cap": l.calibrated_cap,
+            "max_abs_acc": l.max_abs_acc(), "float32_exact": l.float32_exact(),
+            "weight": encode_tensor(l.weight, "int16"), "bias": encode_tensor(l.bias, "int32"),
+        } for i, l in enumerate(self.layers)]
+        return d
+
+    def save(self, path: str) -> str:
+        """Validate, then write the file atomically; returns ``path``.
+
+        Raises:
+            ChipModelError: the model is inconsistent (see :meth:`validate`).
+        """
+        from gnetmdk.checkpoint.io import atomic_write_text
+        self.validate(path)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    # -------------------------------------------------------------- checks
+    def validate(self, where: str = "chip model") -> None:
+        """Check the structure against itself (the chip's own limits are checked by the converter).
+
+        Raises:
+            ChipModelError: naming the layer and field: a channel chain that does not connect, a
+            tensor of the wrong shape, a weight or bias outside its register, a shift outside
+            0..12, a pool on an odd size, an output grid or channel count that does not match.
+        """
+        if not self.layers:
+            raise ChipModelError(f"{where}: no layers")
+        size, cin = self.input_size, 3
+        for i, l in enumerate(self.layers):
+            name = f"{where}: layers[{i}] (conv{i + 1})"
+            if l.in_channels != cin:
+                raise ChipModelError(f"{name}: in_channels {l.in_channels}, but the previous layer gives {cin}")
+            if l.input_size != size:
+                raise ChipModelError(f"{name}: input_size {l.input_size}, but the previous layer gives {size}")
+            if tuple(l.weight.shape) != (l.out_channels, l.in_channels, 3, 3):
+                raise ChipModelError(f"{name}: weight shape {tuple(l.weight.shape)}, expected "
+                                     f"({l.out_channels}, {l.in_channels}, 3, 3)")
+            if tuple(l.bias.shape) != (l.out_channels,):
+                raise ChipModelError(f"{name}: bias shape {tuple(l.bias.shape)}, expected ({l.out_channels},)")
+            if not 0 <= l.shift <= MAX_SHIFT:
+                raise ChipModelError(f"{name}: shift {l.shift} outside 0..{MAX_SHIFT}")
+            wlim, blim = 2 ** (l.weight_bits - 1) - 1, 2 ** (l.bias_bits - 1) - 1
+            if l.weight.size and np.abs(l.weight).max() > wlim:
+                raise ChipModelError(f"{name}: |W_int| up to {np.abs(l.weight).max()} exceeds the {l.weight_bits}-bit "
+                                     f"weight register (+-{wlim})")
+            if l.bias.size and np.abs(l.bias).max() > blim:
+                raise ChipModelError(f"{name}: |b_int| up to {np.abs(l.bias).max()} exceeds the {l.bias_bits}-bit "
+                                     f"bias register (+-{blim})")
+            if l.pool_after and size % 2:
+                raise ChipModelError(f"{name}: 2x2 pool on an odd size {size}")
+            size, cin = l.output_size, l.out_channels
+        if size != self.grid:
+            raise ChipModelError(f"{where}: the layers end at {size}x{size}, but grid is {self.grid}")
+        if not 10 < self.used_channels <= cin or self.used_channels != 10 + self.num_classes:
+            raise ChipModelError(f"{where}: used_channels {self.used_channels} must be 10 + {self.num_classes} "
+                                 f"classes and at most the {cin} output channels")
+        pad = self.layers[-1]
+        if np.any(pad.weight[self.used_channels:]) or np.any(pad.bias[self.used_channels:]):
+            raise ChipModelError(f"{where}: padded output channels {self.used_channels}..{cin - 1} must have zero "
+                                 "weights and biases")
+        if not (math.isfinite(self.output_scale) and self.output_scale > 0):
+            raise ChipModelError(f"{where}: output scale {self.output_scale} must be a positive number")
+
+
+def _field(d: Dict[str, Any], key: str, where: str):
+    try:
+        return d[key]
+    except (KeyError, TypeError):
+        raise ChipModelError(f"{where}: missing field '{key}'") from None
+
+
+def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipModel:
+    """Rebuild a ChipModel from :meth:`ChipModel.to_dict` output, validating it.
+
+    Raises:
+        ChipModelError: wrong format tag, newer version, missing field, bad tensor, inconsistency.
+    """
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ChipModelError(f"{where}: not a gnetmdk chip model (format tag '{FORMAT}' missing): convert a "
+                             "step-4 checkpoint with tools/convert_to_chip.py")
+    version = d.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise ChipModelError(f"{where}: format version {version!r}; this gnetmdk reads version {VERSION} and "
+                             "older: update gnetmdk or convert again")
+    layers = []
+    for i, ld in enumerate(_field(d, "layers", where)):
+        lw = f"{where}: layers[{i}]"
+        layers.append(ChipLayer(
+            major=int(_field(ld, "major", lw)) - 1, index_in_major=int(_field(ld, "sublayer", lw)) - 1,
+            in_channels=int(_field(ld, "in_channels", lw)), out_channels=int(_field(ld, "out_channels", lw)),
+            scheme=int(_field(ld, "scheme", lw)), weight_bits=int(_field(ld, "weight_bits", lw)),
+            bias_bits=int(_field(ld, "bias_bits", lw)), shift=int(_field(ld, "shift", lw)),
+            pool_after=bool(_field(ld, "pool_after", lw)), input_size=int(_field(ld, "input_size", lw)),
+            weight=decode_tensor(_field(ld, "weight", lw), lw + ".weight"),
+            bias=decode_tensor(_field(ld, "bias", lw), lw + ".bias"),
+            calibrated_cap=None if ld.get("calibrated_cap") is None else float(ld["calibrated_cap"])))
+    out = _field(d, "output", where)
+    dec = _field(d, "decode", where)
+    inp = _field(d, "input", where)
+    cm = ChipModel(chip=str(_field(d, "chip", where)), model_name=str(d.get("model", "gnetdet")),
+                   input_size=int(_field(inp, "height", where + ": input")), layers=layers,
+                   class_names=[str(c) for c in _field(d, "classes", where)],
+                   used_channels=int(_field(out, "used_channels", where + ": output")),
+                   output_scale=float(_field(out, "scale", where + ": output")),
+                   grid=int(_field(dec, "grid", where + ": decode")),
+                   conf_thresh=float(_field(dec, "conf_thresh", where + ": decode")),
+                   nms_thresh=float(_field(dec, "nms_thresh", where + ": decode")),
+                   max_detections=int(_field(dec, "max_detections", where + ": decode")),
+                   predict_thresh=float(dec.get("predict_thresh", 0.3)), source=dict(d.get("source", {})))
+    cm.validate(where)
+    return cm
+
+
+def load_chip_model(path: str) -> ChipModel:
+    """Read and validate a chip-model file.
+
+    Args:
+        path: the .json file written by tools/convert_to_chip.py (or a folder holding chip_model.json).
+    Raises:
+        ChipModelError: missing or unreadable file, not JSON, or any check of chip_model_from_dict.
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, "chip_model.json")
+    if not os.path.isfile(path):
+        raise ChipModelError(f"chip model '{path}' does not exist: convert a step-4 checkpoint first "
+                             "(python3 tools/convert_to_chip.py)")
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ChipModelError(f"chip model '{path}' cannot be read as JSON ({exc}): convert again") from None
+    return chip_model_from_dict(d, f"chip model '{path}'")
