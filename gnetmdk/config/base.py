@@ -88,6 +88,14 @@ class BaseConfig:
     eval_interval: int = 1                  # evaluate every N epochs (and always after the last)
     per_step: Dict[int, dict] = {}          # {step: {field: value}} applied before command-line overrides
 
+    # ---------------------------------------------------------------- distributed and alignment
+    dist_timeout: float = 300.0             # seconds to wait for peers to join, and for each collective
+    sync_bn: bool = True                    # world size > 1: BatchNorm statistics of the global batch
+    save_npz: str = ""                      # alignment: record batches, losses, starting weights here
+    replay_npz: str = ""                    # alignment: train on the batches recorded here, compare losses
+    max_iters: int = 0                      # stop after this many iterations and save last.pth (0 = off)
+    deterministic: bool = False             # alignment runs: augmentation off, deterministic torch kernels
+
     # ---------------------------------------------------------------- decoding and evaluation
     conf_thresh: float = 0.05               # keep boxes with conf * class score above this for mAP
     nms_thresh: float = 0.5

@@ -452,3 +452,37 @@ def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = 
         check_port_free(url)
     log(describe(spec, url))
     _spawn_and_supervise(fn, spec, url, args, tuple(user_errors))
+
+
+# ------------------------------------------------------------------------------------- from the command line
+def check_batch_split(batch_size: int, spec: DistSpec) -> None:
+    """Refuse a global batch that does not split evenly over the processes.
+
+    Raises:
+        LaunchError: with the batch, the process count and how it is made up, and valid choices.
+    """
+    world = int(os.environ["WORLD_SIZE"]) if torchrun_env() else spec.total
+    if batch_size % world == 0:
+        return
+    how = "torchrun" if torchrun_env() else f"{spec.world_size} machine(s) x {spec.gpus} per machine"
+    lower = (batch_size // world) * world
+    choices = " or ".join(str(c) for c in (lower, lower + world) if c > 0)
+    raise LaunchError(f"batch_size {batch_size} does not split evenly over {world} processes ({how}): use a "
+                      f"multiple of {world} (e.g. {choices}); each process takes batch_size / {world} images and "
+                      "the learning rate is not rescaled")
+
+
+def spec_from_args(args, cfg) -> DistSpec:
+    """The DistSpec of a parsed command line (train.py has no --gpus/... options: world size 1) and a
+    resolved config (device, dist_timeout, batch_size, checked here).
+
+    Raises:
+        LaunchError: the global batch does not split over the processes.
+    """
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    timeout = getattr(args, "dist_timeout", None)
+    spec = DistSpec(gpus=getattr(args, "gpus", 1), world_size=getattr(args, "world_size", 1),
+                    rank=getattr(args, "rank", 0), dist_url=getattr(args, "dist_url", "") or "",
+                    timeout=float(cfg.dist_timeout if timeout is None else timeout), use_cuda=use_cuda)
+    check_batch_split(cfg.batch_size, spec)
+    return spec

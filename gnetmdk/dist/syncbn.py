@@ -4,8 +4,9 @@ With N processes each holding B/N images, a BatchNorm that normalises with its o
 and variance computes something else than one process holding all B images. Synchronising the
 statistics over the processes makes them the statistics of the global batch, so N x B/N equals
 1 x B (alignment.md). ``torch.nn.SyncBatchNorm`` does this on CUDA only (it refuses CPU
-tensors); :class:`DistBatchNorm2d` does it anywhere with the autograd-aware
-``torch.distributed.nn.functional.all_reduce``, whose backward all-reduces the gradients, so the
+tensors); :class:`DistBatchNorm2d` does it anywhere with an autograd-aware all-reduce
+(:func:`all_reduce_sum`, like ``torch.distributed.nn.functional.all_reduce``, which torch 2.13
+deprecates), whose backward all-reduces the gradients, so the
 gradient of every rank's input includes the other ranks' losses exactly as in one process.
 
 :func:`convert_sync_batchnorm` swaps every ``BatchNorm2d`` of a model for the synchronised kind
@@ -23,6 +24,28 @@ import torch.nn.functional as F
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable all-reduce (SUM): the gradient of every rank's input is the sum over ranks of the
+    gradients of the output, so each rank's backward carries the other ranks' losses."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Autograd-aware all-reduce SUM over the default process group (a collective: every rank calls it)."""
+    return _AllReduceSum.apply(tensor)
 
 
 class DistBatchNorm2d(nn.BatchNorm2d):
@@ -47,13 +70,12 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         if x.dim() != 4:
             raise ValueError(f"DistBatchNorm2d expects (N, C, H, W) input, got {tuple(x.shape)}")
-        from torch.distributed.nn.functional import all_reduce
         c = x.shape[1]
         x64 = x.double()
         local = torch.cat([x64.sum(dim=(0, 2, 3)), (x64 * x64).sum(dim=(0, 2, 3)),
                            x64.new_full((1,), float(x.numel() // c))])
-        total = all_reduce(local, op=dist.ReduceOp.SUM)
-        n = total[2 * c]
+        total = all_reduce_sum(local)
+        n = total[2 * c].detach()
         if float(n) <= 1:
             raise ValueError(f"DistBatchNorm2d: {int(n)} value(s) per channel over all processes; "
                              "training needs more than one (raise batch_size)")

@@ -29,7 +29,10 @@ def build_parser(distributed: bool) -> argparse.ArgumentParser:
         p.add_argument("--world-size", type=int, default=1, help="number of machines")
         p.add_argument("--rank", type=int, default=0, help="this machine's rank, from 0")
         p.add_argument("--dist-url", default="", help="machine 0's host:port (or tcp://host:port)")
-        p.add_argument("--dist-timeout", type=float, default=300.0, help="seconds to wait for peers / collectives")
+        p.add_argument("--dist-timeout", type=float, default=None,
+                       help="seconds to wait for peers to join and for each collective (default: dist_timeout, 300)")
+    from gnetmdk.align.options import add_alignment_arguments
+    add_alignment_arguments(p)
     return p
 
 
@@ -41,7 +44,8 @@ def parse(argv: Sequence[str], distributed: bool):
                     load_config_class(args.config).field_types()]
     if unknown_opts:
         parser.error(f"unrecognised option {unknown_opts[0]}")
-    overrides = list(rest)
+    from gnetmdk.align.options import alignment_overrides
+    overrides = list(rest) + alignment_overrides(args)
     if args.resume:
         overrides += ["resume", "true"]
     cfg = build_config(load_config_class(args.config), overrides, step=args.step, cal=args.cal)
@@ -54,7 +58,10 @@ def run_stage(cfg) -> dict:
     return Trainer(cfg).run()
 
 
-def _worker_entry(cfg) -> None:
+def _worker_entry(recipe: dict) -> None:
+    """What every process runs: resolve the config from the same command line, run the stage.
+    (The config class lives in the user's file, so processes rebuild it rather than unpickle it.)"""
+    _, cfg = parse(recipe["argv"], recipe["distributed"])
     run_stage(cfg)
 
 
@@ -74,25 +81,19 @@ def user_errors():
 
 def main(argv: Optional[Sequence[str]] = None, distributed: bool = False) -> int:
     """Entry point of train.py / train-dist.py; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, cfg = parse(argv, distributed)
-        if not distributed:
-            run_stage(cfg)
-            return 0
-        import torch
-        from gnetmdk.dist.launch import DistSpec, launch
-        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        spec = DistSpec(gpus=args.gpus, world_size=args.world_size, rank=args.rank, dist_url=args.dist_url,
-                        timeout=args.dist_timeout, use_cuda=use_cuda)
-        if not use_cuda and spec.total > 1:
-            print(f"no GPU in use: running {spec.gpus} CPU process(es) on this machine with the gloo backend",
-                  flush=True)
-        launch(_worker_entry, spec, (cfg,))
+        from gnetmdk.align.record import check_alignment_config
+        from gnetmdk.dist.launch import launch, spec_from_args
+        check_alignment_config(cfg)
+        # one launch() for both scripts: train.py is world size 1 (runs here), train-dist.py spawns
+        spec = spec_from_args(args, cfg)
+        launch(_worker_entry, spec, ({"argv": argv, "distributed": distributed},), user_errors=user_errors())
         return 0
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -20,7 +20,10 @@ from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint,
                                    load_checkpoint, load_matching, save_checkpoint, save_config_json,
                                    atomic_write_text)
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
-from gnetmdk.dist.comm import all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process
+from gnetmdk.align.record import AlignmentHook
+from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
+                               reduce_mean_dict)
+from gnetmdk.dist.parallel import configure_determinism, prepare_model
 from gnetmdk.dist.sampler import GlobalBatchSampler, ShardSampler
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
@@ -86,6 +89,8 @@ class Trainer:
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.writer = None
+        self.parallel_notes = configure_determinism(cfg)   # before the datasets: may turn augmentation off
+        self.align = AlignmentHook(cfg)                     # record / replay / max_iters (gnetmdk.align)
 
     # ------------------------------------------------------------------ logging
     def log(self, msg: str) -> None:
@@ -175,6 +180,14 @@ class Trainer:
             self.model.to(memory_format=torch.channels_last)
         apply_stage(self.model, stage)
         self.model.train()
+        self.setup_parallel()
+
+    def setup_parallel(self) -> None:
+        """World size > 1: synchronised BatchNorm and global-batch calibration percentiles
+        (gnetmdk.dist.parallel); logs what was done, and the deterministic / replay notes."""
+        notes = self.parallel_notes + self.align.notes + prepare_model(self.model, self.cfg, self.device)
+        for note in notes:
+            self.log(f"[{self.stage.name}] {note}")
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tag: str) -> Dict[str, object]:
@@ -270,7 +283,7 @@ class Trainer:
         count = 0
         t0 = time.time()
         bar = self._progress(self.train_loader, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}")
-        for images, targets, _, _ in bar:
+        for images, targets, indices, _ in bar:
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             pred = self.ddp_model(images)
@@ -287,7 +300,8 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.iteration += 1
-            values = {k: float(v.detach()) for k, v in terms.items()}
+            values = reduce_mean_dict({k: float(v.detach()) for k, v in terms.items()})   # mean over ranks
+            self.align.after_step(self, images, targets, indices, terms, values, epoch)
             for k, v in values.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
@@ -298,6 +312,8 @@ class Trainer:
                 self.scalar(f"{self.stage.name}/lr", lr, self.iteration)
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
+            if self.align.should_stop():
+                break
         mean = {k: v / max(count, 1) for k, v in sums.items()}
         if is_dist():
             t = torch.tensor([mean.get(k, 0.0) for k in sorted(mean)], dtype=torch.float64)
@@ -320,7 +336,8 @@ class Trainer:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(model, device_ids=ids, broadcast_buffers=False)
+        # buffers (BN running stats, caps) are equal on every rank (synchronised BN): synced once at init only
+        return DDP(model, device_ids=ids, forward_sync_buffers=False)
 
     def run(self) -> Dict[str, object]:
         """Run the stage; returns a summary (entry_map, best_map, final_map, caps, timings, paths)."""
@@ -365,8 +382,12 @@ class Trainer:
             if not cfg.eval_before:
                 self.save("best.pth", 0, 0)
             self.save("last.pth", 0, 0, full=True)
+        self.align.before_train(self)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             tr = self.train_one_epoch(epoch)
+            if self.align.should_stop():   # max_iters reached or the replayed recording ended
+                self.align.finish(self, epoch)
+                break
             do_eval = (epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs
             msg = (f"[{stage.name}] epoch {epoch + 1}/{cfg.num_epochs} loss {tr['total']:.4f} "
                    f"(loc {tr['loc']:.3f} conf {tr['conf']:.3f} noresp {tr['noresp']:.3f} noobj {tr['noobj']:.3f} "

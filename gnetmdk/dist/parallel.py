@@ -1,0 +1,55 @@
+"""What a model needs to compute under data parallelism what it computes in one process.
+
+Called by the trainer once the model is built (world size > 1):
+  - BatchNorm -> synchronised BatchNorm (``cfg.sync_bn``; torch.nn.SyncBatchNorm on CUDA, our
+    DistBatchNorm2d on CPU/gloo): statistics of the global batch.
+  - every QReLU gets ``percentile_fn = global_percentile``: in calibration the per-batch percentile
+    is that of the global batch (exact distributed selection, no gathering of activations), so the
+    running maximum, and after the final all-reduce MAX the caps, equal one process's.
+Gradient averaging is DistributedDataParallel's (Trainer.wrap_model).
+
+And for alignment runs, :func:`configure_determinism` (``cfg.deterministic``).
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+
+from .comm import get_world_size, global_percentile
+from .syncbn import convert_sync_batchnorm, count_sync_batchnorm
+
+
+def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str]:
+    """Make ``model`` data-parallel-exact in place (no-op in a single process); returns log lines."""
+    notes: List[str] = []
+    if get_world_size() <= 1:
+        return notes
+    if getattr(cfg, "sync_bn", True) and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                             for m in model.modules()):
+        convert_sync_batchnorm(model, use_cuda=device.type == "cuda")
+        kind = "torch.nn.SyncBatchNorm" if device.type == "cuda" else "DistBatchNorm2d (gloo)"
+        notes.append(f"synchronised {count_sync_batchnorm(model)} BatchNorm layers over "
+                     f"{get_world_size()} processes ({kind})")
+    relus = [m for m in model.modules() if hasattr(m, "percentile_fn")]
+    for r in relus:
+        r.percentile_fn = global_percentile
+    return notes
+
+
+def configure_determinism(cfg) -> List[str]:
+    """Deterministic mode for alignment runs (``cfg.deterministic``); returns log lines.
+
+    Turns augmentation off (``cfg.augment = False``; the input size is fixed in this toolkit, and
+    GNetDet has no dropout-like layers), sets ``torch.use_deterministic_algorithms(True)``, cuDNN
+    deterministic without benchmarking, and CUBLAS_WORKSPACE_CONFIG for deterministic cuBLAS.
+    """
+    if not getattr(cfg, "deterministic", False):
+        return []
+    cfg.augment = False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return ["deterministic mode: augmentation off, torch deterministic algorithms on"]

@@ -1,0 +1,75 @@
+"""GNetDet structure, chip-limit refusals, registry, decoding round trip."""
+import pytest
+import torch
+
+from gnetmdk.config import ConfigError
+from gnetmdk.dataset.dataset import encode_targets
+from gnetmdk.layers import ChipLimitError, GNetDet, create_model, gnetdet_layers
+from gnetmdk.layers.decode import decode_gnetdet
+
+
+def test_layer_lists_follow_gti_structure():
+    l448 = gnetdet_layers(448, 20)
+    assert [l.out_channels for l in l448] == [64, 64, 128, 128, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 30]
+    assert sum(l.pool_after for l in l448) == 5 and len({l.major for l in l448}) == 7
+    l224 = gnetdet_layers(224, 20)
+    assert sum(l.pool_after for l in l224) == 4 and len({l.major for l in l224}) == 6
+    # default 5801 schemes: 3-bit, last major layer 8-bit
+    assert [l.scheme for l in l448][-3:] == [8, 8, 8] and l448[0].scheme == 3
+    # width multiplier rounds to powers of 2, at least the chip minimum
+    assert [l.out_channels for l in gnetdet_layers(224, 6, 0.25)][:5] == [16, 16, 32, 32, 64]
+
+
+def test_output_shape_and_grid():
+    m = GNetDet(num_classes=3, image_size=224, width_mult=0.0625)
+    y = m(torch.zeros(2, 3, 224, 224))
+    assert y.shape == (2, 14, 14, 13) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(num_classes=3, image_size=448, chip="2801"), "7 major layers, chip 2801 allows at most 6"),
+    (dict(num_classes=250, image_size=224), "260 output channels"),
+    (dict(num_classes=3, image_size=320), "224 or 448"),
+    (dict(num_classes=3, image_size=224, mask_bits=[3, 3]), "one scheme per major layer"),
+    (dict(num_classes=3, image_size=224, chip="2803", mask_bits=[3] * 6), "scheme 3 not on chip 2803"),
+])
+def test_chip_limits_refused_with_layer_and_limit(kwargs, needle):
+    with pytest.raises(ChipLimitError) as e:
+        GNetDet(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_hidden_channels_must_be_power_of_two_in_chip_range():
+    from gnetmdk.gti.spec import get_chip_spec
+    from gnetmdk.layers.gnetdet import check_chip_limits
+    layers = gnetdet_layers(224, 3, 1.0, "2801")
+    layers[2].out_channels = 96
+    with pytest.raises(ChipLimitError) as e:
+        check_chip_limits(layers, get_chip_spec("2801"), 224)
+    assert "conv 3 (major layer 2, sublayer 1): 96 output channels" in str(e.value)
+    layers[2].out_channels = 8
+    with pytest.raises(ChipLimitError, match="power of 2 in 16..1024"):
+        check_chip_limits(layers, get_chip_spec("2801"), 224)
+
+
+def test_width_below_chip_minimum_is_clamped_on_5801_not_2801():
+    # 5801 accepts 4 channels: width_mult 1/16 gives 4..16 channels
+    m = GNetDet(num_classes=2, image_size=224, width_mult=0.0625, chip="5801")
+    assert m.layers[0].conv.out_channels == 4
+
+
+def test_registry_refuses_unknown_model_with_suggestion():
+    with pytest.raises(ConfigError) as e:
+        create_model("gnetdte", num_classes=2)
+    assert "gnetdet" in str(e.value)
+
+
+def test_decode_of_encoded_targets_recovers_boxes():
+    boxes = torch.tensor([[0.1, 0.2, 0.5, 0.6], [0.55, 0.05, 0.95, 0.45]]).numpy()
+    labels = torch.tensor([2, 0]).numpy()
+    t = torch.from_numpy(encode_targets(boxes, labels, 14, 3))
+    out = decode_gnetdet(t[None], 3, conf_thresh=0.5, nms_thresh=0.5)[0]
+    order = out["labels"].argsort(descending=True)
+    assert out["labels"][order].tolist() == [2, 0]
+    assert torch.allclose(out["boxes"][order], torch.tensor(boxes), atol=1e-6)
+    assert torch.allclose(out["scores"], torch.ones(2))
