@@ -94,7 +94,8 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?")
     extra = {}
     if cfg is not None:
         extra = dict(cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
-                     l_class=cfg.l_class, score_loss=cfg.score_loss, channels_last=cfg.channels_last)
+                     l_class=cfg.l_class, score_loss=cfg.score_loss,
+                     output_cap_percentile=cfg.output_cap_percentile, channels_last=cfg.channels_last)
     try:
         model = create_model(name, **meta, **extra)
         model.load_state_dict(ckpt["model"], strict=True)

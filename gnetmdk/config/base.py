@@ -51,6 +51,7 @@ class BaseConfig:
     mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (gti-chip.md)
     weight_scale: str = "gti"               # "gti": d = mean|w|/4 (GTI rule); "mse": MSE-best d per kernel
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
+    output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
     channels_last: bool = True              # NHWC memory format (faster convolutions on CPU)
 
     # ---------------------------------------------------------------- loss (gti-chip.md, GNetDet)
@@ -58,6 +59,8 @@ class BaseConfig:
     l_noobj: float = 0.005
     l_class: float = 1.0
     score_loss: str = "smooth_l1"           # smooth_l1 (GTI) | bce (cross-entropy on the scores)
+    score_head: str = "linear"              # linear (GTI: scores = outputs) | logit (scores = sigmoid(out - offset))
+    score_offset: float = 4.0               # logit head: an output of 0 is the logit -score_offset
 
     # ---------------------------------------------------------------- optimisation
     batch_size: int = 16                    # global batch: split over world_size x gpus processes

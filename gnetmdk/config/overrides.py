@@ -223,6 +223,10 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("cap_percentile", "must be in (0, 100]")
     if cfg.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
+    if cfg.score_head not in ("linear", "logit"):
+        bad("score_head", "must be linear or logit")
+    if not 0 < cfg.output_cap_percentile <= 100:
+        bad("output_cap_percentile", "must be in (0, 100]")
     if cfg.score_loss not in ("smooth_l1", "bce"):
         bad("score_loss", "must be smooth_l1 or bce")
     if cfg.optimizer not in ("adamw", "adam", "sgd"):

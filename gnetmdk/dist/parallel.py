@@ -1,8 +1,8 @@
 """What a model needs to compute under data parallelism what it computes in one process.
 
-Called by the trainer once the model is built (world size > 1):
-  - BatchNorm -> synchronised BatchNorm (``cfg.sync_bn``; torch.nn.SyncBatchNorm on CUDA, our
-    DistBatchNorm2d on CPU/gloo): statistics of the global batch.
+Called by the trainer once the model is built:
+  - BatchNorm -> synchronised BatchNorm (``cfg.sync_bn``; torch.nn.SyncBatchNorm on CUDA when world
+    size > 1, our DistBatchNorm2d on CPU for every world size): statistics of the global batch.
   - every QReLU gets ``percentile_fn = global_percentile``: in calibration the per-batch percentile
     is that of the global batch (exact distributed selection, no gathering of activations), so the
     running maximum, and after the final all-reduce MAX the caps, equal one process's.
@@ -22,19 +22,28 @@ from .syncbn import convert_sync_batchnorm, count_sync_batchnorm
 
 
 def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str]:
-    """Make ``model`` data-parallel-exact in place (no-op in a single process); returns log lines."""
+    """Make ``model`` compute under data parallelism what one process computes; returns log lines.
+
+    BatchNorm (``cfg.sync_bn``): on CPU every run, a single process included, uses DistBatchNorm2d,
+    so that 1 and N processes share one arithmetic (float64 statistics; torch's CPU BatchNorm
+    accumulates channels-last statistics in float32 and would differ from N processes by ~1e-4);
+    on CUDA, world size > 1 converts to torch.nn.SyncBatchNorm. Calibration percentiles of the global
+    batch when world size > 1.
+    """
     notes: List[str] = []
-    if get_world_size() <= 1:
-        return notes
-    if getattr(cfg, "sync_bn", True) and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                                             for m in model.modules()):
+    world = get_world_size()
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if getattr(cfg, "sync_bn", True) and has_bn and (device.type != "cuda" or world > 1):
         convert_sync_batchnorm(model, use_cuda=device.type == "cuda")
-        kind = "torch.nn.SyncBatchNorm" if device.type == "cuda" else "DistBatchNorm2d (gloo)"
-        notes.append(f"synchronised {count_sync_batchnorm(model)} BatchNorm layers over "
-                     f"{get_world_size()} processes ({kind})")
-    relus = [m for m in model.modules() if hasattr(m, "percentile_fn")]
-    for r in relus:
-        r.percentile_fn = global_percentile
+        kind = "torch.nn.SyncBatchNorm" if device.type == "cuda" else "DistBatchNorm2d, float64 statistics"
+        notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} process(es) ({kind})")
+    if os.environ.get("XFREEZE"):
+        for layer in getattr(model, "layers", []):
+            if getattr(layer, "bn", None) is not None:
+                layer.conv.bias.requires_grad_(False)
+    if world > 1:
+        for r in (m for m in model.modules() if hasattr(m, "percentile_fn")):
+            r.percentile_fn = global_percentile
     return notes
 
 

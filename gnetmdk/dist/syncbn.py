@@ -4,10 +4,11 @@ With N processes each holding B/N images, a BatchNorm that normalises with its o
 and variance computes something else than one process holding all B images. Synchronising the
 statistics over the processes makes them the statistics of the global batch, so N x B/N equals
 1 x B (alignment.md). ``torch.nn.SyncBatchNorm`` does this on CUDA only (it refuses CPU
-tensors); :class:`DistBatchNorm2d` does it anywhere with an autograd-aware all-reduce
-(:func:`all_reduce_sum`, like ``torch.distributed.nn.functional.all_reduce``, which torch 2.13
-deprecates), whose backward all-reduces the gradients, so the
-gradient of every rank's input includes the other ranks' losses exactly as in one process.
+tensors); :class:`DistBatchNorm2d` does it anywhere, as an autograd Function whose forward
+all-reduces the per-channel sums and whose backward all-reduces the per-channel gradient sums (what
+an autograd-aware all-reduce such as ``torch.distributed.nn.functional.all_reduce``, deprecated in
+torch 2.13, gives), so the gradient of every rank's input includes the other ranks' losses exactly
+as in one process.
 
 :func:`convert_sync_batchnorm` swaps every ``BatchNorm2d`` of a model for the synchronised kind
 (sharing the parameters and buffers, so the optimizer and the state_dict keys are unchanged:
@@ -26,75 +27,99 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Differentiable all-reduce (SUM): the gradient of every rank's input is the sum over ranks of the
-    gradients of the output, so each rank's backward carries the other ranks' losses."""
+class _SyncBNFunction(torch.autograd.Function):
+    """Batch normalisation over the global batch with float64 statistics (training mode).
+
+    forward: per channel, ``sum x`` and ``sum x^2`` accumulated in float64 (and the count) are
+    all-reduced in one collective; mean, biased variance and invstd come from the totals.
+    backward: the standard BatchNorm gradient with the two per-channel sums ``sum dy`` and
+    ``sum dy * xhat`` all-reduced, so every rank's input gradient is that of the sum of all ranks'
+    losses (DDP then averages the parameter gradients: N x B/N equals 1 x B). Saves only x and the
+    per-channel statistics.
+    """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync):
+        c = x.shape[1]
+        local = torch.cat([x.sum(dim=(0, 2, 3), dtype=torch.float64),
+                           (x * x).sum(dim=(0, 2, 3), dtype=torch.float64),
+                           torch.full((1,), float(x.numel() // c), dtype=torch.float64, device=x.device)])
+        if sync:
+            dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        n = float(local[2 * c])
+        if n <= 1:
+            raise ValueError(f"DistBatchNorm2d: {int(n)} value(s) per channel in the batch; training needs more "
+                             "than one (raise batch_size)")
+        mean = local[:c] / n
+        var = (local[c:2 * c] / n - mean * mean).clamp_(min=0)
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            num_batches_tracked.add_(1)
+            factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
+            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=factor)
+        scale = invstd if weight is None else invstd * weight.detach().double()
+        out = (x - mean.to(x.dtype).view(1, c, 1, 1)) * scale.to(x.dtype).view(1, c, 1, 1)
+        if bias is not None:
+            out = out + bias.detach().to(x.dtype).view(1, c, 1, 1)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.n = n
+        ctx.sync = sync
+        ctx.has_bias = bias is not None
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        out = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Autograd-aware all-reduce SUM over the default process group (a collective: every rank calls it)."""
-    return _AllReduceSum.apply(tensor)
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        c = x.shape[1]
+        view = (1, c, 1, 1)
+        xhat = (x - mean.to(x.dtype).view(view)) * invstd.to(x.dtype).view(view)
+        sums = torch.cat([dy.sum(dim=(0, 2, 3), dtype=torch.float64),
+                          (dy * xhat).sum(dim=(0, 2, 3), dtype=torch.float64)])
+        grad_weight = sums[c:].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = sums[:c].to(weight.dtype if weight is not None else dy.dtype) \
+            if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            total = sums.clone()
+            if ctx.sync:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            mean_dy = (total[:c] / ctx.n).to(x.dtype).view(view)
+            mean_dy_xhat = (total[c:] / ctx.n).to(x.dtype).view(view)
+            g = invstd if weight is None else invstd * weight.detach().double()
+            grad_x = (dy - mean_dy - xhat * mean_dy_xhat) * g.to(x.dtype).view(view)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class DistBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are those of the global batch over all processes.
 
-    Training (and a process group of more than one process): per channel, every rank computes
-    ``sum x``, ``sum x^2`` and the element count in float64; one all-reduce (SUM, autograd-aware)
-    gives the global mean and biased variance used to normalise; the running statistics are
-    updated like BatchNorm2d (momentum, unbiased variance ``var * n / (n - 1)``,
-    ``num_batches_tracked``), identically on every rank. Evaluation, or a single process: exactly
-    ``nn.BatchNorm2d`` (running statistics).
+    Training: per channel, every rank accumulates ``sum x``, ``sum x^2`` and the element count in
+    float64; one all-reduce (SUM) gives the global mean and biased variance used to normalise; the
+    backward all-reduces ``sum dy`` and ``sum dy * xhat`` (see :class:`_SyncBNFunction`); the running
+    statistics are updated like BatchNorm2d (momentum, unbiased variance ``var * n / (n - 1)``,
+    ``num_batches_tracked``), identically on every rank. In a single process the same arithmetic runs
+    without the collectives, so 1 and N processes compute the same thing (torch's own CPU BatchNorm
+    accumulates channels-last statistics in float32: errors near 1e-4 on activations with a large
+    mean, enough to break a 1e-5 alignment). Evaluation: exactly ``nn.BatchNorm2d`` (running statistics).
 
     Input / output: (N, C, H, W) float tensors (any memory format); N may differ between ranks.
-    Every rank must call forward the same number of times in training mode (it is a collective).
+    In training every rank must call forward (and backward) the same number of times: they are collectives.
 
     Raises:
-        ValueError: the global batch has at most one value per channel in training.
+        ValueError: not 4-d input, or at most one value per channel over the global batch in training.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or _world() <= 1:
+        if not self.training and self.track_running_stats:
             return super().forward(x)
         if x.dim() != 4:
             raise ValueError(f"DistBatchNorm2d expects (N, C, H, W) input, got {tuple(x.shape)}")
-        c = x.shape[1]
-        x64 = x.double()
-        local = torch.cat([x64.sum(dim=(0, 2, 3)), (x64 * x64).sum(dim=(0, 2, 3)),
-                           x64.new_full((1,), float(x.numel() // c))])
-        total = all_reduce_sum(local)
-        n = total[2 * c].detach()
-        if float(n) <= 1:
-            raise ValueError(f"DistBatchNorm2d: {int(n)} value(s) per channel over all processes; "
-                             "training needs more than one (raise batch_size)")
-        mean = total[:c] / n
-        var = (total[c:2 * c] / n - mean * mean).clamp(min=0)
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                if self.momentum is None:
-                    factor = 1.0 / float(self.num_batches_tracked)
-                else:
-                    factor = self.momentum
-                unbiased = var * (n / (n - 1))
-                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
-        invstd = torch.rsqrt(var + self.eps)
-        scale = invstd if self.weight is None else invstd * self.weight.double()
-        shift = -mean * scale if self.bias is None else self.bias.double() - mean * scale
-        return x * scale.to(x.dtype).view(1, c, 1, 1) + shift.to(x.dtype).view(1, c, 1, 1)
+        track = self.track_running_stats and self.training
+        return _SyncBNFunction.apply(x, self.weight, self.bias, self.running_mean if track else None,
+                                     self.running_var if track else None,
+                                     self.num_batches_tracked if track else None, self.eps, self.momentum,
+                                     _world() > 1)
 
 
 def convert_sync_batchnorm(module: nn.Module, use_cuda: bool = False) -> nn.Module:

@@ -9,8 +9,19 @@ from gnetmdk.evaluation.boxes import batched_nms
 from .loss import cell_boxes_to_xyxy
 
 
+def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "linear", score_offset: float = 4.0):
+    """(confidence, class scores) from the raw outputs: themselves ("linear", GTI) or
+    sigmoid(output - score_offset) ("logit" head). Shapes are kept."""
+    if score_head == "logit":
+        return torch.sigmoid(conf - score_offset), torch.sigmoid(cls - score_offset)
+    if score_head != "linear":
+        raise ValueError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
+    return conf, cls
+
+
 def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.05, nms_thresh: float = 0.5,
-                   max_detections: int = 100) -> List[Dict[str, torch.Tensor]]:
+                   max_detections: int = 100, score_head: str = "linear",
+                   score_offset: float = 4.0) -> List[Dict[str, torch.Tensor]]:
     """Turn predictions into per-image detections.
 
     Every one of the 2 x S x S boxes is scored against every class: score = conf x class score;
@@ -20,6 +31,7 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
     Args:
         pred: (N, S, S, 10 + C) float predictions (host-side: already multiplied by cap_last / 31).
         num_classes: C.
+        score_head, score_offset: how scores come from the outputs (output_scores; the model's meta).
     Returns:
         a list of N dicts: ``boxes`` (K, 4) float32 xyxy relative to the image (0..1, clipped),
         ``scores`` (K,) float32, ``labels`` (K,) int64.
@@ -29,6 +41,7 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
     boxes = torch.stack([pred[..., 0:4], pred[..., 5:9]], dim=3)            # (N, S, S, 2, 4)
     conf = torch.stack([pred[..., 4], pred[..., 9]], dim=3)                 # (N, S, S, 2)
     cls = pred[..., 10:10 + num_classes]                                    # (N, S, S, C)
+    conf, cls = output_scores(conf, cls, score_head, score_offset)
     xyxy = cell_boxes_to_xyxy(boxes, s).clamp(0, 1).reshape(n, -1, 4)      # (N, 2SS, 4)
     scores = (conf.unsqueeze(-1) * cls.unsqueeze(3)).reshape(n, -1, num_classes)  # (N, 2SS, C)
     out = []

@@ -160,8 +160,11 @@ class GNetDet(nn.Module):
         width_mult: channel multiplier (0.25 gives widths 16..64, a CPU-trainable model).
         use_bn: BatchNorm after each hidden conv (step 1 only; folded on entry to step 2).
         chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
-        weight_scale: "gti" or "mse"; cap_percentile: calibration percentile.
+        weight_scale: "gti" or "mse"; cap_percentile: calibration percentile (hidden layers);
+        output_cap_percentile: the output layer's (100 = max, so the largest scores are not clipped).
         l_coord, l_noobj, l_class: loss weights; score_loss: "smooth_l1" or "bce" (gnetmdk.layers.loss).
+        score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
+            score_offset), applied on the host; see gnetmdk.layers.decode.output_scores).
 
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
@@ -173,7 +176,8 @@ class GNetDet(nn.Module):
     def __init__(self, num_classes: int, image_size: int = 448, width_mult: float = 1.0, use_bn: bool = True,
                  chip: str = "5801", mask_bits: Sequence[int] = (), weight_scale: str = "gti",
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
-                 l_class: float = 1.0, score_loss: str = "smooth_l1", channels_last: bool = False):
+                 l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
+                 score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False):
         super().__init__()
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
@@ -184,11 +188,17 @@ class GNetDet(nn.Module):
         check_chip_limits(self.specs, get_chip_spec(chip), image_size)
         n = len(self.specs)
         self.layers = nn.ModuleList(
-            Sublayer(ls, chip, use_bn and i < n - 1, weight_scale, cap_percentile) for i, ls in enumerate(self.specs))
+            Sublayer(ls, chip, use_bn and i < n - 1, weight_scale,
+                     cap_percentile if i < n - 1 else output_cap_percentile) for i, ls in enumerate(self.specs))
         # the output layer's ReLU lets object-cell gradients through below 0 (training only; the
         # forward value, and so the chip, is unchanged)
         self.layers[-1].relu.revive = True
-        self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss)
+        if score_head not in ("linear", "logit"):
+            raise ConfigError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
+        self.score_head = score_head
+        self.score_offset = float(score_offset)
+        self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss,
+                                 score_head=score_head, score_offset=self.score_offset)
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result
@@ -211,7 +221,8 @@ class GNetDet(nn.Module):
         return {"name": "gnetdet", "num_classes": self.num_classes, "image_size": self.image_size,
                 "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
                 "mask_bits": [int(s) for s in self.mask_bits()],
-                "weight_scale": self.layers[0].conv.method}
+                "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
+                "score_offset": self.score_offset}
 
     def mask_bits(self) -> List[int]:
         out: Dict[int, int] = {}
@@ -249,4 +260,5 @@ class GNetDet(nn.Module):
     def decode(self, pred: torch.Tensor, conf_thresh: float, nms_thresh: float, max_detections: int = 100):
         """Per-image detections (see gnetmdk.layers.decode.decode_gnetdet)."""
         from .decode import decode_gnetdet
-        return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections)
+        return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections,
+                              self.score_head, self.score_offset)

@@ -77,8 +77,19 @@ def score_bce(p: torch.Tensor, t: torch.Tensor, eps: float = 1e-4) -> torch.Tens
     return -(t * torch.log(q) + (1 - t) * torch.log1p(-q))
 
 
+def logit_bce(y: torch.Tensor, t: torch.Tensor, offset: float) -> torch.Tensor:
+    """Cross-entropy of scores p = sigmoid(y - offset) against targets t (elementwise), minus its value at
+    y = 0 for t = 0, so that a unit the output ReLU has switched off costs exactly 0.
+
+        bce(z, t) = softplus(z) - t z,  z = y - offset   (binary cross-entropy with logits)
+    """
+    z = y - offset
+    return F.softplus(z) - t * z - (1 - t) * F.softplus(torch.full_like(z, -offset))
+
+
 def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0, l_noobj: float = 0.005,
-                 l_class: float = 1.0, score_loss: str = "smooth_l1") -> Dict[str, torch.Tensor]:
+                 l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
+                 score_offset: float = 4.0) -> Dict[str, torch.Tensor]:
     """GNetDet loss terms.
 
     Args:
@@ -90,6 +101,11 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         score_loss: "smooth_l1" (GTI's GNetDet: every score regressed with smooth-L1) or "bce"
             (confidence and class scores by binary cross-entropy on the score itself, see
             score_bce; stronger gradients for badly wrong scores, same outputs and decoding).
+            Ignored with score_head "logit".
+        score_head: "linear" (GTI: the confidence and class outputs are the scores) or "logit"
+            (the scores are sigmoid(output - score_offset), computed on the host after the chip;
+            conf and class terms become binary cross-entropy with logits, see logit_bce).
+        score_offset: the logit offset b of the "logit" head (an output of 0 means p = sigmoid(-b)).
     Returns:
         dict of 0-d tensors: ``loc``, ``conf`` (responsible box toward its IoU with the target),
         ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls`` and ``total``
@@ -124,7 +140,12 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
     loc = (sl1(rbox[..., 0], tbox[..., 0]) + sl1(rbox[..., 1], tbox[..., 1])
            + sl1(torch.sqrt(rbox[..., 2].clamp(min=0) + eps), torch.sqrt(tbox[..., 2] + eps))
            + sl1(torch.sqrt(rbox[..., 3].clamp(min=0) + eps), torch.sqrt(tbox[..., 3] + eps)))
-    if score_loss == "bce":
+    if score_head == "logit":
+        def score(a, b):
+            return logit_bce(a, b, score_offset)
+    elif score_head != "linear":
+        raise ValueError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
+    elif score_loss == "bce":
         score = score_bce
     elif score_loss == "smooth_l1":
         score = sl1

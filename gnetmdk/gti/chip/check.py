@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gnetmdk.gti.quantize import image_to_codes
-from .model_file import ChipModel
+from .model_file import ChipModel, ChipModelError
 
 
 @dataclass
@@ -86,13 +86,14 @@ def model_layer_codes(model, images: np.ndarray, with_predictions: bool = False)
 
 
 def check_bit_exact(model, runner: Callable, chip_model: ChipModel, dataset=None, images: Optional[np.ndarray] = None,
-                    batch_size: int = 8) -> CheckReport:
+                    batch_size: int = 8, all_layers: bool = True) -> CheckReport:
     """Compare the step-4 model with a chip runner on every layer of every image.
 
     Args:
         model: GNetDet in step-4 eval mode.
         runner: ``runner(images, return_all=True)`` -> (codes, per-layer codes), e.g. ChipEmulator.run or
-            OnnxChipRunner.run (exported with all_layers=True).
+            OnnxChipRunner.run (exported with all_layers=True); with ``all_layers=False``,
+            ``runner(images)`` -> codes, and only the output layer is compared.
         chip_model: the converted model (for the padding and output scale).
         dataset / images: a DetectionDataset (all its images, evaluation preprocessing) or a
             (N, H, W, 3) uint8 batch.
@@ -116,15 +117,21 @@ def check_bit_exact(model, runner: Callable, chip_model: ChipModel, dataset=None
     try:
         for imgs in batches:
             ref, pm = model_layer_codes(model, imgs, with_predictions=True)
-            out, layers = runner(imgs, return_all=True)
-            for i, (r, c) in enumerate(zip(ref, layers)):
+            if all_layers:
+                out, layers = runner(imgs, return_all=True)
+                pairs = list(enumerate(zip(ref, layers)))
+            else:
+                out = runner(imgs)
+                pairs = [(n_layers - 1, (ref[-1], out))]
+            for i, (r, c) in pairs:
                 c = np.asarray(c).astype(np.int64)
                 if i == n_layers - 1:
                     padded_nonzero += int(np.count_nonzero(c[:, used:]))
                     c = c[:, :used]
                 if r.shape != c.shape:
-                    raise ValueError(f"layer {i + 1}: model gives {r.shape}, chip runner {c.shape}: the chip model "
-                                     "was converted from another model")
+                    raise ChipModelError(f"layer {i + 1}: the model gives codes of shape {r.shape}, the chip runner "
+                                         f"{c.shape}: the chip model was converted from another checkpoint; pass "
+                                         "that one to --check")
                 mism[i] += int(np.count_nonzero(r != c))
                 elems[i] += int(r.size)
             pc = codes_to_predictions(np.asarray(out), chip_model)
@@ -132,4 +139,7 @@ def check_bit_exact(model, runner: Callable, chip_model: ChipModel, dataset=None
             count += len(imgs)
     finally:
         model.train(was_training)
-    return CheckReport(mism, elems, padded_nonzero, max_diff, count, [f"conv{i + 1}" for i in range(n_layers)])
+    names = [f"conv{i + 1}" for i in range(n_layers)]
+    if not all_layers:
+        mism, elems, names = mism[-1:], elems[-1:], names[-1:]
+    return CheckReport(mism, elems, padded_nonzero, max_diff, count, names)

@@ -78,6 +78,36 @@ def _conv_numpy(a: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarr
     return out.reshape(n, weight.shape[0], h, w)
 
 
+def accumulator_dtype(layer: ChipLayer) -> torch.dtype:
+    """int32 when the layer's accumulation bound (plus the rounding constant) fits, else int64."""
+    return torch.int32 if layer.max_abs_acc() + (1 << max(layer.shift - 1, 0)) < _INT32_LIMIT else torch.int64
+
+
+def sublayer_codes(layer: ChipLayer, codes: torch.Tensor, backend: str = "torch",
+                   params: Optional[Tuple[torch.dtype, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """One sublayer on the chip: integer 3x3 conv + bias, rounding shift, clamp to 0..31, optional 2x2 max pool.
+
+    Args:
+        layer: the ChipLayer (W_int, b_int, shift, pool_after).
+        codes: (N, in_channels, H, W) integer tensor of codes 0..31.
+        backend: "torch" (F.conv2d on int32/int64 tensors) or "numpy" (im2col + int64 einsum reference).
+        params: prepared (dtype, weight, bias) tensors (ChipEmulator caches them); None builds them.
+    Returns:
+        (N, out_channels, H', W') int32 codes 0..31 (H' = H / 2 after a pool).
+    """
+    if backend == "numpy":
+        acc = torch.from_numpy(_conv_numpy(codes.numpy().astype(np.int64), layer.weight, layer.bias))
+    else:
+        if params is None:
+            dtype = accumulator_dtype(layer)
+            params = (dtype, torch.from_numpy(layer.weight.astype(np.int64)).to(dtype),
+                      torch.from_numpy(layer.bias.astype(np.int64)).to(dtype))
+        dtype, w, b = params
+        acc = F.conv2d(codes.to(dtype), w, b, stride=1, padding=1)
+    out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int32)
+    return _pool2(out) if layer.pool_after else out
+
+
 class ChipEmulator:
     """Integer emulator of one chip model (weights prepared once, then any number of batches).
 
@@ -98,7 +128,7 @@ class ChipEmulator:
         self.batch_size = max(1, int(batch_size))
         self._params: List[Tuple[torch.dtype, torch.Tensor, torch.Tensor]] = []
         for layer in chip_model.layers:
-            dtype = torch.int32 if layer.max_abs_acc() + (1 << max(layer.shift - 1, 0)) < _INT32_LIMIT else torch.int64
+            dtype = accumulator_dtype(layer)
             self._params.append((dtype, torch.from_numpy(layer.weight.astype(np.int64)).to(dtype),
                                  torch.from_numpy(layer.bias.astype(np.int64)).to(dtype)))
 
@@ -112,14 +142,7 @@ class ChipEmulator:
         Returns:
             (N, out_channels, H', W') int32 codes 0..31 (H' = H/2 after a pool).
         """
-        layer: ChipLayer = self.model.layers[index]
-        dtype, w, b = self._params[index]
-        if self.backend == "numpy":
-            acc = torch.from_numpy(_conv_numpy(codes.numpy().astype(np.int64), layer.weight, layer.bias))
-        else:
-            acc = F.conv2d(codes.to(dtype), w, b, stride=1, padding=1)
-        out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int32)
-        return _pool2(out) if layer.pool_after else out
+        return sublayer_codes(self.model.layers[index], codes, self.backend, self._params[index])
 
     # -------------------------------------------------------------- whole network
     @torch.no_grad()

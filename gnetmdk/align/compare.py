@@ -1,0 +1,134 @@
+"""Weight comparison of two checkpoints (alignment.md, "Comparing weights").
+
+Per tensor: max |a - b|, max relative difference |a - b| / max(|a|, |b|) (0 where both are 0) and the
+sum of squared differences. A tensor passes when every element satisfies
+``|a - b| <= atol + rtol * |b|`` (torch.testing.assert_close's rule); tensors present in only one
+file, or with different shapes, fail. Bookkeeping buffers (``num_batches_tracked``) are skipped.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+SKIP_SUFFIXES = ("num_batches_tracked",)
+
+
+class CompareError(ValueError):
+    """A file that cannot be compared (missing, unreadable, no tensors); the message names it."""
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    shape: Tuple[int, ...]
+    max_abs: float
+    max_rel: float
+    sum_sq: float
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class DiffReport:
+    rows: List[TensorDiff] = field(default_factory=list)
+    only_a: List[str] = field(default_factory=list)
+    only_b: List[str] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.only_a and not self.only_b and all(r.ok for r in self.rows)
+
+    @property
+    def failed(self) -> List[TensorDiff]:
+        return [r for r in self.rows if not r.ok]
+
+    def format(self, show_all: bool = False, a_name: str = "A", b_name: str = "B") -> str:
+        lines = [f"{'tensor':<40} {'shape':<18} {'max|a-b|':>11} {'max rel':>11} {'sum sq':>11}  verdict"]
+        for r in self.rows:
+            if show_all or not r.ok:
+                lines.append(f"{r.name:<40} {str(list(r.shape)):<18} {r.max_abs:11.3e} {r.max_rel:11.3e} "
+                             f"{r.sum_sq:11.3e}  {'ok' if r.ok else 'DIFFERS'}{(' ' + r.note) if r.note else ''}")
+        for n in self.only_a:
+            lines.append(f"{n:<40} only in {a_name}")
+        for n in self.only_b:
+            lines.append(f"{n:<40} only in {b_name}")
+        worst = max(self.rows, key=lambda r: r.max_abs, default=None)
+        lines.append(f"{len(self.rows)} tensors compared ({len(self.skipped)} bookkeeping skipped), "
+                     f"{len(self.failed)} outside |a-b| <= {self.atol:g} + {self.rtol:g}*|b|, "
+                     f"{len(self.only_a)} only in {a_name}, {len(self.only_b)} only in {b_name}; largest max|a-b| "
+                     f"{worst.max_abs:.3e} ({worst.name})" if worst else "no tensors in common")
+        lines.append("ALIGNED: all within tolerance" if self.ok else "NOT ALIGNED")
+        return "\n".join(lines)
+
+
+def load_state(path: str) -> Dict[str, torch.Tensor]:
+    """The tensors of a .pth: a gnetmdk checkpoint's ``model``, a dict with ``state_dict`` / ``model``,
+    or a plain state_dict (loaded with weights_only=True).
+
+    Raises:
+        CompareError: missing or unreadable file, or no tensors in it.
+    """
+    if not os.path.isfile(path):
+        raise CompareError(f"'{path}' does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CompareError(f"'{path}' cannot be read as a weights file ({type(exc).__name__}: {exc})") from None
+    if isinstance(obj, dict):
+        for key in ("model", "state_dict", "model_state_dict"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict):
+        raise CompareError(f"'{path}' holds no state_dict")
+    out = {k[len("module."):] if k.startswith("module.") else k: v
+           for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not out:
+        raise CompareError(f"'{path}' holds no tensors")
+    return out
+
+
+def diff_state_dicts(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: float = 1e-6,
+                     rtol: float = 0.0) -> DiffReport:
+    """Compare two state dicts tensor by tensor (see the module docstring); b is the reference for rtol."""
+    rep = DiffReport(atol=atol, rtol=rtol)
+    for name in sorted(set(a) | set(b)):
+        if name.endswith(SKIP_SUFFIXES):
+            rep.skipped.append(name)
+            continue
+        if name not in b:
+            rep.only_a.append(name)
+            continue
+        if name not in a:
+            rep.only_b.append(name)
+            continue
+        ta, tb = a[name], b[name]
+        if ta.shape != tb.shape:
+            rep.rows.append(TensorDiff(name, tuple(ta.shape), float("inf"), float("inf"), float("inf"), False,
+                                       f"shape {list(ta.shape)} vs {list(tb.shape)}"))
+            continue
+        x, y = ta.double(), tb.double()
+        d = (x - y).abs()
+        if d.numel() == 0:
+            rep.rows.append(TensorDiff(name, tuple(ta.shape), 0.0, 0.0, 0.0, True))
+            continue
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        same_nonfinite = (~finite) & ((x == y) | (torch.isnan(x) & torch.isnan(y)))
+        d = torch.where(same_nonfinite, torch.zeros_like(d), d)
+        denom = torch.maximum(x.abs(), y.abs())
+        rel = torch.where(denom > 0, d / denom, torch.zeros_like(d))
+        ok = bool(torch.all(d <= atol + rtol * y.abs()))
+        rep.rows.append(TensorDiff(name, tuple(ta.shape), float(d.max()), float(rel.max()),
+                                   float((d * d).sum()), ok))
+    return rep
+
+
+def diff_files(path_a: str, path_b: str, atol: float = 1e-6, rtol: float = 0.0) -> DiffReport:
+    """diff_state_dicts of two .pth files (see load_state for what they may hold)."""
+    return diff_state_dicts(load_state(path_a), load_state(path_b), atol, rtol)

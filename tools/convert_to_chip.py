@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Convert a step-4 checkpoint into the chip model, GTI's text/JSON files and an ONNX model.
+
+    python3 tools/convert_to_chip.py                                   # checkpoint/step4/best.pth -> model/
+    python3 tools/convert_to_chip.py checkpoint/step4/best.pth --out model/ --check-images 8
+
+Writes into --out: chip_model.json (the open chip-model file), chip_model.onnx (the integer network),
+filter.txt, bias.txt, relu_cap.txt, <chip>_gnetdet_dat_<size>.json, <chip>_gnetdet_model_<size>.json.
+A checkpoint that is not step 4, or that breaks a limit of its chip, is refused with the reason.
+Exit status: 0 converted; 1 the optional --check-images self-check found mismatches; 2 a user error.
+See docs/chip.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="step-4 checkpoint (default <checkpoint_root>/step4/best.pth from the config)")
+    p.add_argument("--config", default=None, help="configs.py (only for the default paths; default ./configs.py)")
+    p.add_argument("--out", default=None, help="output folder (default the config's model_root, 'model')")
+    p.add_argument("--name", default="chip_model", help="base name of the chip-model and ONNX files (default chip_model)")
+    p.add_argument("--classes", default=None, help="comma-separated class names (default: the checkpoint's VOC_CLASSES)")
+    p.add_argument("--no-onnx", action="store_true", help="do not write the ONNX model")
+    p.add_argument("--check-images", type=int, default=0, metavar="N",
+                   help="self-check: run N random 8-bit images through the step-4 model and the emulator, compare "
+                        "every layer (the real check on a dataset is tools/chip_eval.py --check)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    try:
+        from gnetmdk.config import load_config
+        from gnetmdk.gti.chip import ChipEmulator, check_bit_exact, convert_checkpoint
+        from gnetmdk.gti.chip.model_file import FLOAT32_EXACT_LIMIT
+        from gnetmdk.gti.export import write_gti_files
+        cfg = None
+        if args.checkpoint is None or args.out is None:
+            cfg = load_config(args.config)
+        ckpt = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
+        out = args.out or cfg.model_root
+        names = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
+        cm, model = convert_checkpoint(ckpt, names, cap_file=os.path.join(out, "relu_cap.txt"))
+        os.makedirs(out, exist_ok=True)
+        cm_path = cm.save(os.path.join(out, args.name + ".json"))
+        paths = write_gti_files(cm, out, data_file=os.path.basename(cm_path))
+        onnx_path = None
+        if not args.no_onnx:
+            from gnetmdk.gti.chip.onnx_export import save_onnx
+            onnx_path = save_onnx(cm, os.path.join(out, args.name + ".onnx"))
+    except user_errors() as exc:
+        return fail(str(exc))
+    print(f"converted {ckpt} ({cm.source.get('stage')}, best mAP {cm.source.get('best_map')}) for chip {cm.chip}, "
+          f"input {cm.input_size}x{cm.input_size}, {len(cm.layers)} sublayers in {len(cm.major_layers())} major layers")
+    print(f"{'conv':<6} {'major.sub':<9} {'in->out':>11} {'bits':>4} {'shift':>5} {'pool':>4} {'max|acc|':>10} "
+          f"{'f32 exact':>9}")
+    for i, l in enumerate(cm.layers):
+        print(f"{i + 1:<6} {f'{l.major + 1}.{l.index_in_major + 1}':<9} {f'{l.in_channels}->{l.out_channels}':>11} "
+              f"{l.scheme:>4} {l.shift:>5} {'yes' if l.pool_after else '':>4} {l.max_abs_acc():>10} "
+              f"{'yes' if l.float32_exact() else 'NO':>9}")
+    if cm.output_channels > cm.used_channels:
+        print(f"output: {cm.used_channels} channels (10 + {cm.num_classes} classes) padded with zero filters to "
+              f"{cm.output_channels}; host scale cap_last/31 = {cm.output_scale:.8g}")
+    if not all(l.float32_exact() for l in cm.layers):
+        print(f"note: partial sums can reach 2^24 = {FLOAT32_EXACT_LIMIT} in the layers marked NO: float32 convolution "
+              "would round there; the step-4 model evaluates in float64 and the emulator in integers")
+    if cm.calibrated_caps() is None:
+        print("note: the checkpoint does not record the calibrated caps; relu_cap.txt keeps calibration's file if it "
+              "matches, else holds the chip's caps (31)")
+    for p in [cm_path] + list(paths.values()) + ([onnx_path] if onnx_path else []):
+        print(f"wrote {p}")
+    if args.check_images > 0:
+        import numpy as np
+        rng = np.random.default_rng(0)
+        imgs = rng.integers(0, 256, (args.check_images, cm.input_size, cm.input_size, 3), dtype=np.uint8)
+        rep = check_bit_exact(model, ChipEmulator(cm).run, cm, images=imgs)
+        print(rep.format())
+        return 0 if rep.ok else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""VOC mAP@0.5 of a checkpoint on the config's dataset, with the checkpoint's stage switches.
+
+    python3 tools/eval_voc.py checkpoint/step4/best.pth
+    python3 tools/eval_voc.py checkpoint/step1/best.pth --config configs.py --split train batch-size 8
+
+The model is rebuilt from the checkpoint (it must fit the config: classes, input size, width, chip)
+and evaluated as its stage runs (STAGES[stage]; a cal checkpoint as step 3: capped 5-bit activations;
+step 4 in float64, bit-exact with the chip). The dataset paths and the decode thresholds come from the
+config (configs.py, then KEY VALUE / KEY=VALUE overrides after the options).
+Exit status: 0 ok, 2 a user error (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("checkpoint", help="a gnetmdk checkpoint (.pth) of any stage")
+    p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
+    p.add_argument("--split", choices=["valid", "train"], default="valid")
+    p.add_argument("--batch-size", type=int, default=0, help="images per batch (default the config's batch_size)")
+    args, rest = p.parse_known_args(argv)
+    bad = [t for t in rest if t.startswith("--")]
+    if bad:
+        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
+    return args, rest
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from gnetmdk.gti.chip.cli_util import eval_device, fail, load_eval_model, user_errors
+    try:
+        import torch
+        from torch.utils.data import DataLoader
+        from gnetmdk.config import load_config
+        from gnetmdk.dataset.dataset import build_dataset, collate
+        from gnetmdk.evaluation.evaluator import evaluate_model
+        from gnetmdk.evaluation.voc import format_ap_table
+        cfg = load_config(args.config, overrides)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        model, ckpt = load_eval_model(args.checkpoint, cfg)
+        dataset = build_dataset(cfg, args.split)
+        device = eval_device(cfg)
+        model.to(device)
+        loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,
+                            num_workers=cfg.num_workers)
+        t0 = time.time()
+        res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections)
+    except user_errors() as exc:
+        return fail(str(exc))
+    stage = ckpt.get("stage")
+    print(f"{args.checkpoint}: stage {stage}{' (evaluated as step3)' if stage == 'cal' else ''}, "
+          f"{cfg.DS_NAME} {args.split} split, {res['num_images']} images, {time.time() - t0:.1f}s on {device}; "
+          f"decode conf {cfg.conf_thresh:g} nms {cfg.nms_thresh:g} max {cfg.max_detections}")
+    print(format_ap_table(res, cfg.VOC_CLASSES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

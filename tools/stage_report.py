@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Stage alignment report: mAP and mean output difference for step1 -> step2 -> step3 -> step4 -> chip model.
+
+    python3 tools/stage_report.py                                  # the config's checkpoints, valid split
+    python3 tools/stage_report.py --config examples/cards.py --split train max_val_images=50
+    python3 tools/stage_report.py --chip model/chip_model.json --step3 runs/a/step3.pth
+
+Each stage's checkpoint defaults to <checkpoint_root>/step<N>/best.pth (missing ones are skipped);
+the chip row runs <model_root>/chip_model.json with the integer emulator, or, when that file is
+absent, the step-4 checkpoint converted in memory. All stages see the same images and are decoded
+with the config's thresholds. Columns: mAP@0.5, its change from the stage before, mean and max
+|prediction difference| from the stage before, and mean |difference| from the first stage (step 1,
+the float model). Step 4 -> chip must read exactly 0.
+Exit status: 0 ok (1 when step 4 and the chip model differ); 2 a user error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
+    p.add_argument("--split", choices=["valid", "train"], default="valid")
+    for k in range(1, 5):
+        p.add_argument(f"--step{k}", default=None, help=f"step-{k} checkpoint (default <checkpoint_root>/step{k}/best.pth)")
+    p.add_argument("--chip", default=None, help="chip model (default <model_root>/chip_model.json, else converted "
+                                                "from the step-4 checkpoint)")
+    p.add_argument("--no-chip", action="store_true", help="leave out the chip row")
+    p.add_argument("--batch-size", type=int, default=16)
+    args, rest = p.parse_known_args(argv)
+    bad = [t for t in rest if t.startswith("--")]
+    if bad:
+        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
+    return args, rest
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    try:
+        import torch
+        from gnetmdk.config import load_config
+        from gnetmdk.dataset.dataset import build_dataset
+        from gnetmdk.gti.chip import ChipModelError, convert_checkpoint, load_chip_model
+        from gnetmdk.gti.chip.report import format_report, stage_report
+        cfg = load_config(args.config, overrides)
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        ckpts = {}
+        for k in range(1, 5):
+            given = getattr(args, f"step{k}")
+            if given and not os.path.isfile(given):
+                raise FileNotFoundError(f"--step{k} '{given}' does not exist")
+            path = given or os.path.join(cfg.checkpoint_dir(k), "best.pth")
+            ckpts[f"step{k}"] = path if os.path.isfile(path) else None
+        chip = None
+        chip_note = ""
+        if not args.no_chip:
+            chip_path = args.chip or os.path.join(cfg.model_root, "chip_model.json")
+            if os.path.isfile(chip_path) or args.chip:
+                chip = load_chip_model(chip_path)
+                chip_note = chip_path
+            elif ckpts["step4"]:
+                chip, _ = convert_checkpoint(ckpts["step4"], list(cfg.VOC_CLASSES))
+                chip_note = f"converted in memory from {ckpts['step4']}"
+            if chip is not None and list(chip.class_names) != list(cfg.VOC_CLASSES):
+                raise ChipModelError(f"chip model {chip_note} has classes {chip.class_names}, the config "
+                                     f"{list(cfg.VOC_CLASSES)}: pass the matching --config")
+        if not any(ckpts.values()) and chip is None:
+            raise FileNotFoundError(f"no checkpoint found under {cfg.checkpoint_root}/step1..4 and no chip model: "
+                                    "train first, or pass --step1..--step4 / --chip")
+        dataset = build_dataset(cfg, args.split)
+        t0 = time.time()
+        rows = stage_report(dataset, ckpts, chip, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                            args.batch_size, cfg)
+    except user_errors() as exc:
+        return fail(str(exc))
+    missing = [k for k, v in ckpts.items() if v is None]
+    print(f"stage report: {cfg.DS_NAME} {args.split} split, {len(dataset)} images, decode conf {cfg.conf_thresh:g} "
+          f"nms {cfg.nms_thresh:g}; {time.time() - t0:.1f}s" + (f"; missing: {', '.join(missing)}" if missing else ""))
+    if chip_note:
+        print(f"chip model: {chip_note}")
+    print(format_report(rows))
+    by = {r.name: r for r in rows}
+    if "chip" in by and "step4" in by and rows.index(by["chip"]) == rows.index(by["step4"]) + 1:
+        if by["chip"].max_diff_prev != 0.0 or by["chip"].d_map != 0.0:
+            print("step 4 and the chip model DIFFER: run tools/chip_eval.py --check for the layer that breaks")
+            return 1
+        print("step 4 -> chip: identical outputs and mAP (bit-exact)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
