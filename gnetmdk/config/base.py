@@ -70,13 +70,15 @@ class BaseConfig:
     weight_decay: float = 5e-4
     grad_clip: float = 10.0                 # max gradient norm, 0 = off
     num_epochs: int = 30
-    lr_scheduler: str = "cosine"            # cosine | step | multistep | constant
+    lr_scheduler: str = "cosine"            # cosine | cosine_restarts | step | multistep | constant
     warmup_epochs: float = 1.0              # linear warm-up length in epochs (stepped per iteration)
     warmup_factor: float = 0.1              # lr multiplier at the first iteration of the warm-up
     min_lr_ratio: float = 0.01              # cosine floor, as a fraction of learning_rate
     lr_step_size: int = 10                  # StepLR period (epochs)
     lr_milestones: List[int] = [20, 25]     # MultiStepLR milestones (epochs)
     lr_gamma: float = 0.1
+    lr_restart_epochs: float = 10.0         # CosineAnnealingWarmRestarts: first period (epochs)
+    lr_restart_mult: int = 1                # ... and its growth factor
     num_workers: int = 2
     seed: int = 0
     threads: int = 0                        # torch.set_num_threads; 0 = leave torch's default

@@ -231,8 +231,11 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("score_loss", "must be smooth_l1 or bce")
     if cfg.optimizer not in ("adamw", "adam", "sgd"):
         bad("optimizer", "must be adamw, adam or sgd")
-    if cfg.lr_scheduler not in ("cosine", "step", "multistep", "constant"):
-        bad("lr_scheduler", "must be cosine, step, multistep or constant")
+    if cfg.lr_scheduler not in ("cosine", "cosine_restarts", "step", "multistep", "constant"):
+        bad("lr_scheduler", "must be cosine, cosine_restarts, step, multistep or constant")
+    if cfg.warmup_epochs < 0 or not 0 < cfg.warmup_factor <= 1:
+        bad("warmup_factor" if cfg.warmup_epochs >= 0 else "warmup_epochs",
+            "warmup_epochs must be >= 0 and warmup_factor in (0, 1]")
     if cfg.device not in ("auto", "cpu", "cuda"):
         bad("device", "must be auto, cpu or cuda")
     if cfg.width_mult <= 0:

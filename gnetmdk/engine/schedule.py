@@ -1,7 +1,8 @@
 """Optimizers and per-iteration learning-rate schedules built from torch.optim.lr_scheduler.
 
 Schedule = LinearLR warm-up (from ``warmup_factor`` x lr to lr over ``warmup_epochs``) followed by
-CosineAnnealingLR (down to ``min_lr_ratio`` x lr), StepLR, MultiStepLR or a constant rate, chained
+CosineAnnealingLR (down to ``min_lr_ratio`` x lr), CosineAnnealingWarmRestarts (period
+``lr_restart_epochs``, growing by ``lr_restart_mult``), StepLR, MultiStepLR or a constant rate, chained
 with SequentialLR and stepped once per optimizer step. Epoch-based fields are converted to
 iterations with the number of iterations per epoch.
 """
@@ -40,6 +41,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, iters_per_epoch: int)
     kind = cfg.lr_scheduler
     if kind == "cosine":
         main = S.CosineAnnealingLR(optimizer, T_max=rest, eta_min=cfg.learning_rate * cfg.min_lr_ratio)
+    elif kind == "cosine_restarts":
+        main = S.CosineAnnealingWarmRestarts(optimizer, T_0=max(1, int(round(cfg.lr_restart_epochs * ipe))),
+                                             T_mult=int(cfg.lr_restart_mult),
+                                             eta_min=cfg.learning_rate * cfg.min_lr_ratio)
     elif kind == "step":
         main = S.StepLR(optimizer, step_size=max(1, cfg.lr_step_size * ipe), gamma=cfg.lr_gamma)
     elif kind == "multistep":

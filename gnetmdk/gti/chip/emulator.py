@@ -9,14 +9,25 @@ Semantics (gti-chip.md, "What the chip computes"), per sublayer with shift s:
     out    = clamp(R(acc / 2^s), 0, 31)
     then, where the sublayer ends its major layer with pooling, a 2x2/2 max pool on the codes.
 
-Every step is an integer tensor operation (torch int32 or int64, or numpy int64 for the reference
-backend); nothing passes through floating point. The accumulator is int32 when the layer's bound
-max_o(sum|W_int[o]| * 31 + |b_int[o]|) fits (always, for the chips' 8/12-bit weights and at most 1024
-channels: 1024 * 9 * 2047 * 31 + 2^19 < 2^31), otherwise int64.
+Every step is an integer tensor operation; nothing passes through floating point. Backends:
+
+* ``"gemm"`` (default): im2col of the int8 codes (NHWC) times int8 weights with torch's integer GEMM
+  (``torch._int_mm``, int32 accumulation), vectorised over the batch. Weights wider than int8
+  (12-bit registers) are split as W = 128 * Hi + Lo (Lo in 0..127) into two GEMMs. Before first use
+  a self-test at the extreme values (codes 31, weights +-127/-128, 9216-long sums) confirms that the
+  platform's int8 kernels neither saturate nor overflow; where it fails, or where ``_int_mm`` is
+  missing, the emulator falls back to ``"conv"``.
+* ``"conv"``: ``torch.nn.functional.conv2d`` on int32 (or int64) tensors.
+* ``"numpy"``: im2col + int64 einsum in numpy (slow; the independent reference of the tests).
+
+The accumulator is int32 when the layer's bound max_o(sum|W_int[o]| * 31 + |b_int[o]|) fits (always,
+for the chips' 8/12-bit weights and at most 1024 channels: 1024 * 9 * 2047 * 31 + 2^19 < 2^31), else
+int64 (``"conv"`` then runs that layer).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+import functools
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -27,6 +38,7 @@ from .model_file import ChipLayer, ChipModel
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
 _INT32_LIMIT = 2 ** 31 - 2 ** 13      # headroom for the rounding constant
+BACKENDS = ("gemm", "conv", "numpy")
 
 
 def images_to_codes(images: ArrayLike) -> torch.Tensor:
@@ -61,13 +73,76 @@ def rounding_shift(acc: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.where(acc < 0, -mag, mag)
 
 
-def _pool2(x: torch.Tensor) -> torch.Tensor:
-    n, c, h, w = x.shape
-    return x.reshape(n, c, h // 2, 2, w // 2, 2).amax(dim=(3, 5))
+def accumulator_dtype(layer: ChipLayer) -> torch.dtype:
+    """int32 when the layer's accumulation bound (plus the rounding constant) fits, else int64."""
+    return torch.int32 if layer.max_abs_acc() + (1 << max(layer.shift - 1, 0)) < _INT32_LIMIT else torch.int64
+
+
+@functools.lru_cache(maxsize=None)
+def int8_gemm_exact() -> bool:
+    """Self-test of torch's int8 GEMM at the values the emulator can feed it.
+
+    Codes are 0..31 and weights (after the split) -128..127; sums have up to 1024 x 9 terms. The test
+    multiplies the extremes (which maximise any int16 pair-sum saturation or int32 overflow) and random
+    values, and compares with int64 matmul. Returns False where ``torch._int_mm`` is absent or inexact.
+    """
+    if not hasattr(torch, "_int_mm"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        for m, k, n in ((32, 9216, 8), (17, 27, 3)):
+            for a_val, w_val in ((31, 127), (31, -128), (31, -127)):
+                a = torch.full((m, k), a_val, dtype=torch.int8)
+                w = torch.full((k, n), w_val, dtype=torch.int8)
+                if not torch.equal(torch._int_mm(a, w).long(), a.long() @ w.long()):
+                    return False
+            a = torch.randint(0, 32, (m, k), dtype=torch.int8, generator=g)
+            w = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=g)
+            if not torch.equal(torch._int_mm(a, w).long(), a.long() @ w.long()):
+                return False
+        return True
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _split_int8(w: np.ndarray) -> List[np.ndarray]:
+    """[W] when it fits int8, else [Hi, Lo] with W = 128 * Hi + Lo, Lo in 0..127."""
+    if w.size == 0 or (w.min() >= -128 and w.max() <= 127):
+        return [w]
+    lo = np.mod(w, 128)
+    hi = (w - lo) // 128
+    if hi.min() < -128 or hi.max() > 127:
+        raise ValueError("weights beyond 15 bits cannot be split into two int8 GEMMs")
+    return [hi, lo]
+
+
+class _Prepared:
+    """One layer's tensors for a backend (built once per emulator)."""
+
+    def __init__(self, layer: ChipLayer, backend: str):
+        self.layer = layer
+        self.acc_dtype = accumulator_dtype(layer)
+        self.kind = backend
+        if backend == "gemm" and (self.acc_dtype != torch.int32 or not int8_gemm_exact()):
+            self.kind = "conv"
+        o = layer.out_channels
+        if self.kind == "gemm":
+            # im2col order (dy, dx, c) -> weight matrix (9 C, O)
+            self.mats = [torch.from_numpy(np.ascontiguousarray(p.transpose(2, 3, 1, 0).reshape(-1, o)))
+                         .to(torch.int8) for p in _split_int8(layer.weight)]
+            self.bias = torch.from_numpy(layer.bias.astype(np.int64)).to(torch.int32)
+        elif self.kind == "conv":
+            self.weight = torch.from_numpy(layer.weight.astype(np.int64)).to(self.acc_dtype)
+            self.bias = torch.from_numpy(layer.bias.astype(np.int64)).to(self.acc_dtype)
+
+
+def _pool2_nhwc(x: torch.Tensor) -> torch.Tensor:
+    n, h, w, c = x.shape
+    return x.reshape(n, h // 2, 2, w // 2, 2, c).amax(dim=(2, 4))
 
 
 def _conv_numpy(a: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """Reference 3x3 / pad-1 convolution in numpy int64 (im2col + integer matmul)."""
+    """Reference 3x3 / pad-1 convolution in numpy int64 (im2col + integer einsum), NCHW."""
     n, c, h, w = a.shape
     p = np.zeros((n, c, h + 2, w + 2), dtype=np.int64)
     p[:, :, 1:-1, 1:-1] = a
@@ -78,34 +153,50 @@ def _conv_numpy(a: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarr
     return out.reshape(n, weight.shape[0], h, w)
 
 
-def accumulator_dtype(layer: ChipLayer) -> torch.dtype:
-    """int32 when the layer's accumulation bound (plus the rounding constant) fits, else int64."""
-    return torch.int32 if layer.max_abs_acc() + (1 << max(layer.shift - 1, 0)) < _INT32_LIMIT else torch.int64
+def _gemm_nhwc(prep: _Prepared, x: torch.Tensor) -> torch.Tensor:
+    """int8 NHWC codes -> int32 NHWC accumulators (im2col + integer GEMM)."""
+    n, h, w, c = x.shape
+    xp = F.pad(x, (0, 0, 1, 1, 1, 1))
+    cols = torch.cat([xp[:, dy:dy + h, dx:dx + w] for dy in range(3) for dx in range(3)], dim=3)
+    cols = cols.reshape(n * h * w, 9 * c)
+    if len(prep.mats) == 1:
+        acc = torch._int_mm(cols, prep.mats[0])
+    else:
+        acc = torch._int_mm(cols, prep.mats[0]).mul_(128).add_(torch._int_mm(cols, prep.mats[1]))
+    acc.add_(prep.bias)
+    return acc.reshape(n, h, w, -1)
 
 
-def sublayer_codes(layer: ChipLayer, codes: torch.Tensor, backend: str = "torch",
-                   params: Optional[Tuple[torch.dtype, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+def _layer_nhwc(prep: _Prepared, x: torch.Tensor) -> torch.Tensor:
+    """One sublayer on NHWC int8 codes (any backend); returns NHWC int8 codes."""
+    layer = prep.layer
+    if prep.kind == "gemm":
+        acc = _gemm_nhwc(prep, x)
+    else:
+        nchw = x.permute(0, 3, 1, 2)
+        if prep.kind == "numpy":
+            acc = torch.from_numpy(_conv_numpy(nchw.numpy().astype(np.int64), layer.weight, layer.bias))
+        else:
+            acc = F.conv2d(nchw.to(prep.acc_dtype), prep.weight, prep.bias, stride=1, padding=1)
+        acc = acc.permute(0, 2, 3, 1)
+    out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int8)
+    return _pool2_nhwc(out) if layer.pool_after else out
+
+
+def sublayer_codes(layer: ChipLayer, codes: torch.Tensor, backend: str = "gemm") -> torch.Tensor:
     """One sublayer on the chip: integer 3x3 conv + bias, rounding shift, clamp to 0..31, optional 2x2 max pool.
 
     Args:
         layer: the ChipLayer (W_int, b_int, shift, pool_after).
         codes: (N, in_channels, H, W) integer tensor of codes 0..31.
-        backend: "torch" (F.conv2d on int32/int64 tensors) or "numpy" (im2col + int64 einsum reference).
-        params: prepared (dtype, weight, bias) tensors (ChipEmulator caches them); None builds them.
+        backend: "gemm", "conv" or "numpy" (see the module docstring).
     Returns:
         (N, out_channels, H', W') int32 codes 0..31 (H' = H / 2 after a pool).
     """
-    if backend == "numpy":
-        acc = torch.from_numpy(_conv_numpy(codes.numpy().astype(np.int64), layer.weight, layer.bias))
-    else:
-        if params is None:
-            dtype = accumulator_dtype(layer)
-            params = (dtype, torch.from_numpy(layer.weight.astype(np.int64)).to(dtype),
-                      torch.from_numpy(layer.bias.astype(np.int64)).to(dtype))
-        dtype, w, b = params
-        acc = F.conv2d(codes.to(dtype), w, b, stride=1, padding=1)
-    out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int32)
-    return _pool2(out) if layer.pool_after else out
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown emulator backend '{backend}': use one of {BACKENDS}")
+    x = codes.to(torch.int8).permute(0, 2, 3, 1).contiguous()
+    return _layer_nhwc(_Prepared(layer, backend), x).permute(0, 3, 1, 2).to(torch.int32).contiguous()
 
 
 class ChipEmulator:
@@ -113,38 +204,29 @@ class ChipEmulator:
 
     Args:
         chip_model: a ChipModel (gnetmdk.gti.chip.load_chip_model).
-        backend: "torch" (vectorised integer convolution, int32/int64 tensors; the default) or
-            "numpy" (im2col + int64 einsum, slow; an independent reference for tests).
-        batch_size: images per internal batch (bounds memory).
+        backend: "gemm" (default: int8 im2col GEMM, falls back to "conv" where the platform's int8
+            GEMM is missing or inexact), "conv" (integer conv2d) or "numpy" (slow int64 reference).
+        batch_size: images per internal batch (bounds memory: the im2col buffer of the widest layer
+            is batch x H x W x 9 x C bytes).
 
     Call with 8-bit images (:meth:`run`) or with input codes (:meth:`run_codes`).
+    Raises:
+        ValueError: unknown backend.
     """
 
-    def __init__(self, chip_model: ChipModel, backend: str = "torch", batch_size: int = 16):
-        if backend not in ("torch", "numpy"):
-            raise ValueError(f"unknown emulator backend '{backend}': use 'torch' or 'numpy'")
+    def __init__(self, chip_model: ChipModel, backend: str = "gemm", batch_size: int = 8):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown emulator backend '{backend}': use one of {BACKENDS}")
         self.model = chip_model
         self.backend = backend
         self.batch_size = max(1, int(batch_size))
-        self._params: List[Tuple[torch.dtype, torch.Tensor, torch.Tensor]] = []
-        for layer in chip_model.layers:
-            dtype = accumulator_dtype(layer)
-            self._params.append((dtype, torch.from_numpy(layer.weight.astype(np.int64)).to(dtype),
-                                 torch.from_numpy(layer.bias.astype(np.int64)).to(dtype)))
+        self._prep = [_Prepared(layer, backend) for layer in chip_model.layers]
 
-    # -------------------------------------------------------------- one layer
-    def layer(self, index: int, codes: torch.Tensor) -> torch.Tensor:
-        """Run sublayer ``index`` on codes.
+    @property
+    def layer_backends(self) -> List[str]:
+        """The backend each layer actually runs with (``gemm`` layers may fall back to ``conv``)."""
+        return [p.kind for p in self._prep]
 
-        Args:
-            index: 0-based sublayer.
-            codes: (N, in_channels, H, W) integer tensor of codes 0..31.
-        Returns:
-            (N, out_channels, H', W') int32 codes 0..31 (H' = H/2 after a pool).
-        """
-        return sublayer_codes(self.model.layers[index], codes, self.backend, self._params[index])
-
-    # -------------------------------------------------------------- whole network
     @torch.no_grad()
     def run_codes(self, codes: ArrayLike, return_all: bool = False):
         """Run the network on input codes.
@@ -168,16 +250,18 @@ class ChipEmulator:
             raise ValueError(f"codes must be 0..{ACT_MAX}, got {int(x.min())}..{int(x.max())}")
         outs: List[List[np.ndarray]] = [[] for _ in self.model.layers]
         finals = []
+
+        def nchw(t):
+            return t.permute(0, 3, 1, 2).to(torch.uint8).contiguous().numpy()
         for start in range(0, x.shape[0], self.batch_size):
-            a = x[start:start + self.batch_size].to(torch.int32)
-            for i in range(len(self.model.layers)):
-                a = self.layer(i, a)
+            a = x[start:start + self.batch_size].to(torch.int8).permute(0, 2, 3, 1).contiguous()
+            for i, prep in enumerate(self._prep):
+                a = _layer_nhwc(prep, a)
                 if return_all:
-                    outs[i].append(a.to(torch.uint8).numpy())
-            finals.append(a.to(torch.uint8).numpy())
-        n_out = self.model.output_channels
+                    outs[i].append(nchw(a))
+            finals.append(nchw(a))
         g = self.model.grid
-        out = np.concatenate(finals) if finals else np.zeros((0, n_out, g, g), np.uint8)
+        out = np.concatenate(finals) if finals else np.zeros((0, self.model.output_channels, g, g), np.uint8)
         if not return_all:
             return out
         return out, [np.concatenate(o) if o else np.zeros((0,), np.uint8) for o in outs]
@@ -196,7 +280,7 @@ class ChipEmulator:
     __call__ = run
 
 
-def emulate(chip_model: ChipModel, images: ArrayLike, return_all: bool = False, batch_size: int = 16,
-            backend: str = "torch"):
+def emulate(chip_model: ChipModel, images: ArrayLike, return_all: bool = False, batch_size: int = 8,
+            backend: str = "gemm"):
     """One-shot helper: ``ChipEmulator(chip_model, backend, batch_size).run(images, return_all)``."""
     return ChipEmulator(chip_model, backend, batch_size).run(images, return_all)
