@@ -13,7 +13,8 @@ Every row runs the same network on the same batch of 8-bit images at the same in
 Without --checkpoint the weights are random (He init) and the caps are calibrated on the images;
 speed does not depend on the values. Images: the cards validation images when ../shared/data/cards
 is present, else random pixels. Reported: images/s (median of --repeat timed batches after one
-warm-up batch) and the ratio to pytorch float32.
+warm-up batch; the rows are timed round-robin, one batch each per round, so load changes on a shared
+machine hit all rows alike) and the ratio to pytorch float32.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
 
 
 def load_images(n: int, size: int) -> tuple:
+    """(n, size, size, 3) uint8 BGR images (cards validation images, evaluation preprocessing, or random
+    pixels without the dataset) and a description."""
     from gnetmdk.dataset.dataset import decode_image, preprocess_image
     jpg = os.path.join(CARDS, "JPEGImages")
     if os.path.isdir(jpg):
@@ -88,17 +91,34 @@ def build_models(args, images):
     return flt, step4, chip
 
 
-def timeit(fn, batch, repeat):
-    fn(batch)                                   # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (or platform's guess)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_rows(rows, batch, repeat):
+    """images/s per row: one warm-up batch each, then ``repeat`` rounds timing every row once per
+    round (interleaved, so a change of machine load hits every row alike); median per row."""
+    for _, fn in rows:
         fn(batch)
-        times.append(time.perf_counter() - t0)
-    return len(batch) / statistics.median(times)
+    times = {name: [] for name, _ in rows}
+    for _ in range(repeat):
+        for name, fn in rows:
+            t0 = time.perf_counter()
+            fn(batch)
+            times[name].append(time.perf_counter() - t0)
+    return {name: len(batch) / statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
+    """Build the models, time every row, print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a step-4 checkpoint (default: random weights)")
     p.add_argument("--size", type=int, default=224)
@@ -134,17 +154,17 @@ def main(argv=None) -> int:
     print(f"GNetDet-{args.size} x{args.width if not args.checkpoint else 'ckpt'}, chip {chip.chip}, "
           f"{len(chip.layers)} sublayers, {macs / 1e6:.0f} M MAC/image; batch {args.batch} ({what}), "
           f"threads {args.threads}, median of {args.repeat}; torch {torch.__version__}, "
-          f"int8 GEMM exact: {int8_gemm_exact()}; {platform.processor() or platform.machine()}, "
+          f"int8 GEMM exact: {int8_gemm_exact()}; {cpu_name()} ({os.cpu_count()} cores), "
           f"load {os.getloadavg()[0]:.1f}")
-    base = None
-    print(f"| backend | images/s | ms/image | vs pytorch float32 |")
-    print(f"|---|---:|---:|---:|")
-    for name, fn in rows:
-        if name in skip:
-            continue
-        ips = timeit(fn, images, args.repeat)
-        base = base or ips
-        print(f"| {name} | {ips:.1f} | {1000 / ips:.1f} | {ips / base:.2f}x |", flush=True)
+    rows = [(name, fn) for name, fn in rows if name not in skip]
+    ips = time_rows(rows, images, args.repeat)
+    base = ips.get("pytorch float32")
+    print("| backend | images/s | ms/image | vs pytorch float32 |")
+    print("|---|---:|---:|---:|")
+    for name, _ in rows:
+        rel = f"{ips[name] / base:.2f}x" if base else "-"
+        print(f"| {name} | {ips[name]:.1f} | {1000 / ips[name]:.1f} | {rel} |")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 
 

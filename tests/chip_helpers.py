@@ -20,6 +20,7 @@ DATASETS: Dict[str, List[str]] = {"raccoon": ["raccoon"], "cards": ["nine", "ten
 
 
 def have(name: str) -> bool:
+    """The shared dataset ``name`` is present."""
     return os.path.isdir(os.path.join(DATA, name))
 
 
@@ -76,16 +77,17 @@ def _init(model, seed: int) -> None:
 
 
 def build_step4_model(num_classes: int, calib_images: np.ndarray, seed: int = 0, width_mult: float = 0.0625,
-                      chip: str = "5801", mask_bits: Sequence[int] = ()):
+                      chip: str = "5801", mask_bits: Sequence[int] = (), **model_kw):
     """A step-4 GNetDet-224 without training: init, calibrate caps on ``calib_images`` (uint8 NHWC),
-    gain-edit, step-4 switches, eval mode. Returns (model, pre-edit caps)."""
+    gain-edit, step-4 switches, eval mode; ``model_kw`` go to GNetDet (e.g. score_head). Returns
+    (model, pre-edit caps)."""
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.gti.quantize import image_to_codes
     from gnetmdk.gti.transforms import gain_edit
     from gnetmdk.layers.gnetdet import GNetDet
     torch.manual_seed(seed)
     model = GNetDet(num_classes=num_classes, image_size=224, width_mult=width_mult, use_bn=False, chip=chip,
-                    mask_bits=list(mask_bits))
+                    mask_bits=list(mask_bits), **model_kw)
     _init(model, seed)
     x = image_to_codes(torch.from_numpy(calib_images)).permute(0, 3, 1, 2).float()
     apply_stage(model, STAGES["cal"], calibrating=True)

@@ -95,6 +95,20 @@ def test_rounding_shift_is_round_half_away_from_zero(acc, s):
         assert got == _exact_round_shift(acc, s)
 
 
+@settings(max_examples=200, deadline=None)
+@given(acc=st.lists(st.integers(-2 ** 31 + 2 ** 13, 2 ** 31 - 2 ** 13), min_size=1, max_size=20),
+       s=st.integers(0, 12), near=st.booleans())
+def test_fast_activation_equals_literal_rule(acc, s, near):
+    """The "gemm" backend's clamp((acc + 2^(s-1)) >> s) form equals clamp(R(acc / 2^s), 0, 31)."""
+    from gnetmdk.gti.chip.emulator import activation_codes_from_acc
+    if near:   # values around 0 and around the top code, where the two forms could differ
+        acc = [a % (70 << s) - (3 << s) for a in acc]
+    t = torch.tensor(acc, dtype=torch.int32)
+    want = [min(max(_exact_round_shift(a, s), 0), 31) for a in acc]
+    assert activation_codes_from_acc(t, s).tolist() == want
+    assert rounding_shift(t, s).clamp(0, 31).tolist() == want
+
+
 def test_rounding_shift_ties():
     acc = torch.tensor([-6, -5, -3, -2, -1, 0, 1, 2, 3, 5, 6], dtype=torch.int32)
     assert rounding_shift(acc, 1).tolist() == [-3, -3, -2, -1, -1, 0, 1, 1, 2, 3, 3]
@@ -201,6 +215,25 @@ def test_padded_channels_are_zero_and_ignored(raccoon):
     assert codes_to_predictions(codes, cm).shape == (4, 14, 14, 11)
 
 
+@needs_data
+def test_logit_score_head_chip_map_equals_model(raccoon):
+    """A model with the logit score head (sigmoid on the host): the chip model records the head, and
+    the chip's mAP and detections equal the step-4 model's evaluator."""
+    from torch.utils.data import DataLoader
+    from gnetmdk.dataset.dataset import collate
+    from gnetmdk.evaluation.evaluator import evaluate_model
+    from gnetmdk.gti.chip import evaluate_chip
+    s = raccoon
+    model, caps = build_step4_model(1, s.images[:6], seed=5, score_head="logit", score_offset=2.0)
+    cm = chip_model_from_gnetdet(model, ["raccoon"], calibrated_caps=caps)
+    assert (cm.score_head, cm.score_offset) == ("logit", 2.0)
+    assert cm.header()["decode"]["score_head"] == "logit"
+    ref = evaluate_model(model, DataLoader(s.val, batch_size=16, collate_fn=collate), s.val, torch.device("cpu"),
+                         0.05, 0.5, 100)
+    res = evaluate_chip(ChipEmulator(cm).run, cm, s.val)
+    assert res["map"] == ref["map"] and res["num_det"] == ref["num_det"] and res["map"] > 0
+
+
 # ------------------------------------------------------------------ chip-model file
 @needs_data
 def test_chip_model_file_roundtrip_and_refusals(raccoon, tmp_path):
@@ -243,7 +276,7 @@ def test_chip_model_file_roundtrip_and_refusals(raccoon, tmp_path):
 def test_onnx_equals_emulator_on_real_images(raccoon, tmp_path):
     pytest.importorskip("onnxruntime")
     import onnx
-    from gnetmdk.gti.chip.onnx_export import OnnxChipRunner, build_onnx, onnx_header, save_onnx
+    from gnetmdk.gti.chip.onnx_export import OnnxChipRunner, onnx_header, save_onnx
     s = raccoon
     path = save_onnx(s.chip, str(tmp_path / "m.onnx"))
     m = onnx.load(path)
@@ -271,6 +304,36 @@ def test_onnx_equals_emulator_on_real_images(raccoon, tmp_path):
     _, lo = full.run(s.images[:8], return_all=True)
     _, le = emu.run(s.images[:8], return_all=True)
     assert len(lo) == 16 and all(np.array_equal(x, y) for x, y in zip(lo, le))
+
+
+@needs_data
+def test_extreme_registers_onnx_and_emulator(raccoon):
+    """Weights at the register limits (+-127), biases at +-(2^19 - 1), codes 31: the largest
+    accumulations the 8-bit chip can make; int8 GEMM, integer conv, numpy and onnxruntime agree."""
+    pytest.importorskip("onnxruntime")
+    import copy
+    from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
+    s = raccoon
+    cm = copy.deepcopy(s.chip)
+    g = np.random.default_rng(0)
+    for i, l in enumerate(cm.layers):
+        w = np.where(g.random(l.weight.shape) < 0.7, 127, -127).astype(np.int64)
+        w[1::2] = -w[1::2]
+        b = np.where(np.arange(l.out_channels) % 3 == 0, 2 ** 19 - 1, -(2 ** 19 - 1)).astype(np.int64)
+        b[2::3] = g.integers(-5000, 5000, len(b[2::3]))
+        if i == len(cm.layers) - 1:
+            w[cm.used_channels:] = 0
+            b[cm.used_channels:] = 0
+        l.weight, l.bias, l.shift = w, b, 12 if i % 2 else 7
+    cm.validate()
+    imgs = np.stack([np.full((224, 224, 3), 255, np.uint8), np.zeros((224, 224, 3), np.uint8), s.images[0]])
+    ref, lref = ChipEmulator(cm, backend="numpy").run(imgs, return_all=True)
+    assert 0 < np.count_nonzero(lref[3]) < lref[3].size          # neither all 0 nor all saturated
+    for backend in ("gemm", "conv"):
+        out, lout = ChipEmulator(cm, backend=backend).run(imgs, return_all=True)
+        assert all(np.array_equal(x, y) for x, y in zip(lout, lref))
+    _, lo = OnnxChipRunner(cm, all_layers=True).run(imgs, return_all=True)
+    assert all(np.array_equal(x, y) for x, y in zip(lo, lref))
 
 
 @needs_data
@@ -414,6 +477,11 @@ def test_chip_eval_check_reports_and_fails_on_a_wrong_model(raccoon, tmp_path, c
     rows = {l.split()[0]: int(l.split()[2]) for l in text.splitlines() if l.startswith("conv")}
     assert all(rows[f"conv{i}"] == 0 for i in range(1, 6)) and rows["conv6"] > 0
     assert "NOT bit-exact" in text
+    # the right model passes, on the train split too (evaluated without augmentation)
+    rc = load_tool("chip_eval").main([str(tmp_path / "ok.json"), "--config", s.config, "--check", s.ckpt,
+                                      "--split", "train", "max_train_images=5"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "train split: 5 images" in text and "| equal" in text, text
     # user errors: one line, exit 2
     assert load_tool("chip_eval").main([str(tmp_path / "missing.json"), "--config", s.config]) == 2
     other = write_config(str(tmp_path), "cards")

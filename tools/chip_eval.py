@@ -4,7 +4,7 @@
     python3 tools/chip_eval.py                                  # model/chip_model.json on the config's valid split
     python3 tools/chip_eval.py model/chip_model.json --backend onnx
     python3 tools/chip_eval.py --check                          # + every layer's codes vs checkpoint/step4/best.pth
-    python3 tools/chip_eval.py --check checkpoint/step4/best.pth --config configs.py --split train max_val_images=20
+    python3 tools/chip_eval.py --check checkpoint/step4/best.pth --config configs.py --split train max_train_images=20
 
 The dataset comes from the config (configs.py; overrides after the options, KEY VALUE or KEY=VALUE).
 Decoding uses the thresholds stored in the chip model unless conf_thresh / nms_thresh / max_detections
@@ -28,7 +28,8 @@ _CHECK_DEFAULT = "<from chip model>"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+    """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("chip_model", nargs="?", default=None,
                    help="chip-model file or its folder (default <model_root>/chip_model.json)")
@@ -52,6 +53,7 @@ def parse_args(argv):
     fields = set(BaseConfig.field_types())
 
     def is_override(tok):
+        """A KEY=VALUE word or a config field name."""
         return tok is not None and ("=" in tok or tok.replace("-", "_") in fields)
     taken = []
     if is_override(args.chip_model):
@@ -64,12 +66,12 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import fail, user_errors
     try:
         import torch
         from gnetmdk.config import load_config
-        from gnetmdk.config.base import BaseConfig
         from gnetmdk.config.overrides import parse_overrides
         from gnetmdk.dataset.dataset import build_dataset
         from gnetmdk.evaluation.voc import format_ap_table
@@ -91,6 +93,7 @@ def main(argv=None) -> int:
         nms = cfg.nms_thresh if "nms_thresh" in keys else cm.nms_thresh
         maxd = cfg.max_detections if "max_detections" in keys else cm.max_detections
         dataset = build_dataset(cfg, args.split)
+        dataset.augment = False                   # evaluation: the train split without augmentation too
         if args.backend == "onnx":
             from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
             if args.onnx:
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
             else:
                 runner = OnnxChipRunner(cm, threads=threads, all_layers=args.check is not None)
         else:
-            runner = ChipEmulator(cm, batch_size=args.batch_size)
+            runner = ChipEmulator(cm)
         model = None
         if args.check is not None:
             from gnetmdk.gti.chip.cli_util import load_eval_model

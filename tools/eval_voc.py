@@ -23,7 +23,8 @@ if ROOT not in sys.path:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+    """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", help="a gnetmdk checkpoint (.pth) of any stage")
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
@@ -37,6 +38,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import eval_device, fail, load_eval_model, user_errors
     try:
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(cfg.threads)
         model, ckpt = load_eval_model(args.checkpoint, cfg)
         dataset = build_dataset(cfg, args.split)
+        dataset.augment = False                   # evaluation: the train split without augmentation too
         device = eval_device(cfg)
         model.to(device)
         loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,

@@ -27,7 +27,8 @@ if ROOT not in sys.path:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+    """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("model", help="checkpoint .pth, chip model .json (or folder) or .onnx")
     p.add_argument("input", help="image, folder of images or video file")
@@ -43,6 +44,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import fail, user_errors
     try:

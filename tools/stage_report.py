@@ -26,7 +26,8 @@ if ROOT not in sys.path:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+    """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
@@ -44,6 +45,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import fail, user_errors
     try:
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"no checkpoint found under {cfg.checkpoint_root}/step1..4 and no chip model: "
                                     "train first, or pass --step1..--step4 / --chip")
         dataset = build_dataset(cfg, args.split)
+        dataset.augment = False                   # evaluation: the train split without augmentation too
         t0 = time.time()
         rows = stage_report(dataset, ckpts, chip, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
                             args.batch_size, cfg)

@@ -451,6 +451,10 @@ def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = 
     if spec.rank == 0 and spec.dist_url:
         check_port_free(url)
     log(describe(spec, url))
+    if not spec.use_cuda:
+        # c10d's C++ log repeats the rendezvous retries and time-outs with stack frames; the workers report
+        # them as one line (LaunchError). TORCH_CPP_LOG_LEVEL=INFO brings the C++ log back.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     _spawn_and_supervise(fn, spec, url, args, tuple(user_errors))
 
 

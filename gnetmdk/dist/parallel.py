@@ -6,6 +6,8 @@ Called by the trainer once the model is built:
   - every QReLU gets ``percentile_fn = global_percentile``: in calibration the per-batch percentile
     is that of the global batch (exact distributed selection, no gathering of activations), so the
     running maximum, and after the final all-reduce MAX the caps, equal one process's.
+  - conv biases that feed a BatchNorm are frozen (their gradient is round-off only; see
+    :func:`freeze_biases_before_bn`), in every run.
 Gradient averaging is DistributedDataParallel's (Trainer.wrap_model).
 
 And for alignment runs, :func:`configure_determinism` (``cfg.deterministic``).
@@ -37,14 +39,34 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
         convert_sync_batchnorm(model, use_cuda=device.type == "cuda")
         kind = "torch.nn.SyncBatchNorm" if device.type == "cuda" else "DistBatchNorm2d, float64 statistics"
         notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} process(es) ({kind})")
-    if os.environ.get("XFREEZE"):
-        for layer in getattr(model, "layers", []):
-            if getattr(layer, "bn", None) is not None:
-                layer.conv.bias.requires_grad_(False)
+    frozen = freeze_biases_before_bn(model)
+    if frozen:
+        notes.append(f"froze the bias of {frozen} convs followed by BatchNorm (zero gradient in exact arithmetic)")
     if world > 1:
         for r in (m for m in model.modules() if hasattr(m, "percentile_fn")):
             r.percentile_fn = global_percentile
     return notes
+
+
+def freeze_biases_before_bn(model: torch.nn.Module) -> int:
+    """Stop training the bias of every conv that feeds a BatchNorm; returns how many were frozen.
+
+    BatchNorm subtracts the batch mean, so such a bias has no effect on the training loss: its
+    gradient is zero in exact arithmetic and pure round-off in float32 (of the order of 1e-4 of the
+    weight gradients for GNetDet at initialisation). Adam divides that noise by its own running size
+    and turns it into steps of about the learning rate, a random walk that moves running_mean and
+    makes two runs (1 and N processes, or a run and its replay) differ by ~lr per iteration. Frozen,
+    the bias keeps its value; BN's beta carries the offset, and folding on entry to step 2 reads both.
+    Models without ``layers`` of (conv, bn) are left alone.
+    """
+    n = 0
+    for layer in getattr(model, "layers", []):
+        conv, bn = getattr(layer, "conv", None), getattr(layer, "bn", None)
+        if bn is not None and conv is not None and getattr(conv, "bias", None) is not None:
+            if conv.bias.requires_grad:
+                conv.bias.requires_grad_(False)
+                n += 1
+    return n
 
 
 def configure_determinism(cfg) -> List[str]:

@@ -27,42 +27,57 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-class _SyncBNFunction(torch.autograd.Function):
-    """Batch normalisation over the global batch with float64 statistics (training mode).
+_DIMS = (0, 2, 3)
 
-    forward: per channel, ``sum x`` and ``sum x^2`` accumulated in float64 (and the count) are
-    all-reduced in one collective; mean, biased variance and invstd come from the totals.
-    backward: the standard BatchNorm gradient with the two per-channel sums ``sum dy`` and
-    ``sum dy * xhat`` all-reduced, so every rank's input gradient is that of the sum of all ranks'
-    losses (DDP then averages the parameter gradients: N x B/N equals 1 x B). Saves only x and the
-    per-channel statistics.
+
+def _all_reduce_(t: torch.Tensor, sync: bool) -> torch.Tensor:
+    if sync:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+class _SyncBNFunction(torch.autograd.Function):
+    """Batch normalisation over the global batch (training mode), precise and the same in 1 and N processes.
+
+    forward: two passes, each a float32 reduction (cascade-summed, ~1e-7 relative) whose per-channel
+    results are all-reduced in float64: ``sum x`` and the count give the mean m; ``sum (x - m)^2``
+    gives the biased variance without the cancellation of ``E[x^2] - m^2`` (torch's channels-last CPU
+    BatchNorm loses ~1e-4 there). The output is ``F.batch_norm`` with these statistics (one fused pass).
+    backward: the standard BatchNorm gradient; the per-channel ``sum dy`` and ``sum dy * (x - m)``
+    are all-reduced, so every rank's input gradient is that of the sum of all ranks' losses (DDP then
+    averages the parameter gradients: N x B/N equals 1 x B). Saves x and per-channel statistics only.
+    Three small all-reduces per layer and iteration (two forward, one backward); none in one process.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync):
         c = x.shape[1]
-        local = torch.cat([x.sum(dim=(0, 2, 3), dtype=torch.float64),
-                           (x * x).sum(dim=(0, 2, 3), dtype=torch.float64),
-                           torch.full((1,), float(x.numel() // c), dtype=torch.float64, device=x.device)])
-        if sync:
-            dist.all_reduce(local, op=dist.ReduceOp.SUM)
-        n = float(local[2 * c])
+        view = (1, c, 1, 1)
+        head = torch.empty(c + 1, dtype=torch.float64, device=x.device)
+        head[:c] = x.sum(dim=_DIMS, dtype=x.dtype).double()
+        head[c] = float(x.numel() // c)
+        _all_reduce_(head, sync)
+        n = float(head[c])
         if n <= 1:
             raise ValueError(f"DistBatchNorm2d: {int(n)} value(s) per channel in the batch; training needs more "
                              "than one (raise batch_size)")
-        mean = local[:c] / n
-        var = (local[c:2 * c] / n - mean * mean).clamp_(min=0)
-        invstd = torch.rsqrt(var + eps)
+        mean = head[:c] / n
+        mean_f = mean.to(x.dtype)
+        dev = x - mean_f.view(view)
+        sq = dev.mul_(dev).sum(dim=_DIMS, dtype=x.dtype).double()
+        del dev
+        _all_reduce_(sq, sync)
+        # sum (x - m_f)^2 = sum (x - m)^2 + n (m - m_f)^2
+        var = (sq / n - (mean - mean_f.double()) ** 2).clamp_(min=0)
         if running_mean is not None:
             num_batches_tracked.add_(1)
             factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
             running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=factor)
-        scale = invstd if weight is None else invstd * weight.detach().double()
-        out = (x - mean.to(x.dtype).view(1, c, 1, 1)) * scale.to(x.dtype).view(1, c, 1, 1)
-        if bias is not None:
-            out = out + bias.detach().to(x.dtype).view(1, c, 1, 1)
-        ctx.save_for_backward(x, weight, mean, invstd)
+        var_f = var.to(x.dtype)
+        out = F.batch_norm(x, mean_f, var_f, weight, bias, False, 0.0, eps)
+        invstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, mean_f, invstd)
         ctx.n = n
         ctx.sync = sync
         ctx.has_bias = bias is not None
@@ -70,33 +85,35 @@ class _SyncBNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean_f, invstd = ctx.saved_tensors
         c = x.shape[1]
         view = (1, c, 1, 1)
-        xhat = (x - mean.to(x.dtype).view(view)) * invstd.to(x.dtype).view(view)
-        sums = torch.cat([dy.sum(dim=(0, 2, 3), dtype=torch.float64),
-                          (dy * xhat).sum(dim=(0, 2, 3), dtype=torch.float64)])
-        grad_weight = sums[c:].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = sums[:c].to(weight.dtype if weight is not None else dy.dtype) \
-            if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            total = sums.clone()
-            if ctx.sync:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            mean_dy = (total[:c] / ctx.n).to(x.dtype).view(view)
-            mean_dy_xhat = (total[c:] / ctx.n).to(x.dtype).view(view)
-            g = invstd if weight is None else invstd * weight.detach().double()
-            grad_x = (dy - mean_dy - xhat * mean_dy_xhat) * g.to(x.dtype).view(view)
+        sums = torch.empty(2 * c, dtype=torch.float64, device=x.device)
+        sums[:c] = dy.sum(dim=_DIMS, dtype=dy.dtype).double()
+        dev = x - mean_f.view(view)                                   # x - m, reused for grad_x
+        sums[c:] = (dev * dy).sum(dim=_DIMS, dtype=dy.dtype).double()
+        grad_weight = (sums[c:] * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = sums[:c].to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight, grad_bias, None, None, None, None, None, None
+        total = _all_reduce_(sums.clone(), ctx.sync)
+        w = invstd.new_ones(c) if weight is None else weight.detach().double()
+        a = w * invstd                                                # d out / d x at fixed statistics
+        mean_dy = total[:c] / ctx.n
+        mean_dy_dev = total[c:] / ctx.n
+        b = -a * invstd * invstd * mean_dy_dev                        # coefficient of (x - m)
+        # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * (x - m) - a * mean(dy)
+        grad_x = dev.mul_(b.to(x.dtype).view(view)).add_((-a * mean_dy).to(x.dtype).view(view))
+        grad_x.addcmul_(dy, a.to(x.dtype).view(view))
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class DistBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are those of the global batch over all processes.
 
-    Training: per channel, every rank accumulates ``sum x``, ``sum x^2`` and the element count in
-    float64; one all-reduce (SUM) gives the global mean and biased variance used to normalise; the
-    backward all-reduces ``sum dy`` and ``sum dy * xhat`` (see :class:`_SyncBNFunction`); the running
+    Training: the global mean from all-reduced ``sum x`` and counts, then the global biased variance
+    from all-reduced ``sum (x - mean)^2``; the backward all-reduces ``sum dy`` and ``sum dy * (x - mean)``
+    (see :class:`_SyncBNFunction`); the running
     statistics are updated like BatchNorm2d (momentum, unbiased variance ``var * n / (n - 1)``,
     ``num_batches_tracked``), identically on every rank. In a single process the same arithmetic runs
     without the collectives, so 1 and N processes compute the same thing (torch's own CPU BatchNorm

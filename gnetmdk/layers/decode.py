@@ -21,7 +21,7 @@ def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "line
 
 def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.05, nms_thresh: float = 0.5,
                    max_detections: int = 100, score_head: str = "linear",
-                   score_offset: float = 4.0) -> List[Dict[str, torch.Tensor]]:
+                   score_offset: float = 4.0, pre_nms_top: int = 1000) -> List[Dict[str, torch.Tensor]]:
     """Turn predictions into per-image detections.
 
     Every one of the 2 x S x S boxes is scored against every class: score = conf x class score;
@@ -32,6 +32,7 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
         pred: (N, S, S, 10 + C) float predictions (host-side: already multiplied by cap_last / 31).
         num_classes: C.
         score_head, score_offset: how scores come from the outputs (output_scores; the model's meta).
+        pre_nms_top: at most this many (box, class) candidates per image enter NMS (the best scores).
     Returns:
         a list of N dicts: ``boxes`` (K, 4) float32 xyxy relative to the image (0..1, clipped),
         ``scores`` (K,) float32, ``labels`` (K,) int64.
@@ -51,6 +52,9 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
         sc = scores[i][idx, lab]
         valid = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
         b, sc, lab = b[valid], sc[valid], lab[valid]
+        if sc.numel() > pre_nms_top:   # NMS is quadratic: only the best candidates can survive anyway
+            top = sc.topk(pre_nms_top).indices
+            b, sc, lab = b[top], sc[top], lab[top]
         keep = batched_nms(b, sc, lab, nms_thresh)[:max_detections]
         out.append({"boxes": b[keep], "scores": sc[keep], "labels": lab[keep].long()})
     return out

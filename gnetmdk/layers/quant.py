@@ -54,10 +54,22 @@ class QConv2d(nn.Conv2d):
                                      self.bias_bits, self.method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b, _ = self.quantized_params()
+        w, b, shift = self.quantized_params()
         if self.exact:
+            # float32 only on CPU (direct convolution); on CUDA TF32 and algorithm choice could round
+            if shift is not None and x.device.type == "cpu" and self.float32_exact(w, b, shift):
+                return F.conv2d(x.float(), w.float(), b.float(), 1, 1)
             return F.conv2d(x.double(), w.double(), b.double(), 1, 1)
         return F.conv2d(x, w, b, 1, 1)
+
+    @staticmethod
+    def float32_exact(w: torch.Tensor, b: torch.Tensor, shift: int, max_code: int = 31) -> bool:
+        """True when float32 convolution is exact for integer inputs 0..max_code: every partial sum
+        of W_int * a + b_int is then an integer below 2^24 in magnitude (gti-chip.md), whatever the
+        summation order, so the float32 result equals the integer accumulation."""
+        scale = float(2 ** shift)
+        bound = (w.detach().abs().sum(dim=(1, 2, 3)) * scale * max_code + b.detach().abs() * scale).max()
+        return bool(bound < 2 ** 24)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, scheme={self.scheme}, Bw={self.weight_bits}, Bb={self.bias_bits}, "

@@ -9,7 +9,7 @@ and also checks that the padded output channels are 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -38,10 +38,12 @@ class CheckReport:
 
     @property
     def total_mismatches(self) -> int:
+        """Mismatching codes over all layers plus non-zero padded output codes."""
         return int(sum(self.mismatches)) + int(self.padded_nonzero)
 
     @property
     def ok(self) -> bool:
+        """True when nothing differs: no mismatching code, no non-zero padding, equal outputs."""
         return self.total_mismatches == 0 and self.max_output_diff == 0.0
 
     def format(self) -> str:

@@ -115,7 +115,8 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
         model: GNetDet after gain editing (every ReLU cap 31, no BatchNorm); its layer switches do not
             matter (the integers are computed from its float weights).
         class_names: C names.
-        conf_thresh, nms_thresh, max_detections, predict_thresh: host decode settings to store.
+        conf_thresh, nms_thresh, max_detections, predict_thresh: host decode settings to store (the
+            score head and offset are the model's).
         calibrated_caps: per-conv caps before gain editing (stored for reference / relu_cap.txt), or None.
         source: provenance to store.
     Returns:
@@ -171,7 +172,8 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
                    class_names=[str(c) for c in class_names], used_channels=10 + model.num_classes,
                    output_scale=float(model.output_scale), grid=model.grid_size, conf_thresh=float(conf_thresh),
                    nms_thresh=float(nms_thresh), max_detections=int(max_detections),
-                   predict_thresh=float(predict_thresh), source=dict(source or {}))
+                   predict_thresh=float(predict_thresh), score_head=getattr(model, "score_head", "linear"),
+                   score_offset=float(getattr(model, "score_offset", 4.0)), source=dict(source or {}))
     cm.validate("converted model")
     return cm
 

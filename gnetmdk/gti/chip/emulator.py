@@ -12,12 +12,13 @@ Semantics (gti-chip.md, "What the chip computes"), per sublayer with shift s:
 Every step is an integer tensor operation; nothing passes through floating point. Backends:
 
 * ``"gemm"`` (default): im2col of the int8 codes (NHWC) times int8 weights with torch's integer GEMM
-  (``torch._int_mm``, int32 accumulation), vectorised over the batch. Weights wider than int8
+  (``torch._int_mm``, int32 accumulation), vectorised over the batch; the rounding shift and clamp
+  in the equivalent form of :func:`activation_codes_from_acc`. Weights wider than int8
   (12-bit registers) are split as W = 128 * Hi + Lo (Lo in 0..127) into two GEMMs. Before first use
   a self-test at the extreme values (codes 31, weights +-127/-128, 9216-long sums) confirms that the
   platform's int8 kernels neither saturate nor overflow; where it fails, or where ``_int_mm`` is
   missing, the emulator falls back to ``"conv"``.
-* ``"conv"``: ``torch.nn.functional.conv2d`` on int32 (or int64) tensors.
+* ``"conv"``: ``torch.nn.functional.conv2d`` on int32 (or int64) tensors, then the rule above literally.
 * ``"numpy"``: im2col + int64 einsum in numpy (slow; the independent reference of the tests).
 
 The accumulator is int32 when the layer's bound max_o(sum|W_int[o]| * 31 + |b_int[o]|) fits (always,
@@ -27,7 +28,7 @@ int64 (``"conv"`` then runs that layer).
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple, Union
+from typing import List, Union
 
 import numpy as np
 import torch
@@ -71,6 +72,26 @@ def rounding_shift(acc: torch.Tensor, shift: int) -> torch.Tensor:
     half = 1 << (shift - 1)
     mag = (acc.abs() + half) >> shift
     return torch.where(acc < 0, -mag, mag)
+
+
+def activation_codes_from_acc(acc: torch.Tensor, shift: int) -> torch.Tensor:
+    """clamp(R(acc / 2^s), 0, 31) in four in-place integer passes (the fast path of the "gemm" backend).
+
+    Computed as ``(clamp(acc, 0, 31 * 2^s) + 2^(s-1)) >> s``, which equals the literal rule: for
+    acc < 0, R(acc / 2^s) <= 0 and both give 0; for 0 <= acc <= 31 * 2^s, (acc + 2^(s-1)) >> s is
+    R(acc / 2^s) <= 31; above, both give 31. (s = 0: clamp(acc, 0, 31).) The "conv" and "numpy"
+    backends apply :func:`rounding_shift` and the clamp literally; the tests compare both.
+
+    Args:
+        acc: integer tensor; it is not modified.
+        shift: s in 0..12.
+    Returns:
+        int8 tensor of codes 0..31, same shape.
+    """
+    y = torch.clamp(acc, 0, ACT_MAX << shift)
+    if shift:
+        y.add_(1 << (shift - 1)).bitwise_right_shift_(shift)
+    return y.to(torch.int8)
 
 
 def accumulator_dtype(layer: ChipLayer) -> torch.dtype:
@@ -137,8 +158,11 @@ class _Prepared:
 
 
 def _pool2_nhwc(x: torch.Tensor) -> torch.Tensor:
+    """2x2/2 max pool of NHWC integer codes (two elementwise maxima over strided views)."""
     n, h, w, c = x.shape
-    return x.reshape(n, h // 2, 2, w // 2, 2, c).amax(dim=(2, 4))
+    rows = x.reshape(n, h // 2, 2, w * c)
+    y = torch.maximum(rows[:, :, 0], rows[:, :, 1]).reshape(n, h // 2, w // 2, 2, c)
+    return torch.maximum(y[:, :, :, 0], y[:, :, :, 1])
 
 
 def _conv_numpy(a: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -171,15 +195,14 @@ def _layer_nhwc(prep: _Prepared, x: torch.Tensor) -> torch.Tensor:
     """One sublayer on NHWC int8 codes (any backend); returns NHWC int8 codes."""
     layer = prep.layer
     if prep.kind == "gemm":
-        acc = _gemm_nhwc(prep, x)
+        out = activation_codes_from_acc(_gemm_nhwc(prep, x), layer.shift)
     else:
         nchw = x.permute(0, 3, 1, 2)
         if prep.kind == "numpy":
             acc = torch.from_numpy(_conv_numpy(nchw.numpy().astype(np.int64), layer.weight, layer.bias))
         else:
             acc = F.conv2d(nchw.to(prep.acc_dtype), prep.weight, prep.bias, stride=1, padding=1)
-        acc = acc.permute(0, 2, 3, 1)
-    out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int8)
+        out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int8).permute(0, 2, 3, 1).contiguous()
     return _pool2_nhwc(out) if layer.pool_after else out
 
 

@@ -42,14 +42,16 @@ def decode_predictions(pred: torch.Tensor, chip_model: ChipModel, sizes: Sequenc
     Args:
         pred: (N, S, S, 10 + C) float32 (codes_to_predictions).
         sizes: N (width, height) pixel sizes of the original images.
-        conf_thresh, nms_thresh, max_detections: default to the chip model's decode settings.
+        conf_thresh, nms_thresh, max_detections: default to the chip model's decode settings; the score
+            head (linear / logit) is always the chip model's.
     Returns:
         N dicts: "boxes" (K, 4) float32 xyxy pixels, "scores" (K,) float32, "labels" (K,) int64.
     """
     conf = chip_model.conf_thresh if conf_thresh is None else conf_thresh
     nms = chip_model.nms_thresh if nms_thresh is None else nms_thresh
     maxd = chip_model.max_detections if max_detections is None else max_detections
-    out = decode_gnetdet(pred, chip_model.num_classes, conf, nms, maxd)
+    out = decode_gnetdet(pred, chip_model.num_classes, conf, nms, maxd, getattr(chip_model, "score_head", "linear"),
+                         getattr(chip_model, "score_offset", 4.0))
     dets = []
     for d, (w, h) in zip(out, sizes):
         scale = torch.tensor([w, h, w, h], dtype=torch.float32)

@@ -144,6 +144,9 @@ class ChipModel:
         grid: S, the output side (14).
         conf_thresh, nms_thresh, max_detections: decode settings used for mAP.
         predict_thresh: score threshold of tools/predict.py.
+        score_head, score_offset: how the host turns confidence / class outputs into scores: "linear"
+            (the outputs themselves, GTI) or "logit" (sigmoid(output - score_offset));
+            gnetmdk.layers.decode.output_scores.
         source: where it came from (checkpoint path, SHA-256, stage, mAP ...).
     """
     chip: str
@@ -158,11 +161,14 @@ class ChipModel:
     nms_thresh: float = 0.5
     max_detections: int = 100
     predict_thresh: float = 0.3
+    score_head: str = "linear"
+    score_offset: float = 4.0
     source: Dict[str, Any] = field(default_factory=dict)
 
     # -------------------------------------------------------------- derived
     @property
     def num_classes(self) -> int:
+        """C, the number of classes."""
         return len(self.class_names)
 
     @property
@@ -209,7 +215,8 @@ class ChipModel:
             "classes": list(self.class_names),
             "decode": {"grid": self.grid, "boxes_per_cell": 2, "conf_thresh": float(self.conf_thresh),
                        "nms_thresh": float(self.nms_thresh), "max_detections": int(self.max_detections),
-                       "predict_thresh": float(self.predict_thresh)},
+                       "predict_thresh": float(self.predict_thresh), "score_head": self.score_head,
+                       "score_offset": float(self.score_offset)},
             "major_layers": majors,
             "source": dict(self.source),
         }
@@ -282,6 +289,8 @@ class ChipModel:
         if np.any(pad.weight[self.used_channels:]) or np.any(pad.bias[self.used_channels:]):
             raise ChipModelError(f"{where}: padded output channels {self.used_channels}..{cin - 1} must have zero "
                                  "weights and biases")
+        if self.score_head not in ("linear", "logit"):
+            raise ChipModelError(f"{where}: decode.score_head {self.score_head!r} must be 'linear' or 'logit'")
         if not (math.isfinite(self.output_scale) and self.output_scale > 0):
             raise ChipModelError(f"{where}: output scale {self.output_scale} must be a positive number")
 
@@ -330,7 +339,9 @@ def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipMo
                    conf_thresh=float(_field(dec, "conf_thresh", where + ": decode")),
                    nms_thresh=float(_field(dec, "nms_thresh", where + ": decode")),
                    max_detections=int(_field(dec, "max_detections", where + ": decode")),
-                   predict_thresh=float(dec.get("predict_thresh", 0.3)), source=dict(d.get("source", {})))
+                   predict_thresh=float(dec.get("predict_thresh", 0.3)),
+                   score_head=str(dec.get("score_head", "linear")), score_offset=float(dec.get("score_offset", 4.0)),
+                   source=dict(d.get("source", {})))
     cm.validate(where)
     return cm
 

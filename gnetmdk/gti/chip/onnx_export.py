@@ -26,7 +26,7 @@ than its uint8 x int8 ones on x86); tests/test_chip.py checks the extremes (code
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import numpy as np
 

@@ -7,7 +7,6 @@ image, turned into the chip's 5-bit codes.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -34,6 +33,7 @@ class Predictor:
         class_names: C names.
         image_size: network input side (pixels).
         conf_thresh, nms_thresh, max_detections, predict_thresh: decode settings stored with the model.
+        score_head, score_offset: the model's score head (gnetmdk.layers.decode.output_scores).
     """
     kind: str
     path: str
@@ -44,9 +44,12 @@ class Predictor:
     max_detections: int
     predict_thresh: float
     _fn: object = None
+    score_head: str = "linear"
+    score_offset: float = 4.0
 
     @property
     def num_classes(self) -> int:
+        """C, the number of classes."""
         return len(self.class_names)
 
     def predictions(self, images: np.ndarray) -> torch.Tensor:
@@ -65,7 +68,8 @@ class Predictor:
         """
         pred = self.predictions(images)
         out = decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh,
-                             self.max_detections if max_detections is None else max_detections)
+                             self.max_detections if max_detections is None else max_detections,
+                             self.score_head, self.score_offset)
         res = []
         for d, (w, h) in zip(out, sizes):
             scale = torch.tensor([w, h, w, h], dtype=torch.float32)
@@ -98,7 +102,8 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
         return Predictor("checkpoint", path, names, model.image_size, float(cfg.get("conf_thresh", BaseConfig.conf_thresh)),
                          float(cfg.get("nms_thresh", BaseConfig.nms_thresh)),
                          int(cfg.get("max_detections", BaseConfig.max_detections)),
-                         float(cfg.get("predict_thresh", BaseConfig.predict_thresh)), fn)
+                         float(cfg.get("predict_thresh", BaseConfig.predict_thresh)), fn,
+                         model.score_head, model.score_offset)
     if low.endswith(".onnx"):
         from .onnx_export import OnnxChipRunner, onnx_header
         head = onnx_header(path)
@@ -107,7 +112,8 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
         dec = head["decode"]
         return Predictor("onnx", path, list(head["classes"]), int(head["input"]["height"]), float(dec["conf_thresh"]),
                          float(dec["nms_thresh"]), int(dec["max_detections"]), float(dec.get("predict_thresh", 0.3)),
-                         lambda images: torch.from_numpy(runner.predictions(images)))
+                         lambda images: torch.from_numpy(runner.predictions(images)),
+                         str(dec.get("score_head", "linear")), float(dec.get("score_offset", 4.0)))
     if low.endswith(".json") or os.path.isdir(path):
         from .emulator import ChipEmulator
         from .host import codes_to_predictions
@@ -121,7 +127,8 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
         else:
             raise ChipModelError(f"unknown backend '{backend}': use emulator or onnx")
         return Predictor("chip", path, list(cm.class_names), cm.input_size, cm.conf_thresh, cm.nms_thresh,
-                         cm.max_detections, cm.predict_thresh, lambda images: codes_to_predictions(runner(images), cm))
+                         cm.max_detections, cm.predict_thresh, lambda images: codes_to_predictions(runner(images), cm),
+                         cm.score_head, cm.score_offset)
     raise ChipModelError(f"model '{path}': unknown kind; give a checkpoint (.pth), a chip model (.json or its "
                          "folder) or an ONNX model (.onnx)")
 

@@ -8,11 +8,9 @@ of the table (step 1, the float model, when present), so a user sees where accur
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from gnetmdk.gti.quantize import image_to_codes
@@ -48,11 +46,12 @@ def _map_of(pred: torch.Tensor, dataset, conf, nms, maxd, chip_like) -> float:
     return float(evaluate_detections(dets, truths, dataset.num_classes)["map"])
 
 
-class _Names:
-    """Minimal stand-in with what decode_predictions reads (num_classes and the thresholds)."""
+class _Decode:
+    """Minimal stand-in with what decode_predictions reads: class count, thresholds, score head."""
 
-    def __init__(self, n, conf, nms, maxd):
+    def __init__(self, n, conf, nms, maxd, score_head="linear", score_offset=4.0):
         self.num_classes, self.conf_thresh, self.nms_thresh, self.max_detections = n, conf, nms, maxd
+        self.score_head, self.score_offset = score_head, score_offset
 
 
 def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = 0.05,
@@ -63,7 +62,8 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
         dataset: a DetectionDataset (no augmentation is applied).
         checkpoints: stage name ("step1".."step4") -> checkpoint path or None (missing stages are skipped).
         chip_model: a ChipModel for the "chip" row (run with the integer emulator), or None.
-        conf_thresh, nms_thresh, max_detections: one decode setting for every stage.
+        conf_thresh, nms_thresh, max_detections: one decode setting for every stage (each stage's
+            score head is its own model's).
         cfg: a config the checkpoints must fit (optional).
     Returns:
         a StageRow per stage present, in pipeline order.
@@ -72,7 +72,6 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
     """
     from .cli_util import load_eval_model
     from .emulator import ChipEmulator
-    names = _Names(dataset.num_classes, conf_thresh, nms_thresh, max_detections)
     rows: List[StageRow] = []
     prev = None
     first = None
@@ -83,15 +82,18 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
         if src is None:
             continue
         if name == "chip":
-            emu = ChipEmulator(src, batch_size=batch_size)
+            emu = ChipEmulator(src)
             pred = torch.cat([codes_to_predictions(emu.run(imgs), src)
                               for _, imgs, _ in iter_dataset_batches(dataset, batch_size)])
             label = "integer emulator"
+            head = (src.score_head, src.score_offset)
         else:
             model, ckpt = load_eval_model(src, cfg)
             pred = _model_predictions(model, dataset, batch_size)
             label = src
-        row = StageRow(name, label, _map_of(pred, dataset, conf_thresh, nms_thresh, max_detections, names))
+            head = (model.score_head, model.score_offset)
+        dec = _Decode(dataset.num_classes, conf_thresh, nms_thresh, max_detections, *head)
+        row = StageRow(name, label, _map_of(pred, dataset, conf_thresh, nms_thresh, max_detections, dec))
         if prev is not None:
             d = (pred.double() - prev[1].double()).abs()
             row.d_map = row.map - prev[0].map

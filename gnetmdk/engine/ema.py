@@ -1,0 +1,62 @@
+"""Exponential moving average of the weights (kept beside the raw weights, never in their place)."""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Dict
+
+import torch
+
+
+class ModelEMA:
+    """EMA of a model's floating-point parameters and buffers.
+
+        ema <- d * ema + (1 - d) * weights,   d = decay * (1 - exp(-updates / ramp))
+
+    (the ramp keeps early averages from being dominated by the random initial weights; the form is
+    the one used by YOLOv5/timm.) Integer buffers and the layer switches are copied, not averaged.
+
+    Args:
+        model: the model being trained (its current weights start the average).
+        decay: the asymptotic decay d (e.g. 0.999).
+        ramp: updates over which d ramps up (e.g. 200).
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float = 0.999, ramp: float = 200.0):
+        self.module = copy.deepcopy(model).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.decay = float(decay)
+        self.ramp = float(ramp)
+        self.updates = 0
+
+    def current_decay(self) -> float:
+        return self.decay * (1 - math.exp(-self.updates / self.ramp)) if self.ramp > 0 else self.decay
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """Fold the model's current weights into the average (call after each optimizer step)."""
+        self.updates += 1
+        d = self.current_decay()
+        src = model.state_dict()
+        for k, v in self.module.state_dict().items():
+            w = src[k]
+            if v.dtype.is_floating_point and not k.endswith(".cap") and not k.endswith("output_scale"):
+                v.mul_(d).add_(w.detach().to(v.dtype), alpha=1 - d)
+            else:
+                v.copy_(w)
+
+    def sync_switches(self, model: torch.nn.Module) -> None:
+        """Copy layer switches (quantization on/off, caps mode) from the trained model."""
+        for a, b in zip(self.module.modules(), model.modules()):
+            for attr in ("quant_weight", "use_cap", "quant_act", "integer", "calibrating", "exact_eval"):
+                if hasattr(b, attr):
+                    setattr(a, attr, getattr(b, attr))
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+                "updates": self.updates, "decay": self.decay, "ramp": self.ramp}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.updates = int(state["updates"])

@@ -1,0 +1,169 @@
+"""Alignment tooling (docs/alignment.md): record / replay, regrouping of recorded batches over process
+counts, tools/diff_weights.py."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import DIFF_WEIGHTS, ROOT, TRAIN, diff_weights, make_workspace, run
+from gnetmdk.align.compare import diff_state_dicts
+from gnetmdk.align.record import AlignmentError, ReplayLoader, check_alignment_config, load_iteration
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("align"))
+    return {"root": root, "cfg": make_workspace(root, num_train=24, num_val=4)}
+
+
+def _out(root, name):
+    d = os.path.join(root, name)
+    return ["checkpoint_root", os.path.join(d, "checkpoint"), "log_root", os.path.join(d, "log")]
+
+
+def test_record_and_replay_against_itself(ws):
+    """A run and its replay from the recorded weights: the same weights (1e-6; in fact bit-identical)
+    even from a fresh initialisation with AdamW, where training is chaotic."""
+    root, c = ws["root"], ["--config", ws["cfg"]]
+    rec = os.path.join(root, "self_rec")
+    a = run([TRAIN, *c, "--step", "1", "--max-iters", "10", "--save-npz", rec, *_out(root, "self_a")], root).check()
+    assert "recording batches, losses and starting weights" in a.stdout
+    meta = json.load(open(os.path.join(rec, "meta.json")))
+    assert meta["world_size"] == 1 and meta["global_batch"] == 8 and meta["stage"] == "step1"
+    with np.load(os.path.join(rec, "iter_000001_rank0.npz")) as z:
+        assert z["images"].dtype == np.uint8 and z["images"].shape == (8, 3, 224, 224)   # exact chip codes
+        assert z["targets"].shape == (8, 14, 14, 13) and int(z["iteration"]) == 1
+        assert {"loss_total", "loss_loc", "loss_conf", "loss_noresp", "loss_noobj", "loss_cls"} <= set(z.files)
+    b = run([TRAIN, *c, "--step", "1", "--replay-npz", rec, *_out(root, "self_b")], root).check()
+    assert "replay: starting from the recorded weights" in b.stdout
+    diffs = [l for l in b.stdout.splitlines() if l.startswith("[replay] iteration")]
+    assert len(diffs) == 10 and all("diff +0.000e+00" in l for l in diffs), diffs
+    a_pth = os.path.join(root, "self_a", "checkpoint", "step1", "last.pth")
+    b_pth = os.path.join(root, "self_b", "checkpoint", "step1", "last.pth")
+    res = diff_weights(a_pth, b_pth, atol=1e-6)
+    assert res.returncode == 0 and "ALIGNED" in res.stdout, res.text
+    sa = torch.load(a_pth, weights_only=True)["model"]
+    sb = torch.load(b_pth, weights_only=True)["model"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # the resumable state is saved too: iteration 10 in epoch 3 (3 iterations per epoch)
+    ck = torch.load(a_pth, weights_only=True)
+    assert ck["iteration"] == 10 and "optimizer" in ck
+
+
+def test_replay_refusals(ws):
+    root, c = ws["root"], ["--config", ws["cfg"]]
+    r = run([TRAIN, *c, "--step", "1", "--replay-npz", os.path.join(root, "nothing")], root)
+    assert r.returncode == 2 and "holds no recording" in r.stderr and "Traceback" not in r.stderr
+    rec = os.path.join(root, "self_rec")
+    if os.path.isdir(rec):
+        r = run([TRAIN, *c, "--step", "1", "--replay-npz", rec, "batch_size", "4", *_out(root, "bad")], root)
+        assert r.returncode == 2 and "recorded with batch_size 8" in r.stderr, r.text[-2000:]
+    r = run([TRAIN, *c, "--step", "1", "--save-npz", "x", "--replay-npz", "x"], root)
+    assert r.returncode == 2 and "same folder" in r.stderr
+
+
+def _fake_recording(folder, world, local, iterations=2):
+    """A recording of ``world`` ranks x ``local`` images whose image values name (iteration, global index)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "meta.json"), "w") as fh:
+        json.dump({"format": "gnetmdk-npz-record", "version": 1, "stage": "step1", "world_size": world,
+                   "global_batch": world * local, "local_batch": local, "iters_per_epoch": iterations}, fh)
+    for it in range(1, iterations + 1):
+        for r in range(world):
+            idx = np.arange(r * local, (r + 1) * local) + 100 * it
+            images = np.broadcast_to((idx % 256).astype(np.uint8).reshape(-1, 1, 1, 1), (local, 3, 2, 2)).copy()
+            np.savez(os.path.join(folder, f"iter_{it:06d}_rank{r}.npz"), images=images,
+                     targets=np.zeros((local, 2, 2, 13), np.float32), indices=idx, epoch=np.array(0),
+                     iteration=np.array(it), rank=np.array(r), world_size=np.array(world),
+                     loss_total=np.array(float(r + it)), images_float=np.array(False))
+
+
+class _FakeTrainer:
+    class train_sampler:
+        epoch = 0
+    iteration = 0
+
+
+@pytest.mark.parametrize("rec_world,world", [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_replay_regroups_batches_over_process_counts(tmp_path, rec_world, world):
+    folder = str(tmp_path / "rec")
+    _fake_recording(folder, rec_world, 8 // rec_world)
+    for it in (1, 2):
+        whole = load_iteration({r: os.path.join(folder, f"iter_{it:06d}_rank{r}.npz") for r in range(rec_world)},
+                               rec_world)
+        assert whole["indices"].tolist() == list(range(100 * it, 100 * it + 8))      # concatenation in rank order
+        assert whole["losses"]["total"] == np.mean([r + it for r in range(rec_world)])  # ranks' losses averaged
+    got = []
+    for rank in range(world):
+        loader = ReplayLoader(folder, _FakeTrainer(), rank, world)
+        batches = list(loader)
+        assert len(batches) == 2
+        got.append([b[2].tolist() for b in batches])
+        for images, _, idx, _ in batches:
+            assert images.dtype == torch.float32 and images.shape[0] == 8 // world
+            assert images[:, 0, 0, 0].tolist() == (idx % 256).float().tolist()
+    for it in range(2):
+        assert sum((g[it] for g in got), []) == list(range(100 * (it + 1), 100 * (it + 1) + 8))
+
+
+def test_alignment_config_checks():
+    class C:
+        save_npz, replay_npz, max_iters = "", "", -1
+    with pytest.raises(AlignmentError, match="max_iters"):
+        check_alignment_config(C)
+
+
+# ------------------------------------------------------------------------------------ diff_weights
+def _save(path, state, wrap=True):
+    torch.save({"format": "gnetmdk-checkpoint", "model": state} if wrap else state, path)
+    return str(path)
+
+
+def test_diff_weights_verdicts_and_exit_codes(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    base = {"conv.weight": torch.randn(4, 3, 3, 3, generator=g), "bn.running_var": torch.rand(4, generator=g) + 30,
+            "bn.num_batches_tracked": torch.tensor(5), "relu.cap": torch.tensor(2.5)}
+    a = _save(tmp_path / "a.pth", base)
+    same = _save(tmp_path / "same.pth", {k: v.clone() for k, v in base.items()}, wrap=False)  # plain state_dict
+    r = run([DIFF_WEIGHTS, a, same], ROOT)
+    assert r.returncode == 0 and "ALIGNED: all within tolerance" in r.stdout
+    assert "1 bookkeeping skipped" in r.stdout
+
+    near = {k: v.clone() for k, v in base.items()}
+    near["conv.weight"][0, 0, 0, 0] += 3e-6
+    near["bn.running_var"] += 1e-4                      # 3e-6 relative on values near 30
+    near["bn.num_batches_tracked"] = torch.tensor(9)     # bookkeeping: never compared
+    b = _save(tmp_path / "near.pth", near)
+    r = run([DIFF_WEIGHTS, a, b, "--atol", "1e-6"], ROOT)
+    assert r.returncode == 1 and "NOT ALIGNED" in r.stdout and "conv.weight" in r.stdout
+    r = run([DIFF_WEIGHTS, a, b, "--atol", "1e-5", "--rtol", "1e-5", "--all"], ROOT)
+    assert r.returncode == 0, r.stdout
+    line = next(l for l in r.stdout.splitlines() if l.startswith("conv.weight"))
+    assert "3.000e-06" in line or "2.9" in line                   # max |a - b|
+
+    missing = {k: v.clone() for k, v in base.items() if k != "relu.cap"}
+    missing["extra.bias"] = torch.zeros(2)
+    c = _save(tmp_path / "missing.pth", missing)
+    r = run([DIFF_WEIGHTS, a, c, "--atol", "1"], ROOT)
+    assert r.returncode == 1
+    assert "relu.cap" in r.stdout and "only in a.pth" in r.stdout
+    assert "extra.bias" in r.stdout and "only in missing.pth" in r.stdout
+
+    r = run([DIFF_WEIGHTS, a, str(tmp_path / "nope.pth")], ROOT)
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_diff_state_dicts_numbers():
+    a = {"w": torch.tensor([1.0, -2.0, 0.0]), "s": torch.zeros(2, 2)}
+    b = {"w": torch.tensor([1.0, -2.5, 0.0]), "s": torch.zeros(3)}
+    rep = diff_state_dicts(a, b, atol=0.1)
+    w = next(r for r in rep.rows if r.name == "w")
+    assert w.max_abs == 0.5 and w.max_rel == pytest.approx(0.2) and w.sum_sq == 0.25 and not w.ok
+    s = next(r for r in rep.rows if r.name == "s")
+    assert not s.ok and "shape" in s.note
+    assert not rep.ok
+    assert diff_state_dicts(a, a).ok
