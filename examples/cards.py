@@ -17,7 +17,7 @@ class Config(BaseConfig):
     chip = "5801"
     batch_size = 16
     num_workers = 2
-    threads = 2
+    threads = 2                # a dedicated 2-core machine; on a busy box use threads 1 (docs/results.md)
     # loss weights measured on cards (docs/results.md): the class term needs more weight than GTI's
     # defaults, and GTI's 0.005 no-object weight leaves empty cells with high confidence
     l_class = 5.0

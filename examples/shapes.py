@@ -17,10 +17,12 @@ class Config(BaseConfig):
     batch_size = 16
     num_workers = 0
     threads = 2
-    eval_interval = 2
+    eval_interval = 5
+    l_class = 5.0
+    l_noobj = 0.05
     per_step = {
-        1: dict(learning_rate=3e-3, num_epochs=12, warmup_epochs=1),
-        2: dict(learning_rate=3e-4, num_epochs=2, warmup_epochs=0.2),
-        3: dict(learning_rate=1e-4, num_epochs=2, warmup_epochs=0.2),
+        1: dict(learning_rate=2e-3, num_epochs=40, warmup_epochs=2),
+        2: dict(learning_rate=2e-4, num_epochs=3, warmup_epochs=0.2),
+        3: dict(learning_rate=1e-4, num_epochs=3, warmup_epochs=0.2),
         4: dict(learning_rate=2e-5, num_epochs=2, warmup_epochs=0.2),
     }

@@ -116,6 +116,11 @@ def test_alignment_config_checks():
     with pytest.raises(AlignmentError, match="max_iters"):
         check_alignment_config(C)
 
+    class D:
+        save_npz, replay_npz, max_iters, accumulate = "rec", "", 0, 2
+    with pytest.raises(AlignmentError, match="set accumulate 1"):
+        check_alignment_config(D)
+
 
 # ------------------------------------------------------------------------------------ diff_weights
 def _save(path, state, wrap=True):

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from dist_helpers import (TRAIN, TRAIN_DIST, finish, free_port, leftover_processes, make_workspace, run, start,
+from dist_helpers import (TRAIN_DIST, finish, free_port, leftover_processes, make_workspace, run, start,
                           wait_no_leftovers)
 
 CRASH_MODEL = '''

@@ -31,7 +31,7 @@ from dist_helpers import (TRAIN, TRAIN_DIST, diff_weights, finish, free_port, ma
 
 pytestmark = pytest.mark.slow
 
-STEP1_ALIGN = ["optimizer", "sgd", "learning_rate", "5e-5"]
+STEP1_ALIGN = ["optimizer", "sgd", "learning_rate", "2e-5"]
 
 
 def _ckpt(root, name, step):
@@ -196,3 +196,18 @@ def test_torchrun_runs_the_same_computation(ws, s1):
     # the launcher's 2-process run of the same command (recording does not change the computation)
     res = diff_weights(_ckpt(root, "trun", 1), _ckpt(root, "s1_a", 1), atol=1e-6, rtol=1e-6)
     assert res.returncode == 0, res.text
+
+
+def test_step2_and_step4_run_distributed(ws):
+    """The stages not covered above run with 2 processes too (step 2: BN folded on entry; step 4: gain
+    editing on entry, integer activations)."""
+    root, c = ws["root"], ["--config", ws["cfg"]]
+    r2 = run([TRAIN_DIST, *c, "--step", "2", "--gpus", "2", "--max-iters", "2", "load", ws["warm"],
+              *_out(root, "d2")], root).check()
+    assert "folded 15 BatchNorm layers" in r2.stdout and "batch 8 (2 x 4)" in r2.stdout
+    r4 = run([TRAIN_DIST, *c, "--step", "4", "--gpus", "2", "--max-iters", "2", "load", ws["cal_pth"],
+              *_out(root, "d4")], root).check()
+    assert "gain-edited" in r4.stdout
+    for name, step in (("d2", 2), ("d4", 4)):
+        ck = torch.load(_ckpt(root, name, step), weights_only=True)
+        assert ck["iteration"] == 2 and ck["world_size"] == 2 and ck["stage"] == f"step{step}"

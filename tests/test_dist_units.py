@@ -3,10 +3,7 @@ launcher helpers (docs/distributed.md)."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -134,7 +131,8 @@ def test_syncbn_gradcheck_and_single_process_precision():
     g = torch.Generator().manual_seed(0)
     xx = (torch.randn(8, 16, 28, 28, generator=g) * 0.5 + 20).contiguous(memory_format=torch.channels_last)
     x64 = xx.double()
-    ref = (x64 - x64.mean((0, 2, 3), keepdim=True)) / torch.sqrt(x64.var((0, 2, 3), unbiased=False, keepdim=True) + 1e-5)
+    var = x64.var((0, 2, 3), unbiased=False, keepdim=True)
+    ref = (x64 - x64.mean((0, 2, 3), keepdim=True)) / torch.sqrt(var + 1e-5)
     with torch.no_grad():
         err = float((DistBatchNorm2d(16)(xx).double() - ref).abs().max())
     assert err < 1e-5
@@ -202,7 +200,7 @@ def test_global_batches_are_the_same_for_any_process_count(world):
     first = list(one)
     one.set_epoch(1)
     assert list(one) != first                                   # one seeded shuffle per epoch
-    with pytest.raises(ValueError, match="does not split over 3 processes"):
+    with pytest.raises(ValueError, match="does not split .*3 process"):
         GlobalBatchSampler(37, 8, 0, 3)
 
 

@@ -30,7 +30,7 @@ import io
 import json
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -57,11 +57,14 @@ def check_alignment_config(cfg) -> None:
 
     Raises:
         AlignmentError: replay folder missing or not a recording, the same folder to record and replay,
-        negative max_iters.
+        negative max_iters, gradient accumulation (accumulate > 1) with recording or replay.
     """
     if getattr(cfg, "max_iters", 0) < 0:
         raise AlignmentError(f"max_iters {cfg.max_iters} must be >= 0 (0 = no limit)")
     save, replay = getattr(cfg, "save_npz", ""), getattr(cfg, "replay_npz", "")
+    if (save or replay) and int(getattr(cfg, "accumulate", 1) or 1) > 1:
+        raise AlignmentError(f"save_npz / replay_npz record whole optimizer steps, not the {cfg.accumulate} "
+                             "micro-batches of gradient accumulation: set accumulate 1 for the alignment run")
     if save and replay and os.path.abspath(save) == os.path.abspath(replay):
         raise AlignmentError(f"save_npz and replay_npz are the same folder '{save}': record into another one")
     if replay:
@@ -325,6 +328,8 @@ class AlignmentHook:
             else "end of the recording"
         trainer.log(f"[{trainer.stage.name}] stopped after {trainer.iteration} iterations ({why}): wrote "
                     f"{os.path.join(trainer.out_dir, 'last.pth')}")
+        if trainer.best_map is not None and trainer.best_map < 0:
+            trainer.best_map = None          # nothing was evaluated: the summary says n/a, not -1
         self.write_report(trainer)
         return path
 

@@ -3,7 +3,9 @@
 A gnetmdk checkpoint is a dict of tensors and plain Python values only:
     format, version, stage ("step1".."step4", "cal"), step, model_meta, model (state_dict),
     caps (list of floats, one per conv), config (resolved values), epoch, iteration, best_map, map,
-    entry_map, and for last.pth the optimizer / scheduler / RNG states needed to resume.
+    entry_map, eval_weights ("model" or "ema": which weights were evaluated), ema (with ``ema true``:
+    ModelEMA.state_dict(), beside the raw weights), and for last.pth the optimizer / scheduler /
+    GradScaler / RNG states and the sampler position needed to resume (docs/training.md).
 """
 from __future__ import annotations
 
@@ -84,10 +86,13 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
     return ckpt
 
 
-def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?"):
+def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):
     """Rebuild the model a checkpoint describes and load its weights (strict).
 
     Loss weights, channels_last and the calibration percentile come from ``cfg`` when given.
+    ``weights``: "eval" loads the weights the checkpoint was evaluated with, the EMA
+    (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] == "ema"`` (a run with ``ema true``), else
+    the raw weights; "model" always loads the raw weights (resume).
     Raises:
         CheckpointError: the checkpoint's model cannot be rebuilt or its tensors do not fit.
     """
@@ -101,20 +106,21 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?")
                      output_cap_percentile=cfg.output_cap_percentile, channels_last=cfg.channels_last)
     try:
         model = create_model(name, **meta, **extra)
-        model.load_state_dict(ckpt["model"], strict=True)
+        use_ema = weights == "eval" and ckpt.get("eval_weights") == "ema" and isinstance(ckpt.get("ema"), dict)
+        model.load_state_dict(ckpt["ema"]["model"] if use_ema else ckpt["model"], strict=True)
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot rebuild model {name} {meta}: {exc}") from None
     return model
 
 
 def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
-    """Refuse a checkpoint whose model differs from the config (class count, input size, width, chip).
+    """Refuse a checkpoint whose model differs from the config (model, class count, input size, width, chip).
 
     Raises:
         CheckpointError: naming each difference and the fix.
     """
     meta = ckpt.get("model_meta", {})
-    want = {"num_classes": cfg.num_classes, "image_size": cfg.image_size, "width_mult": float(cfg.width_mult),
+    want = {"name": cfg.model_name, "num_classes": cfg.num_classes, "image_size": cfg.image_size, "width_mult": float(cfg.width_mult),
             "chip": str(cfg.chip)}
     diffs = [f"{k}: checkpoint {meta.get(k)!r} vs config {v!r}" for k, v in want.items() if meta.get(k) != v]
     if diffs:

@@ -82,6 +82,18 @@ class BaseConfig:
     num_workers: int = 2
     seed: int = 0
     threads: int = 0                        # torch.set_num_threads; 0 = leave torch's default
+    # training recipe (docs/training.md)
+    amp: bool = False                       # mixed precision: autocast (+ GradScaler for fp16 on CUDA)
+    amp_dtype: str = "bf16"                 # bf16 | fp16 (fp16 on CUDA only; CPU autocast is always bf16)
+    accumulate: int = 1                     # micro-batches per optimizer step (batch_size is per step)
+    ema: bool = False                       # keep an EMA of the weights; evaluated and used for best.pth
+    ema_decay: float = 0.999
+    ema_ramp: float = 200.0                 # optimizer steps over which the EMA decay ramps up
+    finetune: int = 0                       # freeze the first freeze_convs sublayers for this many epochs
+    freeze_convs: int = 1                   # ... how many leading sublayers finetune freezes
+    freeze_at: int = 0                      # leading sublayers frozen for the whole run (not optimized)
+    checkpoint_interval: int = 0            # also save last.pth every N optimizer steps (0 = epoch ends only)
+    disk_reserve_mb: float = 0.0            # free disk required beyond the estimated checkpoint size
     device: str = "auto"                    # auto | cpu | cuda
 
     # ---------------------------------------------------------------- stages

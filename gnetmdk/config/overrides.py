@@ -244,6 +244,22 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("VOC_CLASSES", "needs at least one class name")
     if len(set(cfg.VOC_CLASSES)) != len(cfg.VOC_CLASSES):
         bad("VOC_CLASSES", "has duplicate names")
+    if cfg.amp_dtype not in ("bf16", "fp16"):
+        bad("amp_dtype", "must be bf16 or fp16")
+    if cfg.accumulate < 1:
+        bad("accumulate", "must be at least 1")
+    if cfg.accumulate >= 1 and cfg.batch_size >= 1 and cfg.batch_size % cfg.accumulate:
+        bad("accumulate", f"batch_size {cfg.batch_size} does not split into {cfg.accumulate} micro-batches: "
+            f"choose a batch_size that is a multiple of {cfg.accumulate}")
+    if cfg.accumulate > 1 and (cfg.save_npz or cfg.replay_npz):
+        bad("accumulate", "alignment record/replay (save_npz, replay_npz) needs accumulate 1")
+    if not 0 <= cfg.ema_decay < 1 or cfg.ema_ramp < 0:
+        bad("ema_decay" if not 0 <= cfg.ema_decay < 1 else "ema_ramp", "ema_decay must be in [0, 1), ema_ramp >= 0")
+    for name in ("finetune", "freeze_convs", "freeze_at", "checkpoint_interval"):
+        if getattr(cfg, name) < 0:
+            bad(name, "must be >= 0")
+    if cfg.disk_reserve_mb < 0:
+        bad("disk_reserve_mb", "must be >= 0")
     spec = get_chip_spec(str(cfg.chip))  # raises ChipSpecError (a ConfigError) for unknown chips
     if cfg.image_size not in spec.input_sizes:
         bad("image_size", f"chip {cfg.chip} accepts input sizes {list(spec.input_sizes)}")

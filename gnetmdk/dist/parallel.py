@@ -37,7 +37,8 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if getattr(cfg, "sync_bn", True) and has_bn and (device.type != "cuda" or world > 1):
         convert_sync_batchnorm(model, use_cuda=device.type == "cuda")
-        kind = "torch.nn.SyncBatchNorm" if device.type == "cuda" else "DistBatchNorm2d, float64 statistics"
+        kind = ("torch.nn.SyncBatchNorm" if device.type == "cuda" else
+                "DistBatchNorm2d, the same arithmetic for any process count")
         notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} process(es) ({kind})")
     frozen = freeze_biases_before_bn(model)
     if frozen:

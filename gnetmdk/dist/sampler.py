@@ -22,15 +22,21 @@ class GlobalBatchSampler(Sampler[List[int]]):
         rank, world_size: this process and the process count.
         shuffle, seed: permutation control.
         start_batch: skip the first global batches of the epoch set next (resume mid-epoch).
+        accumulate: A micro-batches per optimizer step: this rank's slice of each global batch is
+            yielded as A consecutive micro-batches of b / A images (gradient accumulation), so A
+            accumulated micro-batches see exactly the images of one batch of B.
     Raises:
         ValueError: B not divisible by world_size, or fewer samples than one global batch.
     """
 
     def __init__(self, num_samples: int, global_batch: int, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, seed: int = 0):
+                 shuffle: bool = True, seed: int = 0, accumulate: int = 1):
         if global_batch % world_size:
             raise ValueError(f"batch_size {global_batch} does not split over {world_size} processes: "
                              f"choose a multiple of {world_size}")
+        if global_batch % (world_size * accumulate):
+            raise ValueError(f"batch_size {global_batch} does not split into {world_size} process(es) x "
+                             f"{accumulate} micro-batches: choose a multiple of {world_size * accumulate}")
         if num_samples < global_batch:
             raise ValueError(f"the training set has {num_samples} images, fewer than one batch of "
                              f"{global_batch}: lower batch_size")
@@ -39,6 +45,8 @@ class GlobalBatchSampler(Sampler[List[int]]):
         self.local_batch = global_batch // world_size
         self.rank = rank
         self.world_size = world_size
+        self.accumulate = int(accumulate)
+        self.micro_batch = self.local_batch // self.accumulate
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
@@ -49,7 +57,7 @@ class GlobalBatchSampler(Sampler[List[int]]):
         self.start_batch = int(start_batch)
 
     def __len__(self) -> int:
-        return self.num_samples // self.global_batch - self.start_batch
+        return (self.num_samples // self.global_batch - self.start_batch) * self.accumulate
 
     def global_order(self) -> List[int]:
         if not self.shuffle:
@@ -61,7 +69,8 @@ class GlobalBatchSampler(Sampler[List[int]]):
         perm = self.global_order()
         for i in range(self.start_batch, self.num_samples // self.global_batch):
             start = i * self.global_batch + self.rank * self.local_batch
-            yield perm[start:start + self.local_batch]
+            for k in range(self.accumulate):
+                yield perm[start + k * self.micro_batch:start + (k + 1) * self.micro_batch]
 
 
 class ShardSampler(Sampler[int]):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 def _world() -> int:
@@ -39,44 +38,63 @@ def _all_reduce_(t: torch.Tensor, sync: bool) -> torch.Tensor:
 class _SyncBNFunction(torch.autograd.Function):
     """Batch normalisation over the global batch (training mode), precise and the same in 1 and N processes.
 
-    forward: two passes, each a float32 reduction (cascade-summed, ~1e-7 relative) whose per-channel
-    results are all-reduced in float64: ``sum x`` and the count give the mean m; ``sum (x - m)^2``
-    gives the biased variance without the cancellation of ``E[x^2] - m^2`` (torch's channels-last CPU
-    BatchNorm loses ~1e-4 there). The output is ``F.batch_norm`` with these statistics (one fused pass).
+    forward: per rank and channel, the count, the mean and ``M2 = sum (x - mean)^2`` from two passes of
+    float32 reductions (cascade-summed, ~1e-7 relative; squaring deviations from the mean avoids the
+    cancellation of ``E[x^2] - mean^2``, where torch's channels-last CPU BatchNorm loses ~1e-4); one
+    all-gather of these 2C + 1 float64 numbers, combined in rank order on every rank (Chan's parallel
+    formula), gives the global mean and biased variance. The output ``x * scale + shift`` is written
+    into the buffer of the deviations (one large allocation per call, like torch's kernel).
     backward: the standard BatchNorm gradient; the per-channel ``sum dy`` and ``sum dy * (x - m)``
     are all-reduced, so every rank's input gradient is that of the sum of all ranks' losses (DDP then
     averages the parameter gradients: N x B/N equals 1 x B). Saves x and per-channel statistics only.
-    Three small all-reduces per layer and iteration (two forward, one backward); none in one process.
+    Two small collectives per layer and iteration (an all-gather forward, an all-reduce backward, as
+    torch.nn.SyncBatchNorm); none in one process.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync):
         c = x.shape[1]
         view = (1, c, 1, 1)
-        head = torch.empty(c + 1, dtype=torch.float64, device=x.device)
-        head[:c] = x.sum(dim=_DIMS, dtype=x.dtype).double()
-        head[c] = float(x.numel() // c)
-        _all_reduce_(head, sync)
-        n = float(head[c])
+        n_local = x.numel() // c
+        local = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)   # [n, mean (C), M2 (C)]
+        local[0] = float(n_local)
+        dev = None
+        if n_local:
+            mean_r = x.sum(dim=_DIMS, dtype=x.dtype).double() / n_local
+            m0 = mean_r.to(x.dtype)
+            dev = torch.sub(x, m0.view(view))
+            d2 = dev.mul_(dev).sum(dim=_DIMS, dtype=x.dtype).double()   # sum (x - m0)^2, no cancellation
+            local[1:c + 1] = mean_r
+            # sum (x - mean_r)^2 = sum (x - m0)^2 - n (mean_r - m0)^2
+            local[c + 1:] = (d2 - n_local * (mean_r - m0.double()) ** 2).clamp_(min=0)
+        if sync:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, local)
+            table = torch.stack(parts)                                   # (W, 2C + 1), rank order
+        else:
+            table = local.unsqueeze(0)
+        counts = table[:, :1]
+        n = float(counts.sum())
         if n <= 1:
             raise ValueError(f"DistBatchNorm2d: {int(n)} value(s) per channel in the batch; training needs more "
                              "than one (raise batch_size)")
-        mean = head[:c] / n
-        mean_f = mean.to(x.dtype)
-        dev = x - mean_f.view(view)
-        sq = dev.mul_(dev).sum(dim=_DIMS, dtype=x.dtype).double()
-        del dev
-        _all_reduce_(sq, sync)
-        # sum (x - m_f)^2 = sum (x - m)^2 + n (m - m_f)^2
-        var = (sq / n - (mean - mean_f.double()) ** 2).clamp_(min=0)
+        means = table[:, 1:c + 1]
+        mean = (counts * means).sum(0) / n
+        # Chan et al.: M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2, in float64
+        m2 = table[:, c + 1:].sum(0) + (counts * (means - mean) ** 2).sum(0)
+        var = (m2 / n).clamp_(min=0)
         if running_mean is not None:
             num_batches_tracked.add_(1)
             factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
             running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
             running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=factor)
-        var_f = var.to(x.dtype)
-        out = F.batch_norm(x, mean_f, var_f, weight, bias, False, 0.0, eps)
+        mean_f = mean.to(x.dtype)
         invstd = torch.rsqrt(var + eps)
+        scale = invstd if weight is None else invstd * weight.detach().double()
+        shift = -mean * scale if bias is None else bias.detach().double() - mean * scale
+        # out = x * scale + shift, written into the deviation buffer (one large allocation per call)
+        out = dev if dev is not None else torch.empty_like(x)
+        torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view), out=out)
         ctx.save_for_backward(x, weight, mean_f, invstd)
         ctx.n = n
         ctx.sync = sync
@@ -90,8 +108,8 @@ class _SyncBNFunction(torch.autograd.Function):
         view = (1, c, 1, 1)
         sums = torch.empty(2 * c, dtype=torch.float64, device=x.device)
         sums[:c] = dy.sum(dim=_DIMS, dtype=dy.dtype).double()
-        dev = x - mean_f.view(view)                                   # x - m, reused for grad_x
-        sums[c:] = (dev * dy).sum(dim=_DIMS, dtype=dy.dtype).double()
+        buf = torch.sub(x, mean_f.view(view)).mul_(dy)                # dy * (x - m); becomes grad_x below
+        sums[c:] = buf.sum(dim=_DIMS, dtype=dy.dtype).double()
         grad_weight = (sums[c:] * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sums[:c].to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if not ctx.needs_input_grad[0]:
@@ -102,8 +120,9 @@ class _SyncBNFunction(torch.autograd.Function):
         mean_dy = total[:c] / ctx.n
         mean_dy_dev = total[c:] / ctx.n
         b = -a * invstd * invstd * mean_dy_dev                        # coefficient of (x - m)
-        # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * (x - m) - a * mean(dy)
-        grad_x = dev.mul_(b.to(x.dtype).view(view)).add_((-a * mean_dy).to(x.dtype).view(view))
+        # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * x + (-a * mean(dy) - b * m)
+        const = -a * mean_dy - b * mean_f.double()
+        grad_x = torch.addcmul(const.to(x.dtype).view(view), x, b.to(x.dtype).view(view), out=buf)
         grad_x.addcmul_(dy, a.to(x.dtype).view(view))
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
@@ -111,8 +130,8 @@ class _SyncBNFunction(torch.autograd.Function):
 class DistBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm2d whose training statistics are those of the global batch over all processes.
 
-    Training: the global mean from all-reduced ``sum x`` and counts, then the global biased variance
-    from all-reduced ``sum (x - mean)^2``; the backward all-reduces ``sum dy`` and ``sum dy * (x - mean)``
+    Training: the global mean and biased variance from the ranks' all-gathered counts, means and
+    ``sum (x - mean)^2``; the backward all-reduces ``sum dy`` and ``sum dy * (x - mean)``
     (see :class:`_SyncBNFunction`); the running
     statistics are updated like BatchNorm2d (momentum, unbiased variance ``var * n / (n - 1)``,
     ``num_batches_tracked``), identically on every rank. In a single process the same arithmetic runs

@@ -1,7 +1,10 @@
 """Command line shared by train.py and train-dist.py.
 
     train.py      [--config FILE] [--step N | --cal] [--resume] [KEY VALUE | KEY=VALUE ...]
-    train-dist.py [--gpus N] [--world-size M --rank R --dist-url HOST:PORT] [same as train.py]
+    train-dist.py [--gpus N] [--world-size M --rank R --dist-url HOST:PORT] [--dist-timeout S] [same as train.py]
+    both:         [--save-npz DIR | --replay-npz DIR] [--max-iters K] [--deterministic]   (docs/distributed.md)
+
+Both scripts go through gnetmdk.dist.launch.launch(); train.py is world size 1 and runs in this process.
 
 Overrides after the options: ``batch-size 32`` or ``learning-rate=3e-5`` (``-`` read as ``_``).
 Precedence: command line > Config.per_step > Config (configs.py) > BaseConfig.

@@ -6,6 +6,7 @@ caps), keep best.pth (by val mAP) and last.pth in checkpoint/step<N>, log to ten
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -29,6 +30,8 @@ from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.layers.registry import model_from_config
 from .schedule import build_optimizer, build_scheduler
+from . import recipe as R
+from .ema import ModelEMA
 from .stages import Stage, apply_stage, get_stage, source_path
 
 
@@ -115,12 +118,19 @@ class Trainer:
             raise ValueError(f"batch_size {cfg.batch_size} does not split over {self.world_size} processes "
                              f"(world_size x gpus): choose a multiple of {self.world_size}")
         self.local_batch = cfg.batch_size // self.world_size
+        accumulate = 1 if self.stage.name == "cal" else cfg.accumulate
+        if cfg.batch_size % (self.world_size * accumulate):
+            from gnetmdk.config import ConfigError
+            raise ConfigError(f"batch_size {cfg.batch_size} does not split into {self.world_size} process(es) x "
+                             f"{accumulate} accumulated micro-batches: choose a multiple of "
+                             f"{self.world_size * accumulate}")
+        self.micro_batch = self.local_batch // accumulate
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "valid")
         g = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
         shuffle = self.stage.name != "cal"
         self.train_sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, self.rank, self.world_size,
-                                                shuffle=shuffle, seed=cfg.seed)
+                                                shuffle=shuffle, seed=cfg.seed, accumulate=accumulate)
         if self.stage.name == "cal":
             self.train_set.augment = False
         self.train_loader = DataLoader(self.train_set, batch_sampler=self.train_sampler, num_workers=cfg.num_workers,
@@ -146,7 +156,7 @@ class Trainer:
             if ckpt.get("stage") != stage.name:
                 raise CheckpointError(f"'{last}' is a {ckpt.get('stage')} checkpoint, not {stage.name}")
             check_compatible(ckpt, cfg, last)
-            self.model = build_model_from_checkpoint(ckpt, cfg, last)
+            self.model = build_model_from_checkpoint(ckpt, cfg, last, weights="model")
             self.resume_state = ckpt
             self.source_stage = stage.name
             self.log(f"[{stage.name}] resuming from {last} (epoch {ckpt['epoch']}, iteration {ckpt['iteration']})")
@@ -163,6 +173,11 @@ class Trainer:
                              f"skipped {len(res['skipped'])}")
                 else:
                     check_compatible(ckpt, cfg, path)
+                    if int(ckpt.get("step", 0)) > stage.step:
+                        raise CheckpointError(
+                            f"checkpoint '{path}' is a {self.source_stage} checkpoint (step {ckpt.get('step')}), "
+                            f"later than {stage.name} (step {stage.step}): its BatchNorm is folded / caps are "
+                            f"set; start {stage.name} from a step-{stage.step - 1 or 1} checkpoint")
                     self.model = build_model_from_checkpoint(ckpt, cfg, path)
                     self.log(f"[{stage.name}] starting from {path} ({self.source_stage})")
             elif stage.source_required:
@@ -200,7 +215,9 @@ class Trainer:
 
     @property
     def eval_model(self):
-        return self.model
+        """The weights evaluated (and so chosen for best.pth): the EMA when ``ema`` is on."""
+        ema = getattr(self, "ema", None)
+        return ema.module if ema is not None else self.model
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, epoch: int, iteration: int, full: bool) -> Dict[str, object]:
@@ -211,17 +228,32 @@ class Trainer:
               "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
               "world_size": self.world_size}
+        ema = getattr(self, "ema", None)
+        st["eval_weights"] = "ema" if ema is not None else "model"
+        if ema is not None:
+            st["ema"] = ema.state_dict()            # beside the raw weights, never in their place
         if full:
             st["optimizer"] = self.optimizer.state_dict()
             st["scheduler"] = self.scheduler.state_dict()
             st["rng"] = rng_state()
+            st["scaler"] = self.precision.state_dict()
+            ipe = getattr(self, "iters_per_epoch", 0) or 1
+            st["sampler"] = {"epoch": epoch, "start_batch": iteration - epoch * ipe}
+            st["accumulate"] = self.cfg.accumulate
         return st
 
     def save(self, name: str, epoch: int, iteration: int, full: bool = False) -> Optional[str]:
         if not self.main:
             return None
         path = os.path.join(self.out_dir, name)
-        save_checkpoint(path, self.state(epoch, iteration, full))
+        state = self.state(epoch, iteration, full)
+        bad = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:   # a diverged model (e.g. BatchNorm statistics overflowed) never replaces a good checkpoint
+            raise TrainingError(
+                f"non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} after "
+                f"iteration {iteration}; {name} not written; {self.last_good_checkpoint()}: lower learning_rate "
+                "or check the data")
+        save_checkpoint(path, state)
         save_config_json(self.out_dir, self.cfg.to_dict())
         return path
 
@@ -238,6 +270,20 @@ class Trainer:
         except OSError as exc:
             raise CheckpointError(f"cannot write checkpoints to '{self.out_dir}' ({exc.strerror}): fix its "
                                   "permissions or free disk space, or set checkpoint_root") from None
+
+    def check_disk_space(self) -> None:
+        """Fail before training if the checkpoints this run writes would not fit on the disk."""
+        if not self.main:
+            return
+        cfg = self.cfg
+        need = R.estimate_checkpoint_bytes(self.model, R.optimizer_slots(cfg.optimizer), cfg.ema)
+        reserve = int(cfg.disk_reserve_mb * 2 ** 20)
+        free = R.free_bytes(self.out_dir)
+        if free < need + reserve:
+            raise CheckpointError(
+                f"not enough free disk for checkpoints in '{self.out_dir}': {free / 2 ** 20:.1f} MiB free, the "
+                f"checkpoints need about {need / 2 ** 20:.1f} MiB + disk_reserve_mb {cfg.disk_reserve_mb:g}: "
+                "free disk space or set checkpoint_root to another disk")
 
     # ------------------------------------------------------------------ calibration
     @torch.no_grad()
@@ -277,29 +323,55 @@ class Trainer:
     def train_one_epoch(self, epoch: int) -> Dict[str, float]:
         cfg, model = self.cfg, self.model
         model.train()
-        self.train_sampler.set_epoch(epoch, self.start_batch if epoch == self.start_epoch else 0)
+        self.apply_finetune(epoch)
+        self.batch_in_epoch = self.start_batch if epoch == self.start_epoch else 0
+        self.train_sampler.set_epoch(epoch, self.batch_in_epoch)
         self.train_set.set_epoch(epoch)
         sums: Dict[str, float] = {}
         count = 0
         t0 = time.time()
+        accumulate = cfg.accumulate
+        micro = 0
+        acc: Dict[str, torch.Tensor] = {}
+        self.optimizer.zero_grad(set_to_none=True)
         bar = self._progress(self.train_loader, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}")
         for images, targets, indices, _ in bar:
             images = images.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            pred = self.ddp_model(images)
-            terms = model.loss(pred, targets)
-            loss = terms["total"]
-            if not torch.isfinite(loss):
+            micro += 1
+            last_micro = micro == accumulate
+            # DDP: gradients are all-reduced on the last micro-batch of the step only
+            sync = contextlib.nullcontext() if last_micro or not hasattr(self.ddp_model, "no_sync") \
+                else self.ddp_model.no_sync()
+            with sync:
+                with self.precision.autocast():
+                    pred = self.ddp_model(images)
+                    terms = model.loss(pred, targets)
+                loss = terms["total"]
+                if not torch.isfinite(loss):
+                    raise TrainingError(
+                        f"non-finite loss ({float(loss.detach())}) at epoch {epoch + 1}, iteration {self.iteration + 1}"
+                        f"{f' (micro-batch {micro}/{accumulate})' if accumulate > 1 else ''}; "
+                        f"{self.last_good_checkpoint()}: lower learning_rate or check the data")
+                self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+            for k, v in terms.items():
+                v = v.detach().float()
+                acc[k] = acc[k] + v / accumulate if k in acc else (v / accumulate if accumulate > 1 else v)
+            if not last_micro:
+                continue
+            micro = 0
+            terms, acc = acc, {}
+            norm = self.precision.step(self.optimizer, model.parameters(), cfg.grad_clip)
+            if not math.isfinite(norm) and self.precision.scaler is None:
                 raise TrainingError(
-                    f"non-finite loss ({float(loss)}) at epoch {epoch + 1}, iteration {self.iteration + 1}; the last "
-                    f"good checkpoint is {os.path.join(self.out_dir, 'last.pth')}: lower learning_rate or check the data")
+                    f"non-finite gradient (norm {norm}) at epoch {epoch + 1}, iteration {self.iteration + 1}; the "
+                    f"optimizer step was not taken; {self.last_good_checkpoint()}: lower learning_rate or check the data")
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            self.optimizer.step()
             self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update(model)
             self.iteration += 1
+            self.batch_in_epoch += 1
             values = reduce_mean_dict({k: float(v.detach()) for k, v in terms.items()})   # mean over ranks
             self.align.after_step(self, images, targets, indices, terms, values, epoch)
             for k, v in values.items():
@@ -312,6 +384,9 @@ class Trainer:
                 self.scalar(f"{self.stage.name}/lr", lr, self.iteration)
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
+            if (cfg.checkpoint_interval and self.iteration % cfg.checkpoint_interval == 0
+                    and self.batch_in_epoch < self.iters_per_epoch):
+                self.save("last.pth", epoch, self.iteration, full=True)   # mid-epoch: resumable here
             if self.align.should_stop():
                 break
         mean = {k: v / max(count, 1) for k, v in sums.items()}
@@ -325,10 +400,58 @@ class Trainer:
 
     def setup_optimizer(self) -> None:
         cfg = self.cfg
+        n_layers = len(getattr(self.model, "layers", []))
+        for name in ("freeze_at",) + (("freeze_convs",) if cfg.finetune else ()):
+            if getattr(cfg, name) > n_layers:
+                from gnetmdk.config import ConfigError
+                raise ConfigError(f"config field '{name}' = {getattr(cfg, name)}: the model has {n_layers} sublayers")
+        # freeze_at: leading sublayers frozen for the whole run, left out of the optimizer entirely
+        self.frozen_at = R.freeze(R.leading_parameters(self.model, cfg.freeze_at))
+        if self.frozen_at:
+            self.log(f"[{self.stage.name}] freeze_at {cfg.freeze_at}: {len(self.frozen_at)} parameters of the first "
+                     f"{cfg.freeze_at} sublayers frozen (not optimized)")
+        self.finetune_frozen: List[torch.nn.Parameter] = []
         self.optimizer = build_optimizer(self.model, cfg)
         self.iters_per_epoch = len(self.train_set) // cfg.batch_size
         self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
+        self.precision = R.Precision(cfg, self.device)
+        for note in self.precision.notes:
+            self.log(f"[{self.stage.name}] {note}")
+        self.ema = ModelEMA(self.model, cfg.ema_decay, cfg.ema_ramp) if cfg.ema else None
+        if self.ema is not None:
+            self.ema.sync_switches(self.model)
+            self.log(f"[{self.stage.name}] EMA of the weights (decay {cfg.ema_decay}, ramp {cfg.ema_ramp:g} steps): "
+                     "evaluated and used for best.pth; raw weights kept in 'model'")
+        if cfg.accumulate > 1:
+            self.log(f"[{self.stage.name}] gradient accumulation: {cfg.accumulate} micro-batches of "
+                     f"{self.micro_batch} per process and optimizer step")
         self.ddp_model = self.wrap_model(self.model)
+
+    def apply_finetune(self, epoch: int) -> None:
+        """``finetune N``: the first ``freeze_convs`` sublayers are frozen during epochs 0..N-1 (their
+        parameters get no gradient, so the optimizer keeps no state for them), trainable after."""
+        cfg = self.cfg
+        want = epoch < cfg.finetune
+        if want == bool(self.finetune_frozen):
+            return
+        if want:
+            self.finetune_frozen = R.freeze(R.leading_parameters(self.model, cfg.freeze_convs))
+            self.log(f"[{self.stage.name}] finetune: first {cfg.freeze_convs} sublayers frozen until epoch "
+                     f"{cfg.finetune}")
+            if not self.finetune_frozen:
+                return
+        else:
+            R.unfreeze(self.finetune_frozen)
+            self.finetune_frozen = []
+            self.log(f"[{self.stage.name}] finetune: sublayers unfrozen from epoch {epoch + 1}")
+        if is_dist():
+            self.ddp_model = self.wrap_model(self.model)   # DDP registers the trainable parameters at wrap time
+
+    def last_good_checkpoint(self) -> str:
+        path = os.path.join(self.out_dir, "last.pth")
+        if self.main and os.path.isfile(path):
+            return f"the last good checkpoint is {path}"
+        return f"no checkpoint was written in this run yet ({path} does not exist)"
 
     def wrap_model(self, model):
         """Data-parallel wrapper (DistributedDataParallel when world size > 1)."""
@@ -351,6 +474,7 @@ class Trainer:
         self.iteration = 0
         self.start_epoch = 0
         self.start_batch = 0
+        self.check_disk_space()
         self.log(f"[{stage.name}] {len(self.train_set)} train / {len(self.val_set)} val images, "
                  f"batch {cfg.batch_size} ({self.world_size} x {cfg.batch_size // self.world_size}), "
                  f"device {self.device}, model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}")
@@ -362,6 +486,13 @@ class Trainer:
             self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])
             set_rng_state(st["rng"])
+            self.precision.load_state_dict(st.get("scaler"))
+            if self.ema is not None:
+                if isinstance(st.get("ema"), dict):
+                    self.ema.load_state_dict(st["ema"])
+                else:
+                    self.ema = ModelEMA(self.model, cfg.ema_decay, cfg.ema_ramp)   # started from the raw weights
+                    self.log(f"[{stage.name}] the resumed checkpoint has no EMA: starting one from its weights")
             self.iteration = int(st["iteration"])
             self.start_epoch = int(st["epoch"])
             self.start_batch = self.iteration - self.start_epoch * self.iters_per_epoch

@@ -54,6 +54,14 @@ class QConv2d(nn.Conv2d):
                                      self.bias_bits, self.method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight and torch.is_autocast_enabled(x.device.type):
+            # mixed precision: quantized layers always compute in float32, so their codes do not
+            # change under amp (docs/training.md); only step-1 float convs run in bf16 / fp16
+            with torch.autocast(x.device.type, enabled=False):
+                return self._forward(x.float())
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b, shift = self.quantized_params()
         if self.exact:
             # float32 only on CPU (direct convolution); on CUDA TF32 and algorithm choice could round
@@ -132,6 +140,10 @@ class QReLU(nn.Module):
             return F.relu(x)
         if self.cap <= 0:
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):   # amp: the activation quantizer in float32
+                return Q.capped_relu(x.float(), self.cap, quantize=self.quant_act, integer=self.integer,
+                                     revive=self.revive and torch.is_grad_enabled())
         return Q.capped_relu(x, self.cap, quantize=self.quant_act, integer=self.integer,
                              revive=self.revive and torch.is_grad_enabled())
 

@@ -1,0 +1,29 @@
+"""CPU configuration for the real raccoon dataset (../shared/data/raccoon: 1 class, 160 train / 40 val).
+
+    python3 tools/xml_2_txt.py --config examples/raccoon.py
+    python3 tools/run_pipeline.py --config examples/raccoon.py
+Results and wall times: docs/results.md.
+"""
+from gnetmdk.config import BaseConfig
+
+
+class Config(BaseConfig):
+    DEFAULT_STEP = 1
+    DS_NAME = "raccoon"
+    VOC_CLASSES = ["raccoon"]
+    dataset_path = "../shared/data/raccoon"
+    image_size = 224
+    width_mult = 0.25          # widths 16..64
+    chip = "5801"
+    batch_size = 16
+    num_workers = 2
+    threads = 1
+    l_class = 5.0
+    l_noobj = 0.05
+    per_step = {
+        1: dict(learning_rate=2e-3, num_epochs=80, warmup_epochs=3, eval_interval=5),
+        2: dict(learning_rate=3e-4, num_epochs=6, warmup_epochs=0.5, eval_interval=2),
+        "cal": dict(),
+        3: dict(learning_rate=1e-4, num_epochs=6, warmup_epochs=0.5, eval_interval=2),
+        4: dict(learning_rate=2e-5, num_epochs=4, warmup_epochs=0.5, eval_interval=2),
+    }

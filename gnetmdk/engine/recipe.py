@@ -1,0 +1,113 @@
+"""Training-recipe helpers of the trainer: mixed precision, layer freezing, checkpoint-size estimate.
+
+See docs/training.md. The trainer (gnetmdk.engine.trainer) owns the loop; this module holds what it
+calls per micro-batch / optimizer step so that the loop itself stays short.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+from typing import Dict, List, Optional
+
+import torch
+
+
+class Precision:
+    """Autocast + (CUDA fp16 only) GradScaler, from ``cfg.amp`` / ``cfg.amp_dtype``.
+
+    CPU: bfloat16 autocast (CPU autocast has no useful fp16; ``amp_dtype fp16`` is read as bf16 and
+    a note says so). CUDA: ``bf16`` autocast without scaling, or ``fp16`` autocast with GradScaler.
+    The quantized layers turn autocast off and compute in float32 (gnetmdk.layers.quant), and the loss
+    is computed in float32, so only the float (step-1) convolutions run in reduced precision.
+    """
+
+    def __init__(self, cfg, device: torch.device):
+        self.enabled = bool(cfg.amp)
+        self.device_type = device.type
+        self.notes: List[str] = []
+        want = getattr(cfg, "amp_dtype", "bf16")
+        if device.type == "cuda":
+            self.dtype = torch.float16 if want == "fp16" else torch.bfloat16
+        else:
+            self.dtype = torch.bfloat16
+            if self.enabled and want == "fp16":
+                self.notes.append("amp on CPU: autocast runs in bf16 (amp_dtype fp16 applies to CUDA only)")
+        use_scaler = self.enabled and device.type == "cuda" and self.dtype == torch.float16
+        self.scaler = torch.amp.GradScaler("cuda", enabled=True) if use_scaler else None
+        if self.enabled:
+            self.notes.append(f"mixed precision: autocast {str(self.dtype).replace('torch.', '')} on "
+                              f"{device.type}{' with GradScaler' if self.scaler else ''}; quantizers in float32")
+
+    def autocast(self):
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params, grad_clip: float) -> float:
+        """Unscale (fp16), clip the gradient norm, step the optimizer, update the scale; returns the
+        gradient norm. Without a GradScaler a non-finite gradient norm returns it *without* stepping
+        (the trainer stops the run: the weights stay those of the last good step). With GradScaler
+        (fp16) an overflow is normal: the scaler skips that step and lowers the scale."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        grads = [p for p in params if p.grad is not None]
+        if grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(grads, grad_clip))
+        else:
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        elif math.isfinite(norm):
+            optimizer.step()
+        return norm
+
+    def state_dict(self) -> Optional[Dict[str, object]]:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: Optional[Dict[str, object]]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+def leading_parameters(model: torch.nn.Module, n: int) -> List[torch.nn.Parameter]:
+    """Parameters of the first ``n`` sublayers (conv and BatchNorm) of a GNetDet-like model."""
+    layers = list(getattr(model, "layers", []))
+    return [p for layer in layers[:n] for p in layer.parameters()]
+
+
+def freeze(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    """Set requires_grad False; returns the parameters that were trainable (to unfreeze later)."""
+    changed = [p for p in params if p.requires_grad]
+    for p in changed:
+        p.requires_grad_(False)
+    return changed
+
+
+def unfreeze(params: List[torch.nn.Parameter]) -> None:
+    for p in params:
+        p.requires_grad_(True)
+
+
+def estimate_checkpoint_bytes(model: torch.nn.Module, optimizer_slots: int, ema: bool) -> int:
+    """Bytes the run's checkpoint files need at most at once: last.pth (weights, ``optimizer_slots``
+    tensors per trainable parameter, EMA), best.pth (weights, EMA), and the temporary copy of the
+    largest file while it is written atomically; plus 64 KiB per file for metadata."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    last = weights + optimizer_slots * trainable + (weights if ema else 0)
+    best = weights + (weights if ema else 0)
+    return last + best + max(last, best) + 3 * 65536
+
+
+def free_bytes(folder: str) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def optimizer_slots(name: str) -> int:
+    """State tensors per parameter: Adam/AdamW 2 (+ step), SGD with momentum 1."""
+    return 1 if name == "sgd" else 2

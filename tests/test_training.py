@@ -1,0 +1,237 @@
+"""Training recipe (docs/training.md): amp, gradient accumulation, EMA, freezing, atomic checkpoint
+writes, disk check. Tiny GNetDet (224 px, width 0.0625) on ../shared/data/cards, in-process."""
+import glob
+import os
+
+import pytest
+import torch
+
+from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, load_checkpoint,
+                                   save_checkpoint)
+from gnetmdk.config import ConfigError, build_config, load_config_class
+from gnetmdk.dataset.voc import convert_voc_to_meta
+from gnetmdk.dist.sampler import GlobalBatchSampler
+from gnetmdk.engine import recipe as R
+from gnetmdk.engine.cli import run_stage
+from gnetmdk.engine.stages import STAGES, apply_stage
+from gnetmdk.engine.trainer import Trainer
+from gnetmdk.layers.registry import model_from_config
+
+from test_pipeline import CARDS, CLASSES, CONFIG
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("training"))
+    convert_voc_to_meta(CARDS, CLASSES, os.path.join(root, "meta", "cards_train.txt"),
+                        os.path.join(root, "meta", "cards_valid.txt"))
+    path = os.path.join(root, "config.py")
+    with open(path, "w") as fh:
+        fh.write(CONFIG.format(classes=CLASSES, dataset=CARDS, root=root))
+    torch.set_num_threads(1)
+    return root, path
+
+
+def _cfg(path, tmp, name, *over, step=1):
+    return build_config(load_config_class(path), ["checkpoint_root", str(tmp / name), "log_root",
+                                                  str(tmp / ("log-" + name)), *map(str, over)], step=step)
+
+
+# ---------------------------------------------------------------------------------------------- amp
+def _tiny_model(path, **over):
+    cfg = build_config(load_config_class(path), [x for kv in over.items() for x in map(str, kv)])
+    torch.manual_seed(0)
+    return model_from_config(cfg)
+
+
+@pytest.mark.parametrize("stage", ["step2", "step3"])
+def test_amp_keeps_quantized_outputs_identical_on_cpu(workdir, stage):
+    _, path = workdir
+    model = _tiny_model(path, use_bn="false")
+    for i, relu in enumerate(model.relus()):
+        relu.cap.fill_(2.0 + i % 3)
+    apply_stage(model, STAGES[stage])
+    x = torch.randint(0, 32, (2, 3, 224, 224)).float()
+    for train in (True, False):
+        model.train(train)
+        plain = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model(x)
+        assert mixed.dtype == torch.float32
+        assert torch.equal(plain, mixed), (stage, train)
+
+
+def test_amp_runs_step1_convs_in_bf16(workdir):
+    """The other side: autocast really is active (float step-1 convs change), so the identity above is
+    the quantizers' float32 path, not a no-op."""
+    _, path = workdir
+    model = _tiny_model(path).eval()
+    apply_stage(model, STAGES["step1"])
+    x = torch.randint(0, 32, (1, 3, 224, 224)).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = model(x)
+    assert not torch.equal(model(x), mixed)
+
+
+def test_amp_training_run_and_fp16_note(workdir, tmp_path):
+    _, path = workdir
+    cfg = _cfg(path, tmp_path, "amp", "amp", "true", "amp_dtype", "fp16", "eval_before", "false")
+    p = R.Precision(cfg, torch.device("cpu"))
+    assert p.dtype == torch.bfloat16 and p.scaler is None and any("bf16" in n for n in p.notes)
+    run_stage(cfg)
+    last = load_checkpoint(str(tmp_path / "amp" / "step1" / "last.pth"))
+    assert all(torch.isfinite(v.float()).all() for v in last["model"].values())
+
+
+# ---------------------------------------------------------------------------------------------- accumulation
+def test_sampler_micro_batches_concatenate_to_the_global_batch():
+    one = GlobalBatchSampler(40, 8, seed=3)
+    acc = GlobalBatchSampler(40, 8, seed=3, accumulate=2)
+    two_ranks = [GlobalBatchSampler(40, 8, rank=r, world_size=2, seed=3, accumulate=2) for r in range(2)]
+    for s in [one, acc] + two_ranks:
+        s.set_epoch(1, 1)
+    a, b = list(one), list(acc)
+    assert len(b) == len(acc) == 2 * len(a) == 8
+    assert [b[2 * i] + b[2 * i + 1] for i in range(len(a))] == a
+    r0, r1 = list(two_ranks[0]), list(two_ranks[1])
+    assert [r0[2 * i] + r0[2 * i + 1] + r1[2 * i] + r1[2 * i + 1] for i in range(len(a))] == a
+    with pytest.raises(ValueError, match="multiple of 6"):
+        GlobalBatchSampler(40, 8, world_size=2, accumulate=3)
+
+
+def test_batch_8_equals_4_x_2_accumulated(workdir, tmp_path):
+    _, path = workdir
+    common = ["batch_size", 8, "use_bn", "false", "num_epochs", 2, "eval_before", "false", "eval_interval", 5,
+              "max_val_images", 2]
+    run_stage(_cfg(path, tmp_path, "b8", *common))
+    run_stage(_cfg(path, tmp_path, "b4x2", *common, "accumulate", 2))
+    a = load_checkpoint(str(tmp_path / "b8" / "step1" / "last.pth"))
+    b = load_checkpoint(str(tmp_path / "b4x2" / "step1" / "last.pth"))
+    assert a["iteration"] == b["iteration"] == 2          # optimizer steps, not micro-batches
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+    moved = 0.0
+    start = _tiny_model(path, use_bn="false").state_dict()
+    for k, v in a["model"].items():
+        assert torch.allclose(v, b["model"][k], atol=1e-6, rtol=0), k
+        moved = max(moved, float((v - start[k]).abs().max()))
+    assert moved > 1e-4          # the runs trained: equality is not two untouched models
+
+
+def test_accumulate_that_does_not_divide_is_refused(workdir, tmp_path):
+    _, path = workdir
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        _cfg(path, tmp_path, "bad", "accumulate", 3)
+    cfg = _cfg(path, tmp_path, "bad", "accumulate", 2)
+    cfg.accumulate = 3                          # past the start-up check: the trainer refuses it too
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        run_stage(cfg)
+    with pytest.raises(ConfigError, match="accumulate"):
+        _cfg(path, tmp_path, "bad", "accumulate", 0)
+
+
+# ---------------------------------------------------------------------------------------------- EMA
+def test_ema_is_saved_beside_the_raw_weights_and_loaded_for_the_next_stage(workdir, tmp_path):
+    _, path = workdir
+    cfg = _cfg(path, tmp_path, "ema", "ema", "true", "ema_decay", 0.9, "ema_ramp", 0, "num_epochs", 2,
+               "eval_interval", 1)
+    summary = run_stage(cfg)
+    for name in ("best.pth", "last.pth"):
+        ck = load_checkpoint(str(tmp_path / "ema" / "step1" / name))
+        assert ck["eval_weights"] == "ema" and set(ck["ema"]["model"]) == set(ck["model"])
+    last = load_checkpoint(str(tmp_path / "ema" / "step1" / "last.pth"))
+    assert last["ema"]["updates"] == 4
+    k = "layers.0.conv.weight"
+    assert not torch.equal(last["ema"]["model"][k], last["model"][k])     # never saved in their place
+    assert torch.equal(build_model_from_checkpoint(last).state_dict()[k], last["ema"]["model"][k])
+    assert torch.equal(build_model_from_checkpoint(last, weights="model").state_dict()[k], last["model"][k])
+    assert summary["best_map"] == load_checkpoint(str(tmp_path / "ema" / "step1" / "best.pth"))["best_map"]
+
+
+# ---------------------------------------------------------------------------------------------- freezing
+def _first_layers(model, n):
+    return [p for layer in model.layers[:n] for p in layer.parameters()]
+
+
+def test_freeze_at_leaves_layers_out_of_the_optimizer(workdir, tmp_path):
+    _, path = workdir
+    cfg = _cfg(path, tmp_path, "fa", "freeze_at", 2, "eval_before", "false")
+    t = Trainer(cfg)
+    t.run()
+    frozen = _first_layers(t.model, 2)
+    in_opt = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+    assert frozen and not any(id(p) in in_opt for p in frozen)
+    assert not any(id(p) in {id(q) for q in t.optimizer.state} for p in frozen)
+    start = _tiny_model(path)
+    assert torch.equal(t.model.layers[0].conv.weight, start.layers[0].conv.weight)
+    assert not torch.equal(t.model.layers[2].conv.weight, start.layers[2].conv.weight)
+
+
+def test_finetune_freezes_first_convs_for_n_epochs(workdir, tmp_path):
+    _, path = workdir
+    t = Trainer(_cfg(path, tmp_path, "ft1", "finetune", 1, "freeze_convs", 2, "eval_before", "false"))
+    t.run()
+    frozen = _first_layers(t.model, 2)
+    assert not any(p in t.optimizer.state for p in frozen)                 # no optimizer state while frozen
+    start = _tiny_model(path)
+    assert torch.equal(t.model.layers[1].conv.weight, start.layers[1].conv.weight)
+    t2 = Trainer(_cfg(path, tmp_path, "ft2", "finetune", 1, "freeze_convs", 2, "num_epochs", 2,
+                      "eval_before", "false"))
+    t2.run()
+    assert all(p in t2.optimizer.state for p in _first_layers(t2.model, 2) if p.requires_grad)
+    assert t2.model.layers[0].conv.weight.requires_grad                    # unfrozen after epoch 1
+    assert not torch.equal(t2.model.layers[0].conv.weight, start.layers[0].conv.weight)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_interrupted_checkpoint_write_keeps_the_previous_file(tmp_path, monkeypatch, exc):
+    path = str(tmp_path / "last.pth")
+    save_checkpoint(path, {"stage": "step1", "iteration": 3, "w": torch.arange(5.0)})
+    before = open(path, "rb").read()
+    real_save = torch.save
+
+    def broken(obj, fh, *a, **k):
+        real_save(obj, fh, *a, **k)           # the bytes of the new file are written ...
+        fh.truncate(fh.tell() // 2)           # ... partly
+        raise exc
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(type(exc)):
+        save_checkpoint(path, {"stage": "step1", "iteration": 4, "w": torch.zeros(1000)})
+    monkeypatch.undo()
+    assert open(path, "rb").read() == before
+    assert load_checkpoint(path)["iteration"] == 3
+    assert os.listdir(tmp_path) == ["last.pth"]          # no temporary file left
+
+
+def test_disk_estimate_is_checked_before_training(workdir, tmp_path, monkeypatch):
+    _, path = workdir
+    cfg = _cfg(path, tmp_path, "disk", "eval_before", "false")
+    out = tmp_path / "disk" / "step1"
+    out.mkdir(parents=True)
+    (out / "last.pth").write_bytes(b"previous")
+    need = {}
+
+    def fake_free(folder):
+        need["folder"] = folder
+        return 1000
+
+    monkeypatch.setattr(R, "free_bytes", fake_free)
+    called = []
+    monkeypatch.setattr(Trainer, "train_one_epoch", lambda self, e: called.append(e))
+    with pytest.raises(CheckpointError, match="not enough free disk"):
+        run_stage(cfg)
+    assert not called and (out / "last.pth").read_bytes() == b"previous"
+    model = _tiny_model(path)
+    assert R.estimate_checkpoint_bytes(model, 2, True) > 4 * sum(p.numel() * 4 for p in model.parameters())
+    assert glob.glob(str(out / ".tmp-*")) == []
+
+
+def test_checkpoint_of_another_model_is_refused_with_the_difference(workdir):
+    from gnetmdk.checkpoint.io import check_compatible
+    _, path = workdir
+    cfg = build_config(load_config_class(path), [])
+    meta = _tiny_model(path).meta()
+    check_compatible({"model_meta": meta}, cfg, "x.pth")
+    with pytest.raises(CheckpointError, match="name: checkpoint 'othernet' vs config 'gnetdet'"):
+        check_compatible({"model_meta": dict(meta, name="othernet")}, cfg, "x.pth")
