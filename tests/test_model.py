@@ -73,3 +73,15 @@ def test_decode_of_encoded_targets_recovers_boxes():
     assert out["labels"][order].tolist() == [2, 0]
     assert torch.allclose(out["boxes"][order], torch.tensor(boxes), atol=1e-6)
     assert torch.allclose(out["scores"], torch.ones(2))
+
+
+def test_weight_scale_of_the_run_config_wins_over_the_checkpoint():
+    from gnetmdk.checkpoint.io import build_model_from_checkpoint
+    from gnetmdk.config import BaseConfig, build_config
+    m = GNetDet(num_classes=3, image_size=224, width_mult=0.0625)
+    ckpt = {"model_meta": m.meta(), "model": m.state_dict()}
+    assert ckpt["model_meta"]["weight_scale"] == "gti"
+    cfg = build_config(BaseConfig, ["weight_scale", "mse", "image_size", "224"])
+    rebuilt = build_model_from_checkpoint(ckpt, cfg)
+    assert {c.method for c in rebuilt.convs()} == {"mse"}
+    assert {c.method for c in build_model_from_checkpoint(ckpt).convs()} == {"gti"}

@@ -89,7 +89,8 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
 def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):
     """Rebuild the model a checkpoint describes and load its weights (strict).
 
-    Loss weights, channels_last and the calibration percentile come from ``cfg`` when given.
+    Loss weights, channels_last, the calibration percentiles and the weight scale rule (weight_scale)
+    come from ``cfg`` when given.
     ``weights``: "eval" loads the weights the checkpoint was evaluated with, the EMA
     (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] == "ema"`` (a run with ``ema true``), else
     the raw weights; "model" always loads the raw weights (resume).
@@ -104,6 +105,8 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
         extra = dict(cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
                      l_class=cfg.l_class, score_loss=cfg.score_loss,
                      output_cap_percentile=cfg.output_cap_percentile, channels_last=cfg.channels_last)
+        # the per-kernel scale rule is a training choice, not structure: the run's config decides
+        meta["weight_scale"] = cfg.weight_scale
     try:
         model = create_model(name, **meta, **extra)
         use_ema = weights == "eval" and ckpt.get("eval_weights") == "ema" and isinstance(ckpt.get("ema"), dict)

@@ -269,20 +269,6 @@ def validate_config(cfg: BaseConfig) -> None:
                 f"{sorted(spec.schemes)}")
 
 
-def split_known_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """Split argv into ``--option`` words and override words (the first bare word starts overrides)."""
-    opts, rest = [], []
-    it = list(argv)
-    i = 0
-    while i < len(it):
-        if it[i].startswith("--") and not rest:
-            opts.append(it[i])
-        else:
-            rest.append(it[i])
-        i += 1
-    return opts, rest
-
-
 def load_config(config_file: str | None = None, overrides: Sequence[str] = (), step: int | None = None,
                 cal: bool = False) -> BaseConfig:
     """Load ``Config`` from ``config_file`` (default configs.py) and resolve it (see build_config)."""

@@ -68,8 +68,6 @@ def _worker_entry(recipe: dict) -> None:
     run_stage(cfg)
 
 
-USER_ERRORS = ()
-
 
 def user_errors():
     """Exception types that are the user's to fix: printed as one line, exit code 2."""
