@@ -30,11 +30,8 @@ def parse_args(argv):
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     p.add_argument("--batch-size", type=int, default=0, help="images per batch (default the config's batch_size)")
-    args, rest = p.parse_known_args(argv)
-    bad = [t for t in rest if t.startswith("--")]
-    if bad:
-        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
-    return args, rest
+    from gnetmdk.gti.chip.cli_util import parse_with_overrides
+    return parse_with_overrides(p, argv)
 
 
 def main(argv=None) -> int:

@@ -37,11 +37,8 @@ def parse_args(argv):
                                                 "from the step-4 checkpoint)")
     p.add_argument("--no-chip", action="store_true", help="leave out the chip row")
     p.add_argument("--batch-size", type=int, default=16)
-    args, rest = p.parse_known_args(argv)
-    bad = [t for t in rest if t.startswith("--")]
-    if bad:
-        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
-    return args, rest
+    from gnetmdk.gti.chip.cli_util import parse_with_overrides
+    return parse_with_overrides(p, argv)
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,16 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 
+def parse_with_overrides(parser, argv):
+    """``parser.parse_known_args``: the left-over words are config overrides (KEY VALUE / KEY=VALUE);
+    an unknown ``--option`` among them is refused through ``parser.error`` (exit 2)."""
+    args, rest = parser.parse_known_args(argv)
+    bad = [t for t in rest if t.startswith("--")]
+    if bad:
+        parser.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
+    return args, rest
+
+
 def user_errors() -> Tuple[type, ...]:
     """Exception types a user can cause (bad path, bad config, wrong checkpoint, a model the chip cannot
     run): the tools print them as one line ``error: ...`` and exit with status 2."""
