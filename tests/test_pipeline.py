@@ -43,15 +43,20 @@ class Config(BaseConfig):
 '''
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("pipeline"))
+def make_cards_workdir(tmp_path_factory, name):
+    """A tmp folder with cards meta files and a tiny-model config file; returns (root, config path)."""
+    root = str(tmp_path_factory.mktemp(name))
     convert_voc_to_meta(CARDS, CLASSES, os.path.join(root, "meta", "cards_train.txt"),
                         os.path.join(root, "meta", "cards_valid.txt"))
     path = os.path.join(root, "config.py")
     with open(path, "w") as fh:
         fh.write(CONFIG.format(classes=CLASSES, dataset=CARDS, root=root))
     return root, path
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return make_cards_workdir(tmp_path_factory, "pipeline")
 
 
 def _cfg(path, *over, step=None, cal=False):

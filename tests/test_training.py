@@ -17,19 +17,13 @@ from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.engine.trainer import Trainer
 from gnetmdk.layers.registry import model_from_config
 
-from test_pipeline import CARDS, CLASSES, CONFIG
+from test_pipeline import CARDS, CLASSES, make_cards_workdir
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("training"))
-    convert_voc_to_meta(CARDS, CLASSES, os.path.join(root, "meta", "cards_train.txt"),
-                        os.path.join(root, "meta", "cards_valid.txt"))
-    path = os.path.join(root, "config.py")
-    with open(path, "w") as fh:
-        fh.write(CONFIG.format(classes=CLASSES, dataset=CARDS, root=root))
     torch.set_num_threads(1)
-    return root, path
+    return make_cards_workdir(tmp_path_factory, "training")
 
 
 def _cfg(path, tmp, name, *over, step=1):

@@ -15,19 +15,13 @@ from gnetmdk.config import build_config, load_config_class
 from gnetmdk.dataset.voc import convert_voc_to_meta
 from gnetmdk.engine.cli import run_stage
 
-from test_pipeline import CARDS, CLASSES, CONFIG, ROOT
+from test_pipeline import CARDS, CLASSES, ROOT, make_cards_workdir
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("training_cli"))
-    convert_voc_to_meta(CARDS, CLASSES, os.path.join(root, "meta", "cards_train.txt"),
-                        os.path.join(root, "meta", "cards_valid.txt"))
-    path = os.path.join(root, "config.py")
-    with open(path, "w") as fh:
-        fh.write(CONFIG.format(classes=CLASSES, dataset=CARDS, root=root))
     torch.set_num_threads(1)
-    return root, path
+    return make_cards_workdir(tmp_path_factory, "training_cli")
 
 
 def _train(path, *args, timeout=300):
