@@ -9,7 +9,6 @@ import torch
 from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, load_checkpoint,
                                    save_checkpoint)
 from gnetmdk.config import ConfigError, build_config, load_config_class
-from gnetmdk.dataset.voc import convert_voc_to_meta
 from gnetmdk.dist.sampler import GlobalBatchSampler
 from gnetmdk.engine import recipe as R
 from gnetmdk.engine.cli import run_stage
@@ -17,7 +16,7 @@ from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.engine.trainer import Trainer
 from gnetmdk.layers.registry import model_from_config
 
-from test_pipeline import CARDS, CLASSES, make_cards_workdir
+from test_pipeline import make_cards_workdir
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ import torch
 
 from gnetmdk.checkpoint.io import load_checkpoint, save_checkpoint
 from gnetmdk.config import build_config, load_config_class
-from gnetmdk.dataset.voc import convert_voc_to_meta
 from gnetmdk.engine.cli import run_stage
 
-from test_pipeline import CARDS, CLASSES, ROOT, make_cards_workdir
+from test_pipeline import ROOT, make_cards_workdir
 
 
 @pytest.fixture(scope="module")
