@@ -14,7 +14,7 @@ from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.gti.quantize import activation_codes
 from gnetmdk.gti.transforms import fold_bn, gain_edit
 from gnetmdk.layers.gnetdet import GNetDet
-from gnetmdk.layers.loss import gnetdet_loss
+from gnetmdk.layers.loss import gnetdet_loss, safe_sqrt
 
 TINY = dict(num_classes=2, image_size=224, width_mult=0.0625, chip="5801")
 
@@ -337,3 +337,33 @@ def test_loss_refuses_bad_shapes():
         gnetdet_loss(torch.zeros(2, 14, 14, 12), torch.zeros(2, 14, 14, 11))
     with pytest.raises(ValueError):
         gnetdet_loss(torch.zeros(2, 14, 14, 10), torch.zeros(2, 14, 14, 10))
+
+
+def test_safe_sqrt_values_and_bounded_slope():
+    tau = 1e-2
+    x = torch.tensor([0.0, 0.0025, 0.005, tau, 0.04, 0.25, 1.0], dtype=torch.float64, requires_grad=True)
+    y = safe_sqrt(x, tau)
+    # exact sqrt from tau up; below it the tangent at tau: sqrt(tau) + (x - tau) / (2 sqrt(tau))
+    assert y[3:].tolist() == pytest.approx([0.1, 0.2, 0.5, 1.0], rel=1e-12)
+    assert y[:3].tolist() == pytest.approx([0.05, 0.0625, 0.075], rel=1e-12)
+    y.sum().backward()
+    assert x.grad.tolist() == pytest.approx([5.0, 5.0, 5.0, 5.0, 2.5, 1.0, 0.5], rel=1e-12)
+
+
+def test_loss_size_gradient_is_bounded_at_zero():
+    # an object cell whose size outputs are 0 (the output ReLU at its floor): the size term's gradient
+    # is l_coord * (sqrt(tau)/2 - sqrt(t)) * 5 per output, not the ~250x of sqrt(w + 1e-6)
+    target = torch.zeros(1, GRID, GRID, 10 + C)
+    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.36, 0.16, 1.0])
+    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
+    target[0, 3, 4, 10] = 1.0
+    pred = target.clone()
+    pred[0, 3, 4, 2:4] = 0.0
+    pred[0, 3, 4, 7:9] = 0.0
+    pred.requires_grad_()
+    gnetdet_loss(pred, target, l_coord=5.0)["loc"].backward()
+    g = pred.grad[0, 3, 4]
+    # ties in IoU pick slot 0 as the responsible box
+    assert float(g[2]) == pytest.approx(5.0 * (0.05 - 0.6) * 5.0, rel=1e-5)
+    assert float(g[3]) == pytest.approx(5.0 * (0.05 - 0.4) * 5.0, rel=1e-5)
+    assert float(pred.grad.abs().max()) <= 5.0 * 0.6 * 5.0 + 1e-4

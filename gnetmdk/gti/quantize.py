@@ -265,10 +265,13 @@ class _CappedQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, cap = ctx.saved_tensors
+        if not ctx.revive:
+            # grad where 0 < x < cap, else 0, in one fused pass (aten's hardtanh backward has exactly
+            # this strict-interval mask; cap is a float32 value, so the comparison is unchanged)
+            return torch.ops.aten.hardtanh_backward(grad, x, 0.0, float(cap)), None, None, None, None
         mask = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
-        if ctx.revive:
-            # outside (0, cap) let through only the gradients that lead back inside
-            mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))
+        # revive: outside (0, cap) let through only the gradients that lead back inside
+        mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))
         return grad.masked_fill(mask.logical_not_(), 0), None, None, None, None
 
 
