@@ -224,10 +224,12 @@ def test_logit_score_head_chip_map_equals_model(raccoon):
     from gnetmdk.evaluation.evaluator import evaluate_model
     from gnetmdk.gti.chip import evaluate_chip
     s = raccoon
-    model, caps = build_step4_model(1, s.images[:6], seed=5, score_head="logit", score_offset=2.0)
+    model, caps = build_step4_model(1, s.images[:6], seed=5, score_head="logit", score_offset=0.5,
+                                    score_scale=10.0)
     cm = chip_model_from_gnetdet(model, ["raccoon"], calibrated_caps=caps)
-    assert (cm.score_head, cm.score_offset) == ("logit", 2.0)
+    assert (cm.score_head, cm.score_offset, cm.score_scale) == ("logit", 0.5, 10.0)
     assert cm.header()["decode"]["score_head"] == "logit"
+    assert cm.header()["decode"]["score_scale"] == 10.0
     ref = evaluate_model(model, DataLoader(s.val, batch_size=16, collate_fn=collate), s.val, torch.device("cpu"),
                          0.05, 0.5, 100)
     res = evaluate_chip(ChipEmulator(cm).run, cm, s.val)
@@ -264,6 +266,13 @@ def test_chip_model_file_roundtrip_and_refusals(raccoon, tmp_path):
         load_chip_model(str(tmp_path / "other.json"))
     with pytest.raises(ChipModelError, match="does not exist"):
         load_chip_model(str(tmp_path / "nope.json"))
+    # a score head the host cannot apply
+    for key, value, needle in (("score_head", "softmax", "score_head"), ("score_scale", -1.0, "score_scale")):
+        wrong = json.loads(json.dumps(d))
+        wrong["decode"][key] = value
+        json.dump(wrong, open(tmp_path / "head.json", "w"))
+        with pytest.raises(ChipModelError, match=needle):
+            load_chip_model(str(tmp_path / "head.json"))
     # a weight outside its register is refused on save
     cm = load_chip_model(path)
     cm.layers[2].weight[0, 0, 0, 0] = 2 ** (cm.layers[2].weight_bits - 1)

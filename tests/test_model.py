@@ -85,3 +85,23 @@ def test_weight_scale_of_the_run_config_wins_over_the_checkpoint():
     rebuilt = build_model_from_checkpoint(ckpt, cfg)
     assert {c.method for c in rebuilt.convs()} == {"mse"}
     assert {c.method for c in build_model_from_checkpoint(ckpt).convs()} == {"gti"}
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(score_head="softmax"), "score_head must be 'linear' or 'logit'"),
+    (dict(score_head="logit", score_scale=0.0), "score_scale must be a positive number"),
+    (dict(score_head="logit", score_scale=float("nan")), "score_scale must be a positive number"),
+])
+def test_score_head_settings_refused(kwargs, needle):
+    from gnetmdk.config.base import ConfigError
+    with pytest.raises(ConfigError, match=needle):
+        GNetDet(num_classes=2, image_size=224, width_mult=0.0625, **kwargs)
+
+
+def test_logit_head_meta_roundtrip():
+    m = GNetDet(num_classes=2, image_size=224, width_mult=0.0625, score_head="logit", score_offset=0.5,
+                score_scale=10.0)
+    meta = m.meta()
+    assert (meta["score_head"], meta["score_offset"], meta["score_scale"]) == ("logit", 0.5, 10.0)
+    back = GNetDet(**{k: v for k, v in meta.items() if k != "name"})
+    assert back.loss_weights["score_scale"] == 10.0

@@ -367,3 +367,30 @@ def test_loss_size_gradient_is_bounded_at_zero():
     assert float(g[2]) == pytest.approx(5.0 * (0.05 - 0.6) * 5.0, rel=1e-5)
     assert float(g[3]) == pytest.approx(5.0 * (0.05 - 0.4) * 5.0, rel=1e-5)
     assert float(pred.grad.abs().max()) <= 5.0 * 0.6 * 5.0 + 1e-4
+
+
+def test_logit_head_scores_and_clipped_cross_entropy():
+    from gnetmdk.layers.decode import output_scores
+    from gnetmdk.layers.loss import LOGIT_MAX, logit_bce
+    y = torch.tensor([0.0, 0.5, 1.0, 2.0])
+    conf, cls = output_scores(y, y, "logit", score_offset=0.5, score_scale=10.0)
+    expect = torch.sigmoid(torch.tensor([-5.0, 0.0, 5.0, 15.0]))
+    assert torch.allclose(conf, expect) and torch.allclose(cls, expect)
+    # an output the ReLU switched off costs 0 for a negative target, any offset and scale
+    assert float(logit_bce(torch.zeros(1), torch.zeros(1), 0.5, 10.0)) == 0.0
+    # the loss equals softplus(z) - t z - (1 - t) softplus(-k b) below the clip
+    yy = torch.tensor([0.2, 0.7], dtype=torch.float64)
+    t = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    z = 10.0 * (yy - 0.5)
+    ref = torch.nn.functional.softplus(z) - t * z - (1 - t) * torch.nn.functional.softplus(
+        torch.tensor(-5.0, dtype=torch.float64))
+    assert torch.allclose(logit_bce(yy, t, 0.5, 10.0), ref)
+    # above LOGIT_MAX a positive gets no upward push; a negative is still pushed down
+    hi = torch.tensor([0.5 + (LOGIT_MAX + 2) / 10.0] * 2, requires_grad=True)
+    logit_bce(hi, torch.tensor([1.0, 0.0]), 0.5, 10.0).sum().backward()
+    assert float(hi.grad[0]) == 0.0
+    assert float(hi.grad[1]) == pytest.approx(10.0 * float(torch.sigmoid(torch.tensor(LOGIT_MAX))), rel=1e-5)
+    # below the clip the positive's gradient is k (p - 1) < 0
+    lo = torch.tensor([0.6], requires_grad=True)
+    logit_bce(lo, torch.tensor([1.0]), 0.5, 10.0).sum().backward()
+    assert float(lo.grad[0]) == pytest.approx(10.0 * (float(torch.sigmoid(torch.tensor(1.0))) - 1), rel=1e-5)

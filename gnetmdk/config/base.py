@@ -60,7 +60,8 @@ class BaseConfig:
     l_class: float = 1.0
     score_loss: str = "smooth_l1"           # smooth_l1 (GTI) | bce (cross-entropy on the scores)
     score_head: str = "linear"              # linear (GTI: scores = outputs) | logit (scores = sigmoid(out - offset))
-    score_offset: float = 4.0               # logit head: an output of 0 is the logit -score_offset
+    score_offset: float = 4.0               # logit head: score = sigmoid(score_scale * (output - score_offset))
+    score_scale: float = 1.0                # logit head: logits per unit of output (keeps outputs near box range)
 
     # ---------------------------------------------------------------- optimisation
     batch_size: int = 16                    # global batch: split over world_size x gpus processes

@@ -9,11 +9,13 @@ from gnetmdk.evaluation.boxes import batched_nms
 from .loss import cell_boxes_to_xyxy
 
 
-def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "linear", score_offset: float = 4.0):
+def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "linear", score_offset: float = 4.0,
+                  score_scale: float = 1.0):
     """(confidence, class scores) from the raw outputs: themselves ("linear", GTI) or
-    sigmoid(output - score_offset) ("logit" head). Shapes are kept."""
+    sigmoid(score_scale * (output - score_offset)) ("logit" head). Shapes are kept."""
     if score_head == "logit":
-        return torch.sigmoid(conf - score_offset), torch.sigmoid(cls - score_offset)
+        return (torch.sigmoid(score_scale * (conf - score_offset)),
+                torch.sigmoid(score_scale * (cls - score_offset)))
     if score_head != "linear":
         raise ValueError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
     return conf, cls
@@ -21,7 +23,8 @@ def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "line
 
 def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.05, nms_thresh: float = 0.5,
                    max_detections: int = 100, score_head: str = "linear",
-                   score_offset: float = 4.0, pre_nms_top: int = 1000) -> List[Dict[str, torch.Tensor]]:
+                   score_offset: float = 4.0, pre_nms_top: int = 1000,
+                   score_scale: float = 1.0) -> List[Dict[str, torch.Tensor]]:
     """Turn predictions into per-image detections.
 
     Every one of the 2 x S x S boxes is scored against every class: score = conf x class score;
@@ -31,7 +34,8 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
     Args:
         pred: (N, S, S, 10 + C) float predictions (host-side: already multiplied by cap_last / 31).
         num_classes: C.
-        score_head, score_offset: how scores come from the outputs (output_scores; the model's meta).
+        score_head, score_offset, score_scale: how scores come from the outputs (output_scores; the
+            model's meta).
         pre_nms_top: at most this many (box, class) candidates per image enter NMS (the best scores).
     Returns:
         a list of N dicts: ``boxes`` (K, 4) float32 xyxy relative to the image (0..1, clipped),
@@ -42,7 +46,7 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
     boxes = torch.stack([pred[..., 0:4], pred[..., 5:9]], dim=3)            # (N, S, S, 2, 4)
     conf = torch.stack([pred[..., 4], pred[..., 9]], dim=3)                 # (N, S, S, 2)
     cls = pred[..., 10:10 + num_classes]                                    # (N, S, S, C)
-    conf, cls = output_scores(conf, cls, score_head, score_offset)
+    conf, cls = output_scores(conf, cls, score_head, score_offset, score_scale)
     xyxy = cell_boxes_to_xyxy(boxes, s).clamp(0, 1).reshape(n, -1, 4)      # (N, 2SS, 4)
     scores = (conf.unsqueeze(-1) * cls.unsqueeze(3)).reshape(n, -1, num_classes)  # (N, 2SS, C)
     out = []

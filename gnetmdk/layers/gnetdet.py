@@ -164,7 +164,8 @@ class GNetDet(nn.Module):
         output_cap_percentile: the output layer's (100 = max, so the largest scores are not clipped).
         l_coord, l_noobj, l_class: loss weights; score_loss: "smooth_l1" or "bce" (gnetmdk.layers.loss).
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
-            score_offset), applied on the host; see gnetmdk.layers.decode.output_scores).
+            score_offset), applied on the host; see gnetmdk.layers.decode.output_scores); score_scale:
+            the logit head's k in sigmoid(k (output - score_offset)).
 
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
@@ -177,7 +178,8 @@ class GNetDet(nn.Module):
                  chip: str = "5801", mask_bits: Sequence[int] = (), weight_scale: str = "gti",
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
-                 score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False):
+                 score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
+                 score_scale: float = 1.0):
         super().__init__()
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
@@ -195,10 +197,14 @@ class GNetDet(nn.Module):
         self.layers[-1].relu.revive = True
         if score_head not in ("linear", "logit"):
             raise ConfigError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
+        if not (math.isfinite(float(score_scale)) and float(score_scale) > 0):
+            raise ConfigError(f"score_scale must be a positive number, not {score_scale!r}")
         self.score_head = score_head
         self.score_offset = float(score_offset)
+        self.score_scale = float(score_scale)
         self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss,
-                                 score_head=score_head, score_offset=self.score_offset)
+                                 score_head=score_head, score_offset=self.score_offset,
+                                 score_scale=self.score_scale)
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result
@@ -222,7 +228,7 @@ class GNetDet(nn.Module):
                 "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
                 "mask_bits": [int(s) for s in self.mask_bits()],
                 "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
-                "score_offset": self.score_offset}
+                "score_offset": self.score_offset, "score_scale": self.score_scale}
 
     def mask_bits(self) -> List[int]:
         out: Dict[int, int] = {}
@@ -261,4 +267,4 @@ class GNetDet(nn.Module):
         """Per-image detections (see gnetmdk.layers.decode.decode_gnetdet)."""
         from .decode import decode_gnetdet
         return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections,
-                              self.score_head, self.score_offset)
+                              self.score_head, self.score_offset, score_scale=self.score_scale)

@@ -91,19 +91,29 @@ def score_bce(p: torch.Tensor, t: torch.Tensor, eps: float = 1e-4) -> torch.Tens
     return -(t * torch.log(q) + (1 - t) * torch.log1p(-q))
 
 
-def logit_bce(y: torch.Tensor, t: torch.Tensor, offset: float) -> torch.Tensor:
-    """Cross-entropy of scores p = sigmoid(y - offset) against targets t (elementwise), minus its value at
-    y = 0 for t = 0, so that a unit the output ReLU has switched off costs exactly 0.
+LOGIT_MAX = 6.0
+"""Logit above which a score gets no further upward push (sigmoid(6) = 0.9975); see logit_bce."""
 
-        bce(z, t) = softplus(z) - t z,  z = y - offset   (binary cross-entropy with logits)
+
+def logit_bce(y: torch.Tensor, t: torch.Tensor, offset: float, scale: float = 1.0,
+              logit_max: float = LOGIT_MAX) -> torch.Tensor:
+    """Cross-entropy of scores p = sigmoid(z), z = scale (y - offset), against targets t (elementwise),
+    minus its value at y = 0 for t = 0, so that a unit the output ReLU has switched off costs exactly 0.
+
+        bce(z, t) = softplus(z) - t z   (binary cross-entropy with logits)
+
+    z is clipped at ``logit_max`` with a gradient that still passes downward (_ClampBack): cross-entropy
+    alone pushes a positive's output up for ever, and the output layer shares one calibrated cap
+    (gti-chip.md), so unbounded scores would coarsen the 5-bit codes of the box outputs too.
     """
-    z = y - offset
-    return F.softplus(z) - t * z - (1 - t) * F.softplus(torch.full_like(z, -offset))
+    z = _ClampBack.apply(scale * (y - offset), float("-inf"), float(logit_max))
+    return F.softplus(z) - t * z - (1 - t) * F.softplus(torch.full_like(z, -scale * offset))
 
 
 def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
-                 score_offset: float = 4.0, sqrt_tau: float = 1e-2) -> Dict[str, torch.Tensor]:
+                 score_offset: float = 4.0, sqrt_tau: float = 1e-2,
+                 score_scale: float = 1.0) -> Dict[str, torch.Tensor]:
     """GNetDet loss terms.
 
     Args:
@@ -117,9 +127,10 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
             score_bce; stronger gradients for badly wrong scores, same outputs and decoding).
             Ignored with score_head "logit".
         score_head: "linear" (GTI: the confidence and class outputs are the scores) or "logit"
-            (the scores are sigmoid(output - score_offset), computed on the host after the chip;
+            (the scores are sigmoid(score_scale * (output - score_offset)), computed on the host after the chip;
             conf and class terms become binary cross-entropy with logits, see logit_bce).
-        score_offset: the logit offset b of the "logit" head (an output of 0 means p = sigmoid(-b)).
+        score_offset, score_scale: offset b and scale k of the "logit" head (an output of 0 means
+            p = sigmoid(-k b)).
         sqrt_tau: below this size (relative to the image) the sqrt of the size term is linear
             (safe_sqrt), bounding its gradient.
     Returns:
@@ -157,7 +168,7 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
            + sl1(safe_sqrt(rbox[..., 3], sqrt_tau), safe_sqrt(tbox[..., 3], sqrt_tau)))
     if score_head == "logit":
         def score(a, b):
-            return logit_bce(a, b, score_offset)
+            return logit_bce(a, b, score_offset, score_scale)
     elif score_head != "linear":
         raise ValueError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
     elif score_loss == "bce":

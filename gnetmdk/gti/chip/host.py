@@ -51,7 +51,8 @@ def decode_predictions(pred: torch.Tensor, chip_model: ChipModel, sizes: Sequenc
     nms = chip_model.nms_thresh if nms_thresh is None else nms_thresh
     maxd = chip_model.max_detections if max_detections is None else max_detections
     out = decode_gnetdet(pred, chip_model.num_classes, conf, nms, maxd, getattr(chip_model, "score_head", "linear"),
-                         getattr(chip_model, "score_offset", 4.0))
+                         getattr(chip_model, "score_offset", 4.0),
+                         score_scale=getattr(chip_model, "score_scale", 1.0))
     dets = []
     for d, (w, h) in zip(out, sizes):
         scale = torch.tensor([w, h, w, h], dtype=torch.float32)

@@ -144,8 +144,8 @@ class ChipModel:
         grid: S, the output side (14).
         conf_thresh, nms_thresh, max_detections: decode settings used for mAP.
         predict_thresh: score threshold of tools/predict.py.
-        score_head, score_offset: how the host turns confidence / class outputs into scores: "linear"
-            (the outputs themselves, GTI) or "logit" (sigmoid(output - score_offset));
+        score_head, score_offset, score_scale: how the host turns confidence / class outputs into scores: "linear"
+            (the outputs themselves, GTI) or "logit" (sigmoid(score_scale * (output - score_offset)));
             gnetmdk.layers.decode.output_scores.
         source: where it came from (checkpoint path, SHA-256, stage, mAP ...).
     """
@@ -163,6 +163,7 @@ class ChipModel:
     predict_thresh: float = 0.3
     score_head: str = "linear"
     score_offset: float = 4.0
+    score_scale: float = 1.0
     source: Dict[str, Any] = field(default_factory=dict)
 
     # -------------------------------------------------------------- derived
@@ -216,7 +217,7 @@ class ChipModel:
             "decode": {"grid": self.grid, "boxes_per_cell": 2, "conf_thresh": float(self.conf_thresh),
                        "nms_thresh": float(self.nms_thresh), "max_detections": int(self.max_detections),
                        "predict_thresh": float(self.predict_thresh), "score_head": self.score_head,
-                       "score_offset": float(self.score_offset)},
+                       "score_offset": float(self.score_offset), "score_scale": float(self.score_scale)},
             "major_layers": majors,
             "source": dict(self.source),
         }
@@ -291,6 +292,8 @@ class ChipModel:
                                  "weights and biases")
         if self.score_head not in ("linear", "logit"):
             raise ChipModelError(f"{where}: decode.score_head {self.score_head!r} must be 'linear' or 'logit'")
+        if not (math.isfinite(self.score_scale) and self.score_scale > 0):
+            raise ChipModelError(f"{where}: decode.score_scale {self.score_scale} must be a positive number")
         if not (math.isfinite(self.output_scale) and self.output_scale > 0):
             raise ChipModelError(f"{where}: output scale {self.output_scale} must be a positive number")
 
@@ -341,6 +344,7 @@ def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipMo
                    max_detections=int(_field(dec, "max_detections", where + ": decode")),
                    predict_thresh=float(dec.get("predict_thresh", 0.3)),
                    score_head=str(dec.get("score_head", "linear")), score_offset=float(dec.get("score_offset", 4.0)),
+                   score_scale=float(dec.get("score_scale", 1.0)),
                    source=dict(d.get("source", {})))
     cm.validate(where)
     return cm

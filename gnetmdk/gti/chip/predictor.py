@@ -33,7 +33,7 @@ class Predictor:
         class_names: C names.
         image_size: network input side (pixels).
         conf_thresh, nms_thresh, max_detections, predict_thresh: decode settings stored with the model.
-        score_head, score_offset: the model's score head (gnetmdk.layers.decode.output_scores).
+        score_head, score_offset, score_scale: the model's score head (gnetmdk.layers.decode.output_scores).
     """
     kind: str
     path: str
@@ -46,6 +46,7 @@ class Predictor:
     _fn: object = None
     score_head: str = "linear"
     score_offset: float = 4.0
+    score_scale: float = 1.0
 
     @property
     def num_classes(self) -> int:
@@ -69,7 +70,7 @@ class Predictor:
         pred = self.predictions(images)
         out = decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh,
                              self.max_detections if max_detections is None else max_detections,
-                             self.score_head, self.score_offset)
+                             self.score_head, self.score_offset, score_scale=self.score_scale)
         res = []
         for d, (w, h) in zip(out, sizes):
             scale = torch.tensor([w, h, w, h], dtype=torch.float32)
@@ -103,7 +104,7 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
                          float(cfg.get("nms_thresh", BaseConfig.nms_thresh)),
                          int(cfg.get("max_detections", BaseConfig.max_detections)),
                          float(cfg.get("predict_thresh", BaseConfig.predict_thresh)), fn,
-                         model.score_head, model.score_offset)
+                         model.score_head, model.score_offset, model.score_scale)
     if low.endswith(".onnx"):
         from .onnx_export import OnnxChipRunner, onnx_header
         head = onnx_header(path)
@@ -113,7 +114,8 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
         return Predictor("onnx", path, list(head["classes"]), int(head["input"]["height"]), float(dec["conf_thresh"]),
                          float(dec["nms_thresh"]), int(dec["max_detections"]), float(dec.get("predict_thresh", 0.3)),
                          lambda images: torch.from_numpy(runner.predictions(images)),
-                         str(dec.get("score_head", "linear")), float(dec.get("score_offset", 4.0)))
+                         str(dec.get("score_head", "linear")), float(dec.get("score_offset", 4.0)),
+                         float(dec.get("score_scale", 1.0)))
     if low.endswith(".json") or os.path.isdir(path):
         from .emulator import ChipEmulator
         from .host import codes_to_predictions
@@ -128,7 +130,7 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
             raise ChipModelError(f"unknown backend '{backend}': use emulator or onnx")
         return Predictor("chip", path, list(cm.class_names), cm.input_size, cm.conf_thresh, cm.nms_thresh,
                          cm.max_detections, cm.predict_thresh, lambda images: codes_to_predictions(runner(images), cm),
-                         cm.score_head, cm.score_offset)
+                         cm.score_head, cm.score_offset, cm.score_scale)
     raise ChipModelError(f"model '{path}': unknown kind; give a checkpoint (.pth), a chip model (.json or its "
                          "folder) or an ONNX model (.onnx)")
 

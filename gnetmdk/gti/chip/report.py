@@ -49,9 +49,9 @@ def _map_of(pred: torch.Tensor, dataset, conf, nms, maxd, chip_like) -> float:
 class _Decode:
     """Minimal stand-in with what decode_predictions reads: class count, thresholds, score head."""
 
-    def __init__(self, n, conf, nms, maxd, score_head="linear", score_offset=4.0):
+    def __init__(self, n, conf, nms, maxd, score_head="linear", score_offset=4.0, score_scale=1.0):
         self.num_classes, self.conf_thresh, self.nms_thresh, self.max_detections = n, conf, nms, maxd
-        self.score_head, self.score_offset = score_head, score_offset
+        self.score_head, self.score_offset, self.score_scale = score_head, score_offset, score_scale
 
 
 def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = 0.05,
@@ -86,12 +86,12 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
             pred = torch.cat([codes_to_predictions(emu.run(imgs), src)
                               for _, imgs, _ in iter_dataset_batches(dataset, batch_size)])
             label = "integer emulator"
-            head = (src.score_head, src.score_offset)
+            head = (src.score_head, src.score_offset, src.score_scale)
         else:
             model, ckpt = load_eval_model(src, cfg)
             pred = _model_predictions(model, dataset, batch_size)
             label = src
-            head = (model.score_head, model.score_offset)
+            head = (model.score_head, model.score_offset, model.score_scale)
         dec = _Decode(dataset.num_classes, conf_thresh, nms_thresh, max_detections, *head)
         row = StageRow(name, label, _map_of(pred, dataset, conf_thresh, nms_thresh, max_detections, dec))
         if prev is not None:
