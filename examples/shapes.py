@@ -18,7 +18,12 @@ class Config(BaseConfig):
     num_workers = 0
     threads = 2
     eval_interval = 5
-    l_class = 5.0
+    # the cards recipe (docs/results.md): logit score head in the boxes' output range, and a
+    # no-object weight of 0.05
+    score_head = "logit"
+    score_offset = 0.5
+    score_scale = 10.0
+    l_class = 1.0
     l_noobj = 0.05
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=40, warmup_epochs=2),

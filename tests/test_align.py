@@ -172,3 +172,21 @@ def test_diff_state_dicts_numbers():
     assert not s.ok and "shape" in s.note
     assert not rep.ok
     assert diff_state_dicts(a, a).ok
+
+
+def test_running_mean_judged_on_the_activation_scale():
+    # mean 0.1, std 7: a 1.1e-5 difference is 1.6e-6 of the spread -> within rtol 1e-5; the same
+    # difference on a weight of 0.1 is not, and a running_mean without its running_var uses |b|
+    b = {"bn.running_mean": torch.tensor([0.1, 3.0]), "bn.running_var": torch.tensor([49.0, 1.0]),
+         "conv.weight": torch.tensor([0.1])}
+    a = {"bn.running_mean": torch.tensor([0.1 + 1.1e-5, 3.0]), "bn.running_var": torch.tensor([49.0, 1.0]),
+         "conv.weight": torch.tensor([0.1 + 1.1e-5])}
+    rep = diff_state_dicts(a, b, atol=1e-6, rtol=1e-5)
+    ok = {r.name: r.ok for r in rep.rows}
+    assert ok == {"bn.running_mean": True, "bn.running_var": True, "conv.weight": False}
+    # the spread bound is still a bound: 1e-3 on a std of 7 fails
+    a["bn.running_mean"] = torch.tensor([0.1 + 1e-3, 3.0])
+    assert not next(r for r in diff_state_dicts(a, b, atol=1e-6, rtol=1e-5).rows if r.name == "bn.running_mean").ok
+    lone_a = {"m.running_mean": torch.tensor([0.1 + 1.1e-5])}
+    lone_b = {"m.running_mean": torch.tensor([0.1])}
+    assert not diff_state_dicts(lone_a, lone_b, atol=1e-6, rtol=1e-5).ok

@@ -75,16 +75,24 @@ def test_decode_of_encoded_targets_recovers_boxes():
     assert torch.allclose(out["scores"], torch.ones(2))
 
 
-def test_weight_scale_of_the_run_config_wins_over_the_checkpoint():
+def test_weight_scale_config_decides_for_step1_checkpoint_kept_for_quantized(capsys):
     from gnetmdk.checkpoint.io import build_model_from_checkpoint
     from gnetmdk.config import BaseConfig, build_config
     m = GNetDet(num_classes=3, image_size=224, width_mult=0.0625)
-    ckpt = {"model_meta": m.meta(), "model": m.state_dict()}
+    ckpt = {"model_meta": m.meta(), "model": m.state_dict(), "stage": "step1"}
     assert ckpt["model_meta"]["weight_scale"] == "gti"
     cfg = build_config(BaseConfig, ["weight_scale", "mse", "image_size", "224"])
     rebuilt = build_model_from_checkpoint(ckpt, cfg)
     assert {c.method for c in rebuilt.convs()} == {"mse"}
     assert {c.method for c in build_model_from_checkpoint(ckpt).convs()} == {"gti"}
+    assert capsys.readouterr().err == ""
+    # a step-3 checkpoint trained under the MSE rule keeps it whatever the config says, with a note
+    q = GNetDet(num_classes=3, image_size=224, width_mult=0.0625, weight_scale="mse")
+    qckpt = {"model_meta": q.meta(), "model": q.state_dict(), "stage": "step3"}
+    gti_cfg = build_config(BaseConfig, ["image_size", "224"])
+    assert {c.method for c in build_model_from_checkpoint(qckpt, gti_cfg, path="s3.pth").convs()} == {"mse"}
+    err = capsys.readouterr().err
+    assert "s3.pth" in err and "weight_scale 'mse'" in err
 
 
 @pytest.mark.parametrize("kwargs,needle", [

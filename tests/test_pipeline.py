@@ -203,3 +203,38 @@ def test_cli_refuses_checkpoint_of_another_class_count(pipeline, tmp_path):
               str(tmp_path / "ck"), "load", os.path.join(root, "checkpoint/step1/best.pth")])
     assert r.returncode == 2
     assert "num_classes" in r.stderr
+
+
+def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
+    """The cards recipe's settings (logit score head, MSE-best weight scale) through every stage: the
+    checkpoints keep the head and the rule, a later tool with a default config still evaluates the
+    step-4 model under the MSE rule, and the chip model equals it."""
+    from torch.utils.data import DataLoader
+    from gnetmdk.dataset.dataset import build_dataset, collate
+    from gnetmdk.evaluation.evaluator import evaluate_model
+    from gnetmdk.gti.chip import ChipEmulator, evaluate_chip
+    from gnetmdk.gti.chip.convert import chip_model_from_gnetdet
+    root, path = make_cards_workdir(tmp_path_factory, "logit_mse")
+    torch.set_num_threads(1)
+    over = ["score_head", "logit", "score_offset", "0.5", "score_scale", "10", "weight_scale", "mse"]
+    for name in ["step1", "step2", "cal", "step3", "step4"]:
+        cfg = _cfg(path, *over, cal=True) if name == "cal" else _cfg(path, *over, step=int(name[-1]))
+        run_stage(cfg)
+    s4 = load_checkpoint(os.path.join(root, "checkpoint/step4/best.pth"))
+    meta = s4["model_meta"]
+    assert (meta["score_head"], meta["score_offset"], meta["score_scale"], meta["weight_scale"]) == \
+        ("logit", 0.5, 10.0, "mse")
+    plain = _cfg(path)                                   # weight_scale gti, linear head by default
+    model = build_model_from_checkpoint(s4, plain, path="step4/best.pth")
+    assert {c.method for c in model.convs()} == {"mse"} and model.score_scale == 10.0
+    apply_stage(model, STAGES["step4"])
+    model.eval()
+    val = build_dataset(plain, "valid")
+    # a threshold low enough that a one-epoch model's scores produce detections to compare
+    ref = evaluate_model(model, DataLoader(val, batch_size=4, collate_fn=collate), val, torch.device("cpu"),
+                         conf_thresh=1e-6)
+    cm = chip_model_from_gnetdet(model, CLASSES)
+    assert (cm.score_head, cm.score_scale) == ("logit", 10.0)
+    res = evaluate_chip(ChipEmulator(cm).run, cm, val, conf_thresh=1e-6)
+    assert sum(ref["num_det"]) > 0
+    assert res["map"] == ref["map"] and res["num_det"] == ref["num_det"]

@@ -6,7 +6,8 @@
 Prints, per tensor, max |a - b|, the max relative difference and the sum of squared differences
 (only the tensors outside the tolerance unless --all), names tensors present in only one file, skips
 bookkeeping buffers (num_batches_tracked). A tensor is within tolerance when every element has
-|a - b| <= atol + rtol * |b|. Exit code: 0 all within tolerance, 1 otherwise, 2 a file cannot be read.
+|a - b| <= atol + rtol * |b| (for a BatchNorm running_mean: rtol * max(|b|, sqrt(running_var)), the
+scale of the activations it averages). Exit code: 0 all within tolerance, 1 otherwise, 2 a file cannot be read.
 """
 import argparse
 import os

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from typing import Any, Dict, Optional
 
@@ -86,11 +87,17 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
     return ckpt
 
 
+#: stages whose weights were fine-tuned under a weight scale rule
+QUANTIZED_STAGES = ("step2", "cal", "step3", "step4")
+
+
 def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):
     """Rebuild the model a checkpoint describes and load its weights (strict).
 
-    Loss weights, channels_last, the calibration percentiles and the weight scale rule (weight_scale)
-    come from ``cfg`` when given.
+    Loss weights, channels_last and the calibration percentiles come from ``cfg`` when given; so does
+    the weight scale rule (weight_scale) for a step-1 checkpoint, while a checkpoint of a quantized
+    stage (step2, cal, step3, step4) keeps the rule it was trained with (a note on stderr when the
+    config differs).
     ``weights``: "eval" loads the weights the checkpoint was evaluated with, the EMA
     (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] == "ema"`` (a run with ``ema true``), else
     the raw weights; "model" always loads the raw weights (resume).
@@ -105,8 +112,16 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
         extra = dict(cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
                      l_class=cfg.l_class, score_loss=cfg.score_loss,
                      output_cap_percentile=cfg.output_cap_percentile, channels_last=cfg.channels_last)
-        # the per-kernel scale rule is a training choice, not structure: the run's config decides
-        meta["weight_scale"] = cfg.weight_scale
+        # the per-kernel scale rule: the run's config decides for a float (step-1) model; weights
+        # already fine-tuned under one rule keep it (the other rule would re-quantize them blindly:
+        # on cards an MSE-trained step-4 model scores 0.0 under GTI's rule)
+        trained = meta.get("weight_scale", cfg.weight_scale)
+        if ckpt.get("stage") in QUANTIZED_STAGES and trained != cfg.weight_scale:
+            print(f"note: checkpoint '{path}' ({ckpt.get('stage')}) was trained with weight_scale "
+                  f"{trained!r}; keeping it (the config's {cfg.weight_scale!r} applies to step-1 models)",
+                  file=sys.stderr)
+        else:
+            meta["weight_scale"] = cfg.weight_scale
     try:
         model = create_model(name, **meta, **extra)
         use_ema = weights == "eval" and ckpt.get("eval_weights") == "ema" and isinstance(ckpt.get("ema"), dict)
