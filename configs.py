@@ -21,6 +21,13 @@ class Config(BaseConfig):
     width_mult = 0.25
     chip = "5801"
 
+    # the score head and loss weights measured on cards (docs/results.md); BaseConfig keeps GTI's
+    # linear head (score_head "linear", l_noobj 0.005)
+    score_head = "logit"
+    score_offset = 0.5
+    score_scale = 10.0
+    l_noobj = 0.05
+
     batch_size = 16
     num_workers = 2
 

@@ -18,7 +18,11 @@ class Config(BaseConfig):
     batch_size = 16
     num_workers = 2
     threads = 1
-    l_class = 5.0
+    # the cards recipe (docs/results.md): logit score head in the boxes' output range
+    score_head = "logit"
+    score_offset = 0.5
+    score_scale = 10.0
+    l_class = 1.0
     l_noobj = 0.05
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=80, warmup_epochs=3, eval_interval=5),
