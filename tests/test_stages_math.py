@@ -394,3 +394,25 @@ def test_logit_head_scores_and_clipped_cross_entropy():
     lo = torch.tensor([0.6], requires_grad=True)
     logit_bce(lo, torch.tensor([1.0]), 0.5, 10.0).sum().backward()
     assert float(lo.grad[0]) == pytest.approx(10.0 * (float(torch.sigmoid(torch.tensor(1.0))) - 1), rel=1e-5)
+
+
+def test_range_term_bounds_empty_cells_class_outputs():
+    from gnetmdk.layers.loss import LOGIT_MAX
+    target = torch.zeros(2, GRID, GRID, 10 + C)
+    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.3, 0.3, 1.0])
+    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
+    target[0, 3, 4, 10] = 1.0
+    pred = torch.zeros(2, GRID, GRID, 10 + C)
+    y_max = 0.5 + LOGIT_MAX / 10.0                       # 1.1
+    pred[0, 3, 4, 10:] = 3.0                             # an object cell: not the range term's business
+    pred[0, 0, 0, 10] = y_max + 0.5                      # empty cells above the clip point
+    pred[1, 5, 5, 11] = y_max + 1.0
+    pred[1, 6, 6, 10] = y_max - 0.05                     # below: free
+    kw = dict(score_head="logit", score_offset=0.5, score_scale=10.0)
+    assert "range" not in gnetdet_loss(pred, target, **kw)                       # off by default
+    assert "range" not in gnetdet_loss(pred, target, l_range=1.0)                # linear head: off
+    terms = gnetdet_loss(pred, target, l_range=2.0, **kw)
+    # per image: 0.5^2 and 1.0^2, batch mean, weight 2
+    assert float(terms["range"]) == pytest.approx(2.0 * (0.25 + 1.0) / 2, rel=1e-5)
+    parts = sum(float(terms[k]) for k in ("loc", "conf", "noresp", "noobj", "cls", "range"))
+    assert float(terms["total"]) == pytest.approx(parts, rel=1e-6)

@@ -522,7 +522,8 @@ class Trainer:
             do_eval = (epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs
             msg = (f"[{stage.name}] epoch {epoch + 1}/{cfg.num_epochs} loss {tr['total']:.4f} "
                    f"(loc {tr['loc']:.3f} conf {tr['conf']:.3f} noresp {tr['noresp']:.3f} noobj {tr['noobj']:.3f} "
-                   f"cls {tr['cls']:.3f}) lr {self.optimizer.param_groups[0]['lr']:.2e} "
+                   f"cls {tr['cls']:.3f}{' range %.3f' % tr['range'] if 'range' in tr else ''}) "
+                   f"lr {self.optimizer.param_groups[0]['lr']:.2e} "
                    f"{tr['images_per_s']:.1f} img/s")
             if do_eval:
                 res = self.evaluate(f"epoch{epoch + 1}")

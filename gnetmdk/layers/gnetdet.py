@@ -162,7 +162,7 @@ class GNetDet(nn.Module):
         chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
         weight_scale: "gti" or "mse"; cap_percentile: calibration percentile (hidden layers);
         output_cap_percentile: the output layer's (100 = max, so the largest scores are not clipped).
-        l_coord, l_noobj, l_class: loss weights; score_loss: "smooth_l1" or "bce" (gnetmdk.layers.loss).
+        l_coord, l_noobj, l_class, l_range: loss weights; score_loss: "smooth_l1" or "bce" (gnetmdk.layers.loss).
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
             score_offset), applied on the host; see gnetmdk.layers.decode.output_scores); score_scale:
             the logit head's k in sigmoid(k (output - score_offset)).
@@ -179,7 +179,7 @@ class GNetDet(nn.Module):
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
-                 score_scale: float = 1.0):
+                 score_scale: float = 1.0, l_range: float = 0.0):
         super().__init__()
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
@@ -204,7 +204,7 @@ class GNetDet(nn.Module):
         self.score_scale = float(score_scale)
         self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss,
                                  score_head=score_head, score_offset=self.score_offset,
-                                 score_scale=self.score_scale)
+                                 score_scale=self.score_scale, l_range=float(l_range))
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result

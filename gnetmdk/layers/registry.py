@@ -45,5 +45,5 @@ def model_from_config(cfg, use_bn: bool | None = None) -> nn.Module:
                         chip=str(cfg.chip), mask_bits=list(cfg.mask_bits), weight_scale=cfg.weight_scale,
                         cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
                         l_class=cfg.l_class, score_loss=cfg.score_loss, score_head=cfg.score_head,
-                        score_offset=cfg.score_offset, score_scale=cfg.score_scale, output_cap_percentile=cfg.output_cap_percentile,
+                        score_offset=cfg.score_offset, score_scale=cfg.score_scale, l_range=cfg.l_range, output_cap_percentile=cfg.output_cap_percentile,
                         channels_last=cfg.channels_last)
