@@ -211,6 +211,10 @@ def test_non_string_passes_through():
     (["optimizer", "lion"], "optimizer"),
     (["VOC_CLASSES", "a,a"], "VOC_CLASSES"),
     (["num_epochs", "-1"], "num_epochs"),
+    (["score_scale", "0"], "score_scale"),
+    (["score_scale", "nan"], "score_scale"),
+    (["l_range", "-1"], "l_range"),
+    (["l_noobj", "inf"], "l_noobj"),
 ])
 def test_out_of_range_refused(override, field):
     with pytest.raises(ConfigError) as e:

@@ -7,6 +7,8 @@ the field's declared type: ``bool`` accepts true/false/1/0/yes/no/on/off, ``List
 """
 from __future__ import annotations
 
+import math
+
 import ast
 import difflib
 import importlib.util
@@ -225,6 +227,11 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("weight_scale", "must be 'gti' or 'mse'")
     if cfg.score_head not in ("linear", "logit"):
         bad("score_head", "must be linear or logit")
+    if not (math.isfinite(cfg.score_scale) and cfg.score_scale > 0):
+        bad("score_scale", "must be a positive number (the logit head's sigmoid(score_scale * (output - score_offset)))")
+    for name in ("l_coord", "l_noobj", "l_class", "l_range"):
+        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
+            bad(name, "a loss weight must be a finite number >= 0")
     if not 0 < cfg.output_cap_percentile <= 100:
         bad("output_cap_percentile", "must be in (0, 100]")
     if cfg.score_loss not in ("smooth_l1", "bce"):
