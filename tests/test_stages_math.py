@@ -396,7 +396,7 @@ def test_logit_head_scores_and_clipped_cross_entropy():
     assert float(lo.grad[0]) == pytest.approx(10.0 * (float(torch.sigmoid(torch.tensor(1.0))) - 1), rel=1e-5)
 
 
-def test_range_term_bounds_empty_cells_class_outputs():
+def test_range_term_bounds_untrained_outputs():
     from gnetmdk.layers.loss import LOGIT_MAX
     target = torch.zeros(2, GRID, GRID, 10 + C)
     target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.3, 0.3, 1.0])
@@ -404,15 +404,33 @@ def test_range_term_bounds_empty_cells_class_outputs():
     target[0, 3, 4, 10] = 1.0
     pred = torch.zeros(2, GRID, GRID, 10 + C)
     y_max = 0.5 + LOGIT_MAX / 10.0                       # 1.1
-    pred[0, 3, 4, 10:] = 3.0                             # an object cell: not the range term's business
-    pred[0, 0, 0, 10] = y_max + 0.5                      # empty cells above the clip point
+    pred[0, 3, 4, 10:] = 3.0                             # an object cell's classes: trained by cls, not range
+    pred[0, 3, 4, 0:4] = torch.tensor([0.5, 0.5, 0.3, 0.3])   # slot 0 matches the target: responsible ...
+    pred[0, 3, 4, 7] = 1.5                               # ... so slot 1 is free: its w above 1 counts
+    pred[0, 0, 0, 10] = y_max + 0.5                      # empty cells' class outputs above the clip point
     pred[1, 5, 5, 11] = y_max + 1.0
     pred[1, 6, 6, 10] = y_max - 0.05                     # below: free
+    pred[1, 2, 2, 2] = 1.2                               # an empty cell's box outputs (slot 0 w, slot 1 x)
+    pred[1, 2, 2, 5] = 3.0
+    pred[1, 2, 2, 9] = 3.0                               # conf: trained by noobj, not range
     kw = dict(score_head="logit", score_offset=0.5, score_scale=10.0)
     assert "range" not in gnetdet_loss(pred, target, **kw)                       # off by default
-    assert "range" not in gnetdet_loss(pred, target, l_range=1.0)                # linear head: off
     terms = gnetdet_loss(pred, target, l_range=2.0, **kw)
-    # per image: 0.5^2 and 1.0^2, batch mean, weight 2
-    assert float(terms["range"]) == pytest.approx(2.0 * (0.25 + 1.0) / 2, rel=1e-5)
+    # image 0: 0.5^2 (class) + 0.5^2 (free slot w); image 1: 1.0^2 (class) + 0.2^2 + 2.0^2 (boxes)
+    img0, img1 = 0.25 + 0.25, 1.0 + 0.04 + 4.0
+    assert float(terms["range"]) == pytest.approx(2.0 * (img0 + img1) / 2, rel=1e-5)
+    # the linear head bounds class outputs at 1 (its largest target) instead of the logit clip point
+    lin = gnetdet_loss(pred, target, l_range=2.0)
+    lin0 = 0.6 ** 2 + 0.25                               # class output 1.6, free slot w 1.5
+    lin1 = 1.1 ** 2 + 0.05 ** 2 + 0.04 + 4.0            # class outputs 2.1 and 1.05, boxes as above
+    assert float(lin["range"]) == pytest.approx(2.0 * (lin0 + lin1) / 2, rel=1e-5)
+    # gradient only on the hinged outputs
+    p = pred.clone().requires_grad_(True)
+    gnetdet_loss(p, target, l_range=1.0, **kw)["range"].backward()
+    hinged = torch.zeros_like(pred, dtype=torch.bool)
+    for idx in [(0, 3, 4, 7), (0, 0, 0, 10), (1, 5, 5, 11), (1, 2, 2, 2), (1, 2, 2, 5)]:
+        hinged[idx] = True
+    assert bool((p.grad[hinged] > 0).all()) and bool((p.grad[~hinged] == 0).all())
+    terms = gnetdet_loss(pred, target, l_range=2.0, **kw)
     parts = sum(float(terms[k]) for k in ("loc", "conf", "noresp", "noobj", "cls", "range"))
     assert float(terms["total"]) == pytest.approx(parts, rel=1e-6)

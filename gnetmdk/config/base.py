@@ -62,7 +62,7 @@ class BaseConfig:
     score_head: str = "linear"              # linear (GTI: scores = outputs) | logit (scores = sigmoid(out - offset))
     score_offset: float = 4.0               # logit head: score = sigmoid(score_scale * (output - score_offset))
     score_scale: float = 1.0                # logit head: logits per unit of output (keeps outputs near box range)
-    l_range: float = 0.0                    # logit head: hinge on empty cells' class outputs above the logit clip
+    l_range: float = 0.0                    # hinge on untrained outputs (empty cells, free slot) above the trained range
 
     # ---------------------------------------------------------------- optimisation
     batch_size: int = 16                    # global batch: split over world_size x gpus processes

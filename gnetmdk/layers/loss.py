@@ -131,10 +131,13 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
             conf and class terms become binary cross-entropy with logits, see logit_bce).
         score_offset, score_scale: offset b and scale k of the "logit" head (an output of 0 means
             p = sigmoid(-k b)).
-        l_range: logit head only: weight of a squared hinge on the class outputs of cells without an
-            object above the clip point b + LOGIT_MAX / k (a "range" term, 0 = off). No other term
-            constrains them, and they share the output layer's calibrated cap with the boxes: on
-            raccoon (one class) they reached 4.4 while every trained output stayed below 1.1.
+        l_range: weight of a "range" term (0 = off): a squared hinge on the outputs no other term
+            trains, which share the output layer's one calibrated cap with the trained ones
+            (gti-chip.md): the class outputs of cells without an object above the highest score any
+            term asks for (b + LOGIT_MAX / k with the logit head, 1 with the linear head), and the
+            box outputs x, y, w, h of those cells' two slots and of an object cell's non-responsible
+            slot above 1 (the largest box target). Measured: raccoon's empty-cell class output
+            reached 4.4 and cards' free box outputs 7.6 while every trained output stayed below 1.4.
         sqrt_tau: below this size (relative to the image) the sqrt of the size term is linear
             (safe_sqrt), bounding its gradient.
     Returns:
@@ -196,9 +199,17 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         "noobj": l_noobj * per_image(noobj, 1.0 - objf),
         "cls": l_class * per_image(cls, objf),
     }
-    if l_range > 0 and score_head == "logit":
-        y_max = score_offset + LOGIT_MAX / score_scale
-        over = F.relu(pred[..., 10:] - y_max).pow(2).sum(-1)
-        terms["range"] = l_range * per_image(over, 1.0 - objf)
+    if l_range > 0:
+        # outputs no other term trains: the class outputs of empty cells (above the highest score any
+        # term asks for), and the boxes of empty cells and of the non-responsible slot (above 1, the
+        # largest box target)
+        y_max = score_offset + LOGIT_MAX / score_scale if score_head == "logit" else 1.0
+
+        def over(x, lim):
+            return F.relu(x - lim).pow(2).sum(-1)
+
+        free_cells = over(pred[..., 10:], y_max) + over(pred[..., 0:4], 1.0) + over(pred[..., 5:9], 1.0)
+        free_slot = over(obox[..., 0:4], 1.0)
+        terms["range"] = l_range * (per_image(free_cells, 1.0 - objf) + per_image(free_slot, objf))
     terms["total"] = sum(terms.values())
     return terms
