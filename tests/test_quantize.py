@@ -445,3 +445,18 @@ def test_image_to_codes_all_values():
     img = np.arange(256, dtype=np.uint8).reshape(16, 16)[None].repeat(3, 0)
     assert Q.image_to_codes(img).shape == (3, 16, 16)
     assert np.array_equal(Q.image_to_codes(img)[2], expect.reshape(16, 16))
+
+
+@pytest.mark.parametrize("scheme", [1, 2, 3, 5])
+def test_nearest_level_matches_brute_force_with_ties_to_the_lower_level(scheme):
+    levels = Q._LEVELS[scheme]
+    g = torch.Generator().manual_seed(scheme)
+    r = torch.cat([torch.rand(20000, generator=g) * (levels[-1] + 3),
+                   torch.tensor([(a + b) / 2 for a, b in zip(levels[:-1], levels[1:])] + list(levels) + [0.0])])
+    lv = torch.tensor(levels)
+    brute = lv[(r.unsqueeze(-1) - lv).abs().argmin(dim=-1)]       # argmin keeps the first (lower) level
+    got = Q._nearest_level(r, levels)
+    assert torch.equal(got, brute)
+    if len(levels) > 1:   # exact midpoints go down
+        mids = torch.tensor([(a + b) / 2 for a, b in zip(levels[:-1], levels[1:])])
+        assert torch.equal(Q._nearest_level(mids, levels), lv[:-1])
