@@ -129,6 +129,15 @@ def test_step4_is_gain_edited_integer_model(pipeline):
     s3 = load_checkpoint(os.path.join(root, "checkpoint/step3/best.pth"))
     assert float(model.output_scale) == pytest.approx(s3["caps"][-1] / 31, rel=1e-6)
     assert s3["caps"] == pytest.approx(cal["caps"])
+    # the caps before gain editing travel with every step-4 checkpoint (also its last.pth) ...
+    assert s4["calibrated_caps"] == pytest.approx(s3["caps"], rel=1e-7)
+    assert load_checkpoint(os.path.join(root, "checkpoint/step4/last.pth"))["calibrated_caps"] == \
+        pytest.approx(s3["caps"], rel=1e-7)
+    # ... so the converter needs no relu_cap.txt from calibration to write the chip's
+    from gnetmdk.gti.chip.convert import convert_checkpoint
+    cm, _ = convert_checkpoint(os.path.join(root, "checkpoint/step4/best.pth"),
+                               cap_file=os.path.join(root, "no-such-dir", "relu_cap.txt"))
+    assert cm.calibrated_caps() == pytest.approx(s3["caps"], rel=1e-6)
     # weights the model computes with are integer multiples of 2^-shift
     for conv in model.convs():
         w, b, s = conv.quantized_params()

@@ -128,6 +128,8 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
         model.load_state_dict(ckpt["ema"]["model"] if use_ema else ckpt["model"], strict=True)
     except Exception as exc:
         raise CheckpointError(f"checkpoint '{path}': cannot rebuild model {name} {meta}: {exc}") from None
+    if ckpt.get("calibrated_caps"):          # a step-4 model: its caps before gain editing travel with it
+        model.calibrated_caps = [float(c) for c in ckpt["calibrated_caps"]]
     return model
 
 

@@ -65,6 +65,7 @@ def _gain(model, source_stage: str) -> str:
         return ""
     _require_caps(model, source_stage)
     caps = gain_edit(model)
+    model.calibrated_caps = list(caps)   # saved in every step-4 checkpoint (the chip files' relu_cap.txt)
     return f"gain-edited {len(caps)} convs; host output scale cap_last/31 = {caps[-1] / 31:.5g}"
 
 

@@ -228,6 +228,8 @@ class Trainer:
               "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
               "world_size": self.world_size}
+        if getattr(m, "calibrated_caps", None):
+            st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
         ema = getattr(self, "ema", None)
         st["eval_weights"] = "ema" if ema is not None else "model"
         if ema is not None:

@@ -181,8 +181,13 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
 
 def _calibrated_caps_from(ckpt: Dict[str, Any], output_scale: float, n: int,
                           cap_file: Optional[str] = None) -> Optional[List[float]]:
-    """Pre-gain-edit caps: the checkpoint's ``caps`` when they are not all 31 (a pre-edit list), else a
-    relu_cap.txt (from calibration) with ``n`` entries whose last matches output_scale * 31."""
+    """Pre-gain-edit caps: the checkpoint's ``calibrated_caps`` (saved by step 4), else its ``caps`` when
+    they are not all 31 (a pre-edit list), else a relu_cap.txt (from calibration) with ``n`` entries
+    whose last matches output_scale * 31 (step-4 checkpoints written before calibrated_caps existed)."""
+    stored = ckpt.get("calibrated_caps")
+    if (isinstance(stored, (list, tuple)) and len(stored) == n
+            and abs(float(stored[-1]) / ACT_MAX - output_scale) <= 1e-5 * max(output_scale, 1e-12)):
+        return [float(c) for c in stored]
     caps = ckpt.get("caps")
     if isinstance(caps, (list, tuple)) and len(caps) == n and any(float(c) != ACT_MAX for c in caps):
         return [float(c) for c in caps]
