@@ -211,3 +211,22 @@ def test_step2_and_step4_run_distributed(ws):
     for name, step in (("d2", 2), ("d4", 4)):
         ck = torch.load(_ckpt(root, name, step), weights_only=True)
         assert ck["iteration"] == 2 and ck["world_size"] == 2 and ck["stage"] == f"step{step}"
+
+
+def test_two_processes_with_accumulation_equal_one_process(ws):
+    """DDP with gradient accumulation (no_sync on all but the last micro-batch): 2 processes x 2
+    micro-batches of 2 images take the optimizer steps that 1 process takes with whole batches of 8,
+    on the same global batches (step 3: no BatchNorm, deterministic mode)."""
+    root, c = ws["root"], ["--config", ws["cfg"]]
+    common = [*c, "--step", "3", "--deterministic", "--max-iters", "6", "load", ws["cal_pth"]]
+    a = run([TRAIN_DIST, *common, "--gpus", "2", "accumulate", "2", *_out(root, "acc_a")], root).check()
+    assert "gradient accumulation: 2 micro-batches" in a.stdout and "batch 8 (2 x 4)" in a.stdout
+    run([TRAIN, *common, *_out(root, "acc_b")], root).check()
+    a_ck, b_ck = _ckpt(root, "acc_a", 3), _ckpt(root, "acc_b", 3)
+    res = diff_weights(a_ck, b_ck, atol=1e-6, rtol=1e-6)
+    assert res.returncode == 0, res.text
+    diffs = _param_diffs(a_ck, b_ck)
+    moved = _param_diffs(a_ck, ws["cal_pth"])
+    assert max(diffs.values()) <= 1e-6
+    assert max(moved.values()) > 100 * max(max(diffs.values()), 1e-8)
+    assert torch.load(a_ck, weights_only=True)["iteration"] == 6
