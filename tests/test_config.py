@@ -215,6 +215,8 @@ def test_non_string_passes_through():
     (["score_scale", "nan"], "score_scale"),
     (["l_range", "-1"], "l_range"),
     (["l_noobj", "inf"], "l_noobj"),
+    (["mosaic_prob", "1.5"], "mosaic_prob"),
+    (["flip_prob", "-0.1"], "flip_prob"),
 ])
 def test_out_of_range_refused(override, field):
     with pytest.raises(ConfigError) as e:

@@ -41,6 +41,7 @@ class BaseConfig:
     shift_fraction: float = 0.15
     flip_prob: float = 0.5
     blur_prob: float = 0.1
+    mosaic_prob: float = 0.0                # probability of a 4-image mosaic sample (objects keep their scale)
 
     # ---------------------------------------------------------------- model and chip
     model_name: str = "gnetdet"

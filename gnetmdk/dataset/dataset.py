@@ -2,7 +2,8 @@
 
 Data flow (architecture.md): image file -> decode (opencv, grayscale becomes 3 channels, BGR)
 -> downscale once to at most 2 x image_size (INTER_AREA; cached in memory if asked)
--> training only: HSV jitter, blur, horizontal flip, random scale + shift (one affine warp)
+-> training only: HSV jitter, blur, horizontal flip, random scale + shift (one affine warp),
+   and with probability ``mosaic_prob`` a mosaic of four such images (objects keep their scale)
 -> resize to image_size x image_size -> 8-bit to 5-bit chip codes -> GNetDet target.
 
 Randomness: every augmentation draw comes from a numpy Generator seeded by (seed, epoch, index),
@@ -105,6 +106,17 @@ def _hsv_jitter(img: np.ndarray, gains: Sequence[float], rng: np.random.Generato
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
 
 
+def _clip_boxes(nb: np.ndarray, size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Clip (K, 4) relative xyxy boxes to the image; keep those with more than 30% of their area left
+    and at least 2 pixels (of ``size``) on each side. Returns (kept boxes float32, keep mask)."""
+    clipped = np.clip(nb, 0, 1)
+    area = (nb[:, 2] - nb[:, 0]) * (nb[:, 3] - nb[:, 1])
+    carea = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
+    keep = (carea > 0.3 * np.maximum(area, 1e-12)) & ((clipped[:, 2] - clipped[:, 0]) * size >= 2) & \
+           ((clipped[:, 3] - clipped[:, 1]) * size >= 2)
+    return clipped[keep].astype(np.float32), keep
+
+
 class DetectionDataset(Dataset):
     """Images and GNetDet targets from a meta file (tools/xml_2_txt.py format).
 
@@ -118,6 +130,12 @@ class DetectionDataset(Dataset):
         cache: keep decoded (downscaled) images in memory.
         max_images: 0 = all, else the first N records.
         seed: augmentation seed.
+        hsv_gain, scale_range, shift_fraction, flip_prob, blur_prob: the per-image augmentation
+            (fractions of the image side for the shift; scale per axis).
+        mosaic_prob: probability that a training sample is a mosaic of four augmented images
+            (YOLOv4's mosaic, Bochkovskiy et al. 2020): they tile a 2 x image_size canvas and a random
+            image_size window of it is the sample, so objects keep their scale; boxes cut by the window
+            are clipped, those keeping less than 30% of their area (or under 2 pixels) are dropped.
 
     ``__getitem__`` returns (image, target, index, (width, height) of the original file): image (3, image_size, image_size) float32 holding
     the chip's 5-bit codes 0..31 in BGR order, target (S, S, 10 + C) float32, index int.
@@ -130,7 +148,9 @@ class DetectionDataset(Dataset):
                  train: bool = False, augment: bool = True, cache: bool = False, max_images: int = 0,
                  seed: int = 0, hsv_gain: Sequence[float] = (0.015, 0.5, 0.3),
                  scale_range: Sequence[float] = (0.75, 1.25), shift_fraction: float = 0.15,
-                 flip_prob: float = 0.5, blur_prob: float = 0.1):
+                 flip_prob: float = 0.5, blur_prob: float = 0.1, mosaic_prob: float = 0.0):
+        if not 0.0 <= float(mosaic_prob) <= 1.0:
+            raise ValueError(f"mosaic_prob {mosaic_prob} must be in [0, 1]")
         if not os.path.isfile(meta_file):
             raise FileNotFoundError(f"meta file '{meta_file}' does not exist: run tools/xml_2_txt.py for this "
                                     "dataset first")
@@ -153,6 +173,7 @@ class DetectionDataset(Dataset):
         self.shift_fraction = float(shift_fraction)
         self.flip_prob = float(flip_prob)
         self.blur_prob = float(blur_prob)
+        self.mosaic_prob = float(mosaic_prob)
         self.sizes: List[Optional[Tuple[int, int]]] = [None] * len(self.records)   # original (W, H)
         self._cache: Optional[List[Tuple[np.ndarray, float]]] = None
         if cache:
@@ -225,12 +246,29 @@ class DetectionDataset(Dataset):
         nb = rel.copy()
         nb[:, [0, 2]] = nb[:, [0, 2]] * sx + (1 - sx) / 2 + tx
         nb[:, [1, 3]] = nb[:, [1, 3]] * sy + (1 - sy) / 2 + ty
-        clipped = np.clip(nb, 0, 1)
-        area = (nb[:, 2] - nb[:, 0]) * (nb[:, 3] - nb[:, 1])
-        carea = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
-        keep = (carea > 0.3 * np.maximum(area, 1e-12)) & ((clipped[:, 2] - clipped[:, 0]) * size >= 2) & \
-               ((clipped[:, 3] - clipped[:, 1]) * size >= 2)
-        return out, clipped[keep].astype(np.float32), labels[keep]
+        boxes, keep = _clip_boxes(nb, size)
+        return out, boxes, labels[keep]
+
+    def prepare_mosaic(self, index: int, rng: np.random.Generator):
+        """A mosaic sample: ``index`` and three images drawn by ``rng``, each augmented as in prepare,
+        tile a (2S, 2S) canvas (index top-left); the sample is the S x S window at a random offset in
+        [0, S] on each axis. Returns what prepare returns."""
+        size = self.image_size
+        others = rng.integers(0, len(self.records), 3)
+        canvas = np.empty((2 * size, 2 * size, 3), dtype=np.uint8)
+        all_boxes, all_labels = [], []
+        for k, i in enumerate([index, *others.tolist()]):
+            img, rel, lab = self.prepare(int(i), rng)
+            r, c = divmod(k, 2)
+            canvas[r * size:(r + 1) * size, c * size:(c + 1) * size] = img
+            # tile-relative -> canvas pixels
+            all_boxes.append((rel.astype(np.float64) + np.array([c, r, c, r], dtype=np.float64)) * size)
+            all_labels.append(lab)
+        ox, oy = (int(v) for v in rng.integers(0, size + 1, 2))
+        out = np.ascontiguousarray(canvas[oy:oy + size, ox:ox + size])
+        nb = (np.concatenate(all_boxes) - np.array([ox, oy, ox, oy], dtype=np.float64)) / size
+        boxes, keep = _clip_boxes(nb, size)
+        return out, boxes, np.concatenate(all_labels)[keep]
 
     def rng_for(self, index: int) -> np.random.Generator:
         """The augmentation generator of (seed, epoch, index)."""
@@ -238,7 +276,10 @@ class DetectionDataset(Dataset):
 
     def __getitem__(self, index: int):
         rng = self.rng_for(index) if self.augment else None
-        img, boxes, labels = self.prepare(index, rng)
+        if rng is not None and self.mosaic_prob > 0 and rng.random() < self.mosaic_prob:
+            img, boxes, labels = self.prepare_mosaic(index, rng)
+        else:
+            img, boxes, labels = self.prepare(index, rng)
         codes = image_to_codes(img)
         image = torch.from_numpy(np.ascontiguousarray(codes.transpose(2, 0, 1))).float()
         target = torch.from_numpy(encode_targets(boxes, labels, self.grid, self.num_classes))
@@ -270,4 +311,4 @@ def build_dataset(cfg, split: str) -> DetectionDataset:
         cfg.num_classes, cfg.image_size, cfg.grid_size, train=train, augment=cfg.augment, cache=cfg.cache_images,
         max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,
         hsv_gain=cfg.hsv_gain, scale_range=cfg.scale_range, shift_fraction=cfg.shift_fraction,
-        flip_prob=cfg.flip_prob, blur_prob=cfg.blur_prob)
+        flip_prob=cfg.flip_prob, blur_prob=cfg.blur_prob, mosaic_prob=cfg.mosaic_prob)

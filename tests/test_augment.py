@@ -1,0 +1,138 @@
+"""Training augmentation moves the boxes with the pixels (flip, scale, shift, mosaic), clips and drops
+them by the documented rule, and is a function of (seed, epoch, index)."""
+from __future__ import annotations
+
+import os
+
+import cv2
+import numpy as np
+import pytest
+
+from gnetmdk.dataset.dataset import DetectionDataset
+
+SIZE = 224
+OBJ = 56                      # object side in pixels (images are SIZE x SIZE: no downscale)
+# one class per image, a pure colour per class (BGR); background grey
+COLOURS = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (0, 255, 255), (255, 0, 255), (255, 255, 0)]
+BACKGROUND = (90, 90, 90)
+
+
+@pytest.fixture(scope="module")
+def colour_set(tmp_path_factory):
+    """Six images, one coloured square each (class i = colour i), at different places."""
+    root = tmp_path_factory.mktemp("aug")
+    lines = []
+    for i, colour in enumerate(COLOURS):
+        img = np.full((SIZE, SIZE, 3), BACKGROUND, np.uint8)
+        x1, y1 = 10 + 27 * i, 150 - 25 * i
+        img[y1:y1 + OBJ, x1:x1 + OBJ] = colour
+        cv2.imwrite(str(root / f"im{i}.png"), img)
+        lines.append(f"im{i}.png {x1} {y1} {x1 + OBJ} {y1 + OBJ} {i}\n")
+    meta = root / "train.txt"
+    meta.write_text("".join(lines))
+    return str(meta), str(root)
+
+
+def _dataset(colour_set, **kw):
+    meta, images = colour_set
+    args = dict(hsv_gain=(0, 0, 0), blur_prob=0.0, scale_range=(0.75, 1.25), shift_fraction=0.25)
+    args.update(kw)
+    return DetectionDataset(meta, images, len(COLOURS), SIZE, 14, train=True, cache=True, **args)
+
+
+def _mask(img, colour):
+    return (np.abs(img.astype(np.int16) - np.array(colour, np.int16)).max(-1) <= 20)
+
+
+def _check_sample(img, boxes, labels):
+    """Every box covers its class's colour; every well-visible colour has a box of its class."""
+    assert img.shape == (SIZE, SIZE, 3) and img.dtype == np.uint8
+    assert boxes.dtype == np.float32 and boxes.shape == (len(labels), 4)
+    assert np.all(boxes >= 0) and np.all(boxes <= 1) and np.all(boxes[:, 2] > boxes[:, 0])
+    px = boxes * SIZE
+    for (x1, y1, x2, y2), lab in zip(px, labels):
+        inner = img[int(np.ceil(y1)) + 2:int(y2) - 2, int(np.ceil(x1)) + 2:int(x2) - 2]
+        if inner.size:
+            assert _mask(inner, COLOURS[lab]).mean() > 0.95, (lab, (x1, y1, x2, y2))
+        # the box is tight: the colour does not extend beyond it by more than interpolation blur
+        m = _mask(img, COLOURS[lab])
+        ys, xs = np.nonzero(m)
+        if len(xs):
+            near = (xs >= x1 - 3) & (xs <= x2 + 3) & (ys >= y1 - 3) & (ys <= y2 + 3)
+            assert near.any()
+    smallest = (0.75 * OBJ) ** 2
+    for c, colour in enumerate(COLOURS):
+        visible = _mask(img, colour).sum()
+        # more visible pixels than two dropped objects could show (each < 30% of at most 1.25^2 OBJ^2)
+        if visible > 2 * 0.3 * (1.25 * OBJ) ** 2 + 50:
+            assert c in set(labels.tolist()), (c, visible)
+        if c in set(labels.tolist()):
+            assert visible > 0.3 * smallest * 0.5
+
+
+@pytest.mark.parametrize("mosaic_prob", [0.0, 1.0])
+def test_boxes_follow_the_pixels(colour_set, mosaic_prob):
+    ds = _dataset(colour_set, mosaic_prob=mosaic_prob)
+    flipped = clipped = multi = 0
+    for epoch in range(6):
+        ds.set_epoch(epoch)
+        for i in range(len(ds)):
+            rng = ds.rng_for(i)
+            if mosaic_prob:
+                assert rng.random() < mosaic_prob           # __getitem__'s draw
+                img, boxes, labels = ds.prepare_mosaic(i, rng)
+            else:
+                img, boxes, labels = ds.prepare(i, rng)
+            _check_sample(img, boxes, labels)
+            clipped += int(np.any((boxes == 0) | (boxes == 1)))
+            multi += int(len(labels) > 1)
+            if not mosaic_prob and len(labels):
+                # the original square's left edge is at 10 + 27 i: after a flip its centre is on the other side
+                _, _, lab = ds.records[i]
+                cx = (boxes[0, 0] + boxes[0, 2]) / 2
+                orig_cx = (10 + 27 * i + OBJ / 2) / SIZE
+                flipped += int((cx - 0.5) * (orig_cx - 0.5) < 0)
+    assert clipped > 0                      # some boxes were cut by the image border and kept
+    if mosaic_prob:
+        assert multi > 0                    # mosaics can hold objects of several images
+    else:
+        assert flipped > 0
+
+
+def test_mosaic_is_a_function_of_seed_epoch_index(colour_set):
+    ds = _dataset(colour_set, mosaic_prob=0.5)
+    ds.set_epoch(3)
+    a = [ds[i] for i in range(len(ds))]
+    b = [ds[i] for i in range(len(ds))]
+    for (ia, ta, _, _), (ib, tb, _, _) in zip(a, b):
+        assert np.array_equal(ia.numpy(), ib.numpy()) and np.array_equal(ta.numpy(), tb.numpy())
+    ds.set_epoch(4)
+    c = [ds[i] for i in range(len(ds))]
+    assert any(not np.array_equal(x[0].numpy(), y[0].numpy()) for x, y in zip(a, c))
+    # mosaic_prob 0.5: some samples of an epoch are mosaics (more than one object), some are not
+    counts = [int((t[..., 4] > 0).sum()) for _, t, _, _ in a + c]
+    assert max(counts) > 1 and min(counts) <= 1
+
+
+def test_mosaic_off_keeps_the_single_image_samples(colour_set):
+    plain = _dataset(colour_set)
+    zero = _dataset(colour_set, mosaic_prob=0.0)
+    for i in range(len(plain)):
+        assert np.array_equal(plain[i][0].numpy(), zero[i][0].numpy())
+
+
+def test_clip_rule_drops_boxes_with_less_than_30_percent_left():
+    from gnetmdk.dataset.dataset import _clip_boxes
+    nb = np.array([[-0.2, 0.1, 0.2, 0.3],      # half inside: kept, clipped to x1 = 0
+                   [-0.35, 0.1, 0.05, 0.3],    # 12.5% inside: dropped
+                   [0.5, 0.5, 0.505, 0.7],     # 1.1 px wide at 224: dropped
+                   [0.9, 0.9, 1.1, 1.1]])      # 25% inside: dropped
+    boxes, keep = _clip_boxes(nb, SIZE)
+    assert keep.tolist() == [True, False, False, False]
+    assert boxes[0].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
+def test_mosaic_prob_out_of_range_is_refused(colour_set, bad):
+    with pytest.raises(ValueError, match="mosaic_prob"):
+        _dataset(colour_set, mosaic_prob=bad)
