@@ -437,6 +437,7 @@ def test_image_to_codes_all_values():
     out = Q.image_to_codes(v)
     assert isinstance(out, np.ndarray) and out.dtype == np.uint8
     assert np.array_equal(out, expect)
+    assert np.array_equal(Q.image_to_codes(v.astype(np.int64)), expect)   # the non-table path agrees
     tout = Q.image_to_codes(torch.arange(256, dtype=torch.int64).to(torch.uint8))
     assert isinstance(tout, torch.Tensor) and tout.dtype == torch.uint8
     assert tout.tolist() == expect.tolist()
