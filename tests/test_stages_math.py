@@ -220,6 +220,50 @@ def test_gain_edit_keeps_codes_and_outputs_chained_float64(calibrated):
     assert float(torch.isclose(y4, y3, rtol=1e-4, atol=1e-6).double().mean()) >= 0.999
 
 
+def _quantized_step3(calibrated, gain_aware):
+    model, caps = _step3_model(calibrated)
+    model.gain_aware = gain_aware
+    for conv in model.convs():
+        conv.quant_weight = True
+    return model, caps
+
+
+@pytest.mark.parametrize("gain_aware", [True, False])
+def test_gain_aware_step3_holds_the_step4_integers(calibrated, gain_aware):
+    """With quantized weights, gain-aware step 3 computes with exactly the integer weights and bias
+    that gain editing gives step 4 (and so nearly every code survives the step 3 -> 4 transition);
+    GTI's flow re-quantizes the edited weights at new shifts and changes many codes."""
+    model, caps = _quantized_step3(calibrated, gain_aware)
+    x = _codes_input(1, 97)
+    with torch.no_grad():
+        feats3 = _run(model, x)[1]
+    assert all((conv.gain is not None) == gain_aware for conv in model.convs())
+    codes3 = [activation_codes(f, c) for f, c in zip(feats3, caps)]
+    step3_params = [conv.quantized_params() for conv in model.convs()]
+    gain_edit(model)
+    apply_stage(model, STAGES["step4"])
+    model.eval()
+    assert not model.set_gains() and all(conv.gain is None for conv in model.convs())   # step 4: off
+    prev, same_ints = 31.0, []
+    for conv, (w3, b3, s3), c in zip(model.convs(), step3_params, caps):
+        w4, b4, s4 = conv.integer_params()
+        same_ints.append(s3 == s4 and torch.equal(torch.round(w3.double() * prev / c * 2 ** s4).long(), w4)
+                         and torch.equal(torch.round(b3.double() * 31 / c * 2 ** s4).long(), b4))
+        prev = c
+    agree = []
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            inp = x if i == 0 else codes3[i - 1].float()
+            k4 = layer(inp).long()
+            agree.append(float((k4 == codes3[i]).double().mean()))
+    if gain_aware:
+        assert all(same_ints)
+        assert min(agree) >= 0.99, agree
+    else:
+        assert not all(same_ints)
+        assert min(agree) < 0.95, agree
+
+
 def test_gain_edit_through_stage_hook_matches_direct_call(calibrated):
     model_a, caps = _step3_model(calibrated)
     model_b, _ = _step3_model(calibrated)

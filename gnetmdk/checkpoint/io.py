@@ -97,7 +97,7 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
     Loss weights, channels_last and the calibration percentiles come from ``cfg`` when given; so does
     the weight scale rule (weight_scale) for a step-1 checkpoint, while a checkpoint of a quantized
     stage (step2, cal, step3, step4) keeps the rule it was trained with (a note on stderr when the
-    config differs).
+    config differs), and a step-3 checkpoint keeps its ``gain_aware`` setting.
     ``weights``: "eval" loads the weights the checkpoint was evaluated with, the EMA
     (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] == "ema"`` (a run with ``ema true``), else
     the raw weights; "model" always loads the raw weights (resume).
@@ -122,6 +122,12 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
                   file=sys.stderr)
         else:
             meta["weight_scale"] = cfg.weight_scale
+        # gain-aware quantization acts in step 3 only: a step-3 model is evaluated as it was trained
+        # (a step-3 checkpoint from before the option: GTI's flow), any other takes the config's
+        if ckpt.get("stage") == "step3":
+            meta.setdefault("gain_aware", False)
+        else:
+            meta["gain_aware"] = cfg.gain_aware
     try:
         model = create_model(name, **meta, **extra)
         use_ema = weights == "eval" and ckpt.get("eval_weights") == "ema" and isinstance(ckpt.get("ema"), dict)

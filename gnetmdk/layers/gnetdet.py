@@ -166,6 +166,10 @@ class GNetDet(nn.Module):
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
             score_offset), applied on the host; see gnetmdk.layers.decode.output_scores); score_scale:
             the logit head's k in sigmoid(k (output - score_offset)).
+        gain_aware: in step 3 (quantized weights, capped 5-bit activations) quantize each conv's weights
+            and bias as gain editing will leave them in step 4 (QConv2d.gain), so the step-4 model
+            computes with the integers step 3 trained; False: GTI's flow (step 4 re-quantizes the
+            gain-edited weights at new shifts, which changed a third of the codes on cards).
 
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
@@ -179,8 +183,9 @@ class GNetDet(nn.Module):
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
-                 score_scale: float = 1.0, l_range: float = 0.0):
+                 score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False):
         super().__init__()
+        self.gain_aware = bool(gain_aware)
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
         self.width_mult = float(width_mult)
@@ -228,7 +233,7 @@ class GNetDet(nn.Module):
                 "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
                 "mask_bits": [int(s) for s in self.mask_bits()],
                 "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
-                "score_offset": self.score_offset, "score_scale": self.score_scale}
+                "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware}
 
     def mask_bits(self) -> List[int]:
         out: Dict[int, int] = {}
@@ -242,8 +247,24 @@ class GNetDet(nn.Module):
     def relus(self) -> List[QReLU]:
         return [l.relu for l in self.layers]
 
+    def set_gains(self) -> bool:
+        """Give every conv its (cap_in, cap_out) gain when the model is gain-aware and in step-3 mode
+        (quantized weights, capped 5-bit non-integer activations, every cap calibrated); clear them
+        otherwise. The input's cap is 31 (the image holds codes). Returns whether gains are set."""
+        convs, relus = self.convs(), self.relus()
+        on = (self.gain_aware and all(c.quant_weight for c in convs)
+              and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
+        caps = [float(r.cap) for r in relus] if on else []
+        on = on and all(c > 0 for c in caps)
+        prev = 31.0
+        for i, conv in enumerate(convs):
+            conv.gain = (prev, caps[i]) if on else None
+            prev = caps[i] if on else prev
+        return on
+
     def features(self, x: torch.Tensor, return_all: bool = False):
         """Run the chain; with ``return_all`` also return every sublayer's output (after pool)."""
+        self.set_gains()
         outs = []
         for layer in self.layers:
             x = layer(x)

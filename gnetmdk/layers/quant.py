@@ -25,6 +25,11 @@ class QConv2d(nn.Conv2d):
 
     Switches:
         quant_weight: use w_q, b_q (steps 2..4).
+        gain: None, or (cap_in, cap_out) in step 3 when the model quantizes "gain-aware": the weights
+            and bias are quantized as gain editing will leave them in step 4, W cap_in / cap_out and
+            b 31 / cap_out (gti-chip.md, step 4; gnetmdk.gti.transforms.gain_edit, same float64
+            formula), and scaled back, so step 3 computes with exactly the integers step 4 and the chip
+            will hold and the step 3 -> step 4 transition changes only float rounding.
         exact: compute in float64 (step-4 evaluation: exact while partial sums < 2^53, so the
             result equals the chip's integer accumulation; gti-chip.md "integer semantics").
 
@@ -39,12 +44,23 @@ class QConv2d(nn.Conv2d):
         self.bias_bits = int(bias_bits)
         self.method = method
         self.quant_weight = False
+        self.gain: Optional[tuple] = None
         self.exact = False
 
     def quantized_params(self):
         """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients)."""
         if not self.quant_weight:
             return self.weight, self.bias, None
+        if self.gain is not None:
+            cap_in, cap_out = (float(g) for g in self.gain)
+            gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
+            # the values gain_edit will write (float64 product, then the parameter dtype) ...
+            w_val = (self.weight.detach().double() * cap_in / cap_out).to(self.weight.dtype)
+            b_val = (self.bias.detach().double() * Q.ACT_MAX / cap_out).to(self.bias.dtype)
+            # ... quantized as in step 4, then back in step 3's units (identity gradient overall)
+            w_q, b_q, shift = Q.quantize_conv_params(Q.ste(self.weight * gw, w_val), Q.ste(self.bias * gb, b_val),
+                                                     self.scheme, self.weight_bits, self.bias_bits, self.method)
+            return w_q / gw, b_q / gb, shift
         return Q.quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
                                       self.bias_bits, self.method)
 
