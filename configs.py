@@ -27,6 +27,8 @@ class Config(BaseConfig):
     score_offset = 0.5
     score_scale = 10.0
     l_noobj = 0.05
+    l_range = 1.0              # bounds the outputs no loss term trains (they share the output layer's cap)
+    cap_percentile = 99.99     # calibration percentile (BaseConfig: 99)
 
     batch_size = 16
     num_workers = 2
