@@ -115,10 +115,60 @@ def test_mosaic_is_a_function_of_seed_epoch_index(colour_set):
 
 
 def test_mosaic_off_keeps_the_single_image_samples(colour_set):
-    plain = _dataset(colour_set)
-    zero = _dataset(colour_set, mosaic_prob=0.0)
-    for i in range(len(plain)):
-        assert np.array_equal(plain[i][0].numpy(), zero[i][0].numpy())
+    """mosaic_prob 0 takes no extra random draw: every sample is prepare()'s, from the generator of
+    (seed, epoch, index)."""
+    from gnetmdk.gti.quantize import image_to_codes
+    ds = _dataset(colour_set, mosaic_prob=0.0)
+    ds.set_epoch(2)
+    for i in range(len(ds)):
+        img, _, _ = ds.prepare(i, ds.rng_for(i))
+        assert np.array_equal(ds[i][0].numpy(), image_to_codes(img).transpose(2, 0, 1).astype(np.float32))
+
+
+def test_mosaic_window_drops_boxes_by_their_original_area(colour_set):
+    """A box cut by the window keeps its place only with more than 30% of its (augmented, unclipped)
+    area inside the window and its own tile: counted once, not per clip."""
+    ds = _dataset(colour_set, mosaic_prob=1.0, scale_range=(1.0, 1.0), shift_fraction=0.25)
+    for epoch in range(20):
+        ds.set_epoch(epoch)
+        for i in range(len(ds)):
+            img, boxes, labels = ds.prepare_mosaic(i, ds.rng_for(i))
+            for (x1, y1, x2, y2), lab in zip(boxes * SIZE, labels):
+                # scale 1: the whole square is OBJ x OBJ pixels (shifts cut it at tile edges); what is
+                # left must exceed 30% of that
+                assert (x2 - x1) * (y2 - y1) > 0.3 * OBJ * OBJ - 1e-3, (epoch, i, lab)
+
+
+class _FixedDraws:
+    """A stand-in generator for prepare_mosaic: its integer draws are given in advance."""
+
+    def __init__(self, *draws):
+        self.draws = list(draws)
+
+    def integers(self, low, high, size):
+        return np.asarray(self.draws.pop(0))
+
+
+def test_mosaic_clips_each_box_once_to_its_tile_and_the_window(colour_set, monkeypatch):
+    """Every tile holds a box hanging half over its tile's left edge (tile-relative x -0.5..0.5) and
+    the window starts a quarter tile in: 25% of each box is visible in its own tile and the window,
+    so none is kept, although 50% of the part inside its tile is (a rule applied per clip would keep it)."""
+    ds = _dataset(colour_set, mosaic_prob=1.0)
+    tile = np.full((SIZE, SIZE, 3), 90, np.uint8)
+    calls = []
+
+    def fake_prepare(index, rng=None, clip=True):
+        calls.append(clip)
+        return tile, np.array([[-0.5, 0.2, 0.5, 0.6]]), np.array([1])
+
+    monkeypatch.setattr(ds, "prepare", fake_prepare)
+    _, boxes, labels = ds.prepare_mosaic(0, _FixedDraws([1, 2, 3], [SIZE // 4, 0]))
+    assert calls == [False] * 4
+    assert len(boxes) == 0 and len(labels) == 0
+    # a window starting at the tile's left edge shows 50% of the top-left box: kept, clipped at x = 0
+    _, boxes, labels = ds.prepare_mosaic(0, _FixedDraws([1, 2, 3], [0, 0]))
+    assert labels.tolist() == [1]
+    assert boxes[0].tolist() == pytest.approx([0.0, 0.2, 0.5, 0.6])
 
 
 def test_clip_rule_drops_boxes_with_less_than_30_percent_left():

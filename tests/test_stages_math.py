@@ -243,7 +243,8 @@ def test_gain_aware_step3_holds_the_step4_integers(calibrated, gain_aware):
     gain_edit(model)
     apply_stage(model, STAGES["step4"])
     model.eval()
-    assert not model.set_gains() and all(conv.gain is None for conv in model.convs())   # step 4: off
+    assert all(conv.gain is None for conv in model.convs())      # cleared by gain_edit / apply_stage
+    assert not model.set_gains()                                   # and off in step 4
     prev, same_ints = 31.0, []
     for conv, (w3, b3, s3), c in zip(model.convs(), step3_params, caps):
         w4, b4, s4 = conv.integer_params()

@@ -126,6 +126,10 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
         # (a step-3 checkpoint from before the option: GTI's flow), any other takes the config's
         if ckpt.get("stage") == "step3":
             meta.setdefault("gain_aware", False)
+            if meta["gain_aware"] != cfg.gain_aware:
+                print(f"note: checkpoint '{path}' (step3) was trained with gain_aware {meta['gain_aware']}; "
+                      f"keeping it (the config's {cfg.gain_aware} applies from a cal checkpoint on)",
+                      file=sys.stderr)
         else:
             meta["gain_aware"] = cfg.gain_aware
     try:

@@ -106,10 +106,16 @@ def _hsv_jitter(img: np.ndarray, gains: Sequence[float], rng: np.random.Generato
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)
 
 
-def _clip_boxes(nb: np.ndarray, size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Clip (K, 4) relative xyxy boxes to the image; keep those with more than 30% of their area left
-    and at least 2 pixels (of ``size``) on each side. Returns (kept boxes float32, keep mask)."""
-    clipped = np.clip(nb, 0, 1)
+def _clip_boxes(nb: np.ndarray, size: int, bounds: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Clip (K, 4) relative xyxy boxes to the image (or to per-box ``bounds``, (K, 4) xyxy inside it);
+    keep those with more than 30% of their area left and at least 2 pixels (of ``size``) on each side.
+    Returns (kept boxes float32, keep mask)."""
+    if bounds is None:
+        clipped = np.clip(nb, 0, 1)
+    else:
+        clipped = np.empty_like(nb)
+        for j in range(4):
+            clipped[:, j] = np.clip(nb[:, j], bounds[:, 0 if j % 2 == 0 else 1], bounds[:, 2 if j % 2 == 0 else 3])
     area = (nb[:, 2] - nb[:, 0]) * (nb[:, 3] - nb[:, 1])
     carea = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
     keep = (carea > 0.3 * np.maximum(area, 1e-12)) & ((clipped[:, 2] - clipped[:, 0]) * size >= 2) & \
@@ -137,7 +143,8 @@ class DetectionDataset(Dataset):
             image_size window of it is the sample, so objects keep their scale; boxes cut by the window
             are clipped, those keeping less than 30% of their area (or under 2 pixels) are dropped.
 
-    ``__getitem__`` returns (image, target, index, (width, height) of the original file): image (3, image_size, image_size) float32 holding
+    ``__getitem__`` returns (image, target, index, (width, height) of the original file; for a mosaic,
+    the file of ``index``, its top-left tile): image (3, image_size, image_size) float32 holding
     the chip's 5-bit codes 0..31 in BGR order, target (S, S, 10 + C) float32, index int.
 
     Raises:
@@ -218,8 +225,10 @@ class DetectionDataset(Dataset):
             return self._cache[index][0]
         return self._load(index)[0]
 
-    def prepare(self, index: int, rng: Optional[np.random.Generator] = None):
-        """Image (S, S, 3) uint8 BGR at network size and boxes (K, 4) relative xyxy, labels (K,)."""
+    def prepare(self, index: int, rng: Optional[np.random.Generator] = None, clip: bool = True):
+        """Image (S, S, 3) uint8 BGR at network size and boxes (K, 4) relative xyxy, labels (K,).
+
+        With ``clip`` False (mosaic tiles) the augmented boxes are returned unclipped, all of them."""
         img = self.load_image(index)
         h, w = img.shape[:2]
         ow, oh = self.original_size(index)
@@ -246,6 +255,8 @@ class DetectionDataset(Dataset):
         nb = rel.copy()
         nb[:, [0, 2]] = nb[:, [0, 2]] * sx + (1 - sx) / 2 + tx
         nb[:, [1, 3]] = nb[:, [1, 3]] * sy + (1 - sy) / 2 + ty
+        if not clip:
+            return out, nb, labels
         boxes, keep = _clip_boxes(nb, size)
         return out, boxes, labels[keep]
 
@@ -256,18 +267,23 @@ class DetectionDataset(Dataset):
         size = self.image_size
         others = rng.integers(0, len(self.records), 3)
         canvas = np.empty((2 * size, 2 * size, 3), dtype=np.uint8)
-        all_boxes, all_labels = [], []
+        tiles = []
         for k, i in enumerate([index, *others.tolist()]):
-            img, rel, lab = self.prepare(int(i), rng)
+            img, rel, lab = self.prepare(int(i), rng, clip=False)
             r, c = divmod(k, 2)
             canvas[r * size:(r + 1) * size, c * size:(c + 1) * size] = img
-            # tile-relative -> canvas pixels
-            all_boxes.append((rel.astype(np.float64) + np.array([c, r, c, r], dtype=np.float64)) * size)
-            all_labels.append(lab)
+            tiles.append((r, c, rel, lab))
         ox, oy = (int(v) for v in rng.integers(0, size + 1, 2))
         out = np.ascontiguousarray(canvas[oy:oy + size, ox:ox + size])
-        nb = (np.concatenate(all_boxes) - np.array([ox, oy, ox, oy], dtype=np.float64)) / size
-        boxes, keep = _clip_boxes(nb, size)
+        all_boxes, all_bounds, all_labels = [], [], []
+        for r, c, rel, lab in tiles:
+            # tile-relative -> window-relative; a box is clipped once, to its tile inside the window
+            off = np.array([c * size - ox, r * size - oy] * 2, dtype=np.float64) / size
+            all_boxes.append(rel.astype(np.float64) + off)
+            tile = np.clip(off + np.array([0, 0, 1, 1], dtype=np.float64), 0, 1)
+            all_bounds.append(np.repeat(tile[None], len(rel), axis=0))
+            all_labels.append(lab)
+        boxes, keep = _clip_boxes(np.concatenate(all_boxes), size, np.concatenate(all_bounds))
         return out, boxes, np.concatenate(all_labels)[keep]
 
     def rng_for(self, index: int) -> np.random.Generator:

@@ -102,6 +102,8 @@ def apply_stage(model, stage: Stage, calibrating: bool = False) -> None:
         relu.quant_act = stage.quant_act
         relu.integer = stage.integer
     model.exact_eval = stage.integer
+    if hasattr(model, "set_gains"):
+        model.set_gains()         # no conv keeps a previous stage's gain until the next forward
     model.train(model.training)
 
 

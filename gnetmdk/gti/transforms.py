@@ -66,6 +66,8 @@ def gain_edit(model, input_cap: float = 31.0) -> List[float]:
         conv.weight.copy_((conv.weight.double() * prev / cap).to(conv.weight.dtype))
         conv.bias.copy_((conv.bias.double() * 31.0 / cap).to(conv.bias.dtype))
         layer.relu.cap.fill_(31.0)
+        if getattr(conv, "gain", None) is not None:
+            conv.gain = None      # the weights are now the edited ones: no step-3 gain applies
         prev = cap
     model.output_scale.fill_(caps[-1] / 31.0)
     return caps

@@ -169,7 +169,9 @@ class GNetDet(nn.Module):
         gain_aware: in step 3 (quantized weights, capped 5-bit activations) quantize each conv's weights
             and bias as gain editing will leave them in step 4 (QConv2d.gain), so the step-4 model
             computes with the integers step 3 trained; False: GTI's flow (step 4 re-quantizes the
-            gain-edited weights at new shifts, which changed a third of the codes on cards).
+            gain-edited weights at new shifts, which changed 15-50% of the codes on raccoon). The
+            constructor's default is False (a checkpoint from before the option rebuilds as it was
+            trained); BaseConfig.gain_aware, which training uses, is True.
 
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
@@ -254,7 +256,7 @@ class GNetDet(nn.Module):
         convs, relus = self.convs(), self.relus()
         on = (self.gain_aware and all(c.quant_weight for c in convs)
               and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
-        caps = [float(r.cap) for r in relus] if on else []
+        caps = torch.stack([r.cap.detach().float() for r in relus]).tolist() if on else []   # one sync
         on = on and all(c > 0 for c in caps)
         prev = 31.0
         for i, conv in enumerate(convs):

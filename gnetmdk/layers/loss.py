@@ -142,8 +142,8 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
             (safe_sqrt), bounding its gradient.
     Returns:
         dict of 0-d tensors: ``loc``, ``conf`` (responsible box toward its IoU with the target),
-        ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls`` and ``total``
-        (their sum). Each is a per-image sum averaged over the batch.
+        ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls``, ``range`` (only
+        when l_range > 0) and ``total`` (their sum). Each is a per-image sum averaged over the batch.
     Raises:
         ValueError: shapes differ or the last dimension is < 11.
     """

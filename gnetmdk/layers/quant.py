@@ -48,7 +48,13 @@ class QConv2d(nn.Conv2d):
         self.exact = False
 
     def quantized_params(self):
-        """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients)."""
+        """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients).
+
+        Without a gain, w_q and b_q are integer multiples of 2^-shift (what integer_params stores).
+        With a gain (gain-aware step 3) they are step 4's quantized values divided by the gain, so
+        they are not multiples of 2^-shift, and ``shift`` is the shift of the gain-edited weights;
+        integer_params ignores the gain (it describes the weights as they are now).
+        """
         if not self.quant_weight:
             return self.weight, self.bias, None
         if self.gain is not None:

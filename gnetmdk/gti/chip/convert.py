@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -185,9 +186,15 @@ def _calibrated_caps_from(ckpt: Dict[str, Any], output_scale: float, n: int,
     they are not all 31 (a pre-edit list), else a relu_cap.txt (from calibration) with ``n`` entries
     whose last matches output_scale * 31 (step-4 checkpoints written before calibrated_caps existed)."""
     stored = ckpt.get("calibrated_caps")
-    if (isinstance(stored, (list, tuple)) and len(stored) == n
-            and abs(float(stored[-1]) / ACT_MAX - output_scale) <= 1e-5 * max(output_scale, 1e-12)):
-        return [float(c) for c in stored]
+    if stored is not None:
+        ok = isinstance(stored, (list, tuple)) and len(stored) == n and n > 0
+        if ok and abs(float(stored[-1]) / ACT_MAX - output_scale) <= 1e-5 * max(output_scale, 1e-12):
+            return [float(c) for c in stored]
+        detail = (f"last cap / 31 = {float(stored[-1]) / ACT_MAX:.6g} against output_scale {output_scale:.6g}"
+                  if ok else f"{len(stored) if isinstance(stored, (list, tuple)) else type(stored).__name__} "
+                             f"entries for {n} convs")
+        print(f"note: the checkpoint's calibrated_caps do not fit its model ({detail}); using the other "
+              "sources of the calibrated caps", file=sys.stderr)
     caps = ckpt.get("caps")
     if isinstance(caps, (list, tuple)) and len(caps) == n and any(float(c) != ACT_MAX for c in caps):
         return [float(c) for c in caps]
