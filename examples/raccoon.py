@@ -29,6 +29,7 @@ class Config(BaseConfig):
     l_range = 1.0
     # calibration: the 99.99th percentile per batch (cal 0.665 at the 99th, 0.740 here; docs/results.md)
     cap_percentile = 99.99
+    weight_scale = "mse"       # the MSE-best per-kernel scale (chip-compatible; docs/results.md)
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=80, warmup_epochs=3, eval_interval=5),
         2: dict(learning_rate=3e-4, num_epochs=6, warmup_epochs=0.5, eval_interval=2),
