@@ -25,7 +25,6 @@ class Config(BaseConfig):
     score_scale = 10.0
     l_class = 1.0
     l_noobj = 0.05
-    l_range = 1.0              # bounds the untrained outputs, which share the output layer's cap
     cap_percentile = 99.99     # calibration percentile (BaseConfig: 99; docs/results.md)
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=40, warmup_epochs=2),
