@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from gnetmdk.config.base import BaseConfig
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 from gnetmdk.gti.spec import get_chip_spec
 from gnetmdk.layers.gnetdet import ChipLimitError, check_chip_limits, gnetdet_layers
@@ -106,7 +107,7 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
 
 
 @torch.no_grad()
-def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: float = 0.05, nms_thresh: float = 0.5,
+def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: float = 0.01, nms_thresh: float = 0.5,
                             max_detections: int = 100, predict_thresh: float = 0.3,
                             calibrated_caps: Optional[Sequence[float]] = None,
                             source: Optional[Dict[str, Any]] = None) -> ChipModel:
@@ -239,7 +240,7 @@ def convert_checkpoint(path: str, class_names: Optional[Sequence[str]] = None, c
     source = {"checkpoint": os.path.abspath(path), "sha256": file_sha256(path), "stage": ckpt.get("stage"),
               "epoch": ckpt.get("epoch"), "best_map": ckpt.get("best_map"), "dataset": cfg.get("DS_NAME"),
               "model_meta": dict(ckpt.get("model_meta") or {})}
-    cm = chip_model_from_gnetdet(model, names, conf_thresh=float(cfg.get("conf_thresh", 0.05)),
+    cm = chip_model_from_gnetdet(model, names, conf_thresh=float(cfg.get("conf_thresh", BaseConfig.conf_thresh)),
                                  nms_thresh=float(cfg.get("nms_thresh", 0.5)),
                                  max_detections=int(cfg.get("max_detections", 100)),
                                  predict_thresh=float(cfg.get("predict_thresh", 0.3)),

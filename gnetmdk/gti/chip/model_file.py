@@ -157,7 +157,7 @@ class ChipModel:
     used_channels: int
     output_scale: float
     grid: int = 14
-    conf_thresh: float = 0.05
+    conf_thresh: float = 0.01
     nms_thresh: float = 0.5
     max_detections: int = 100
     predict_thresh: float = 0.3

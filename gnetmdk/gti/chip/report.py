@@ -54,7 +54,7 @@ class _Decode:
         self.score_head, self.score_offset, self.score_scale = score_head, score_offset, score_scale
 
 
-def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = 0.05,
+def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = 0.01,
                  nms_thresh: float = 0.5, max_detections: int = 100, batch_size: int = 16, cfg=None) -> List[StageRow]:
     """Compute the report rows.
 
