@@ -102,10 +102,19 @@ def _env(marker: str, env: Optional[Dict[str, str]]) -> Dict[str, str]:
 def start(args: Sequence[str], marker: str, cwd: str, env: Optional[Dict[str, str]] = None,
           stdout_file=None) -> subprocess.Popen:
     """Start ``python3 ARGS`` in its own session (process group), marked with ``marker``; stdout goes to
-    ``stdout_file`` (an open file) when given, so that a test can watch it while the run goes on."""
+    ``stdout_file`` (an open file) when given, so that a test can watch it while the run goes on.
+
+    SIGINT is reset to its default in the child, as for a program started from a terminal: a shell
+    makes the jobs it starts in the background ignore SIGINT, and a test suite run that way would
+    otherwise hand that on and hide the launcher's Ctrl-C handling."""
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(marker, env),
                             stdout=stdout_file if stdout_file is not None else subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen, args: Sequence[str], timeout: float, t0: float) -> Run:

@@ -120,7 +120,7 @@ def test_interrupt_stops_every_process(ws, how):
     """Ctrl-C in a terminal (SIGINT to the whole foreground process group), or SIGTERM to the launcher
     alone: every worker stops and the launcher exits 130 / 143."""
     marker = uuid.uuid4().hex
-    # enough epochs that the run is still training when the signal comes, however loaded the machine
+    # enough epochs that the run is still training when the signal comes, however fast the machine
     args = [TRAIN_DIST, "--config", ws["cfg"], "--step", "1", "--gpus", "2", "progress", "false",
             "num_epochs", "100"]
     log = os.path.join(ws["root"], f"interrupt-{how}.log")
