@@ -36,7 +36,7 @@ class Config(BaseConfig):
     # entry to mAP 0 and fine-tuning does not always recover (docs/results.md); `weight_scale gti` for GTI's
     weight_scale = "mse"
     per_step = {
-        # step 1: 130 epochs take about 20 minutes alone on 2 cores (17.4 for 115: docs/results.md);
+        # step 1: 130 epochs took 19.0 minutes alone on 2 cores (docs/results.md, fifth cards run);
         # an EMA of the weights (horizon ~200 steps, 10 epochs) is what is evaluated and kept
         1: dict(learning_rate=2e-3, num_epochs=130, warmup_epochs=3, eval_interval=5, ema=True, ema_decay=0.995),
         # the quantized stages: fine-tuning at a twentieth of step 1's rate (3e-4 swung val mAP between
