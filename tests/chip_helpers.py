@@ -1,7 +1,7 @@
 """Helpers for the chip tests: meta files of the real datasets, a config file, and step-4 checkpoints
 made without training (a tiny BN-free GNetDet, He-initialised, calibrated on real images, gain-edited).
 
-Real datasets are read in place from /work/shared/data; everything written goes under a tmp folder.
+Real datasets are read in place from ../shared/data (beside the repository); everything written goes under a tmp folder.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = "/work/shared/data"
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")
 DATASETS: Dict[str, List[str]] = {"raccoon": ["raccoon"], "cards": ["nine", "ten", "jack", "queen", "king", "ace"]}
 
 

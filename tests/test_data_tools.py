@@ -1,7 +1,7 @@
 """Tests for the VOC -> meta conversion (gnetmdk.dataset.voc, tools/xml_2_txt.py) and the shapes
 generator (gnetmdk.dataset.shapes, tools/make_shapes.py).
 
-Real datasets are read in place from /work/shared/data; every fixture is written under tmp_path.
+Real datasets are read in place from ../shared/data (beside the repository); every fixture is written under tmp_path.
 """
 
 import os
@@ -23,7 +23,7 @@ from gnetmdk.dataset.voc import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = "/work/shared/data"
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")
 CARDS = os.path.join(DATA, "cards")
 RACCOON = os.path.join(DATA, "raccoon")
 CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
