@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")
+DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 DATASETS: Dict[str, List[str]] = {"raccoon": ["raccoon"], "cards": ["nine", "ten", "jack", "queen", "king", "ace"]}
 
 

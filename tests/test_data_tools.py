@@ -23,7 +23,7 @@ from gnetmdk.dataset.voc import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")
+DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 CARDS = os.path.join(DATA, "cards")
 RACCOON = os.path.join(DATA, "raccoon")
 CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]

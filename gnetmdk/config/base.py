@@ -119,7 +119,7 @@ class BaseConfig:
 
     # ---------------------------------------------------------------- decoding and evaluation
     # keep boxes with conf * class score above this for mAP: AP integrates precision over all recall, so
-    # a high threshold cuts the tail of the precision-recall curve (0.05 cost 0.6-1.1 points on cards)
+    # a high threshold cuts the tail of the precision-recall curve (0.05 cost 0.2-1.1 points on cards)
     conf_thresh: float = 0.01
     nms_thresh: float = 0.5
     max_detections: int = 100

@@ -265,6 +265,12 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("accumulate", "alignment record/replay (save_npz, replay_npz) needs accumulate 1")
     if not 0 <= cfg.ema_decay < 1 or cfg.ema_ramp < 0:
         bad("ema_decay" if not 0 <= cfg.ema_decay < 1 else "ema_ramp", "ema_decay must be in [0, 1), ema_ramp >= 0")
+    if not 0 <= cfg.conf_thresh < 1:
+        bad("conf_thresh", "must be in [0, 1): the lowest conf x class score kept for mAP (default 0.01)")
+    if not 0 < cfg.nms_thresh <= 1:
+        bad("nms_thresh", "must be in (0, 1]: the IoU above which NMS drops the lower-scored box")
+    if cfg.max_detections < 1:
+        bad("max_detections", "must be at least 1 (boxes kept per image)")
     for name in ("finetune", "freeze_convs", "freeze_at", "checkpoint_interval"):
         if getattr(cfg, name) < 0:
             bad(name, "must be >= 0")

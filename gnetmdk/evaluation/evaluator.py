@@ -5,6 +5,7 @@ from typing import Dict, List
 
 import torch
 
+from gnetmdk.config.base import BaseConfig
 from gnetmdk.dist.comm import all_gather_object, is_main_process
 from .voc import evaluate_detections
 
@@ -42,7 +43,7 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
     return dets, sums, n
 
 
-def evaluate_model(model, loader, dataset, device, conf_thresh: float = 0.01, nms_thresh: float = 0.5,
+def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConfig.conf_thresh, nms_thresh: float = 0.5,
                    max_detections: int = 100) -> Dict[str, object]:
     """VOC mAP@0.5 of ``model`` on ``dataset`` (every image exactly once over all ranks).
 

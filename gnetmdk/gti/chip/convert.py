@@ -107,7 +107,7 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
 
 
 @torch.no_grad()
-def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: float = 0.01, nms_thresh: float = 0.5,
+def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: float = BaseConfig.conf_thresh, nms_thresh: float = 0.5,
                             max_detections: int = 100, predict_thresh: float = 0.3,
                             calibrated_caps: Optional[Sequence[float]] = None,
                             source: Optional[Dict[str, Any]] = None) -> ChipModel:

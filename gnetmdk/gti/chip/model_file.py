@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from gnetmdk.config.base import ConfigError
+from gnetmdk.config.base import BaseConfig, ConfigError
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 
 FORMAT = "gnetmdk-chip-model"
@@ -157,7 +157,7 @@ class ChipModel:
     used_channels: int
     output_scale: float
     grid: int = 14
-    conf_thresh: float = 0.01
+    conf_thresh: float = BaseConfig.conf_thresh
     nms_thresh: float = 0.5
     max_detections: int = 100
     predict_thresh: float = 0.3

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from gnetmdk.config.base import BaseConfig
 from gnetmdk.gti.quantize import image_to_codes
 from .host import codes_to_predictions, decode_predictions, iter_dataset_batches
 
@@ -54,7 +55,7 @@ class _Decode:
         self.score_head, self.score_offset, self.score_scale = score_head, score_offset, score_scale
 
 
-def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = 0.01,
+def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = BaseConfig.conf_thresh,
                  nms_thresh: float = 0.5, max_detections: int = 100, batch_size: int = 16, cfg=None) -> List[StageRow]:
     """Compute the report rows.
 
