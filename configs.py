@@ -28,6 +28,7 @@ class Config(BaseConfig):
     score_scale = 10.0
     l_noobj = 0.05
     l_range = 1.0              # bounds the outputs no loss term trains (they share the output layer's cap)
+    box_slots = 1              # train one box slot per cell (BaseConfig: 2, YOLOv1's IoU rule; docs/pipeline.md)
     cap_percentile = 99.99     # calibration percentile (BaseConfig: 99)
 
     batch_size = 16

@@ -221,6 +221,8 @@ def test_non_string_passes_through():
     (["conf_thresh", "-0.01"], "conf_thresh"),
     (["nms_thresh", "0"], "nms_thresh"),
     (["max_detections", "0"], "max_detections"),
+    (["box_slots", "3"], "box_slots"),
+    (["box_slots", "0"], "box_slots"),
 ])
 def test_out_of_range_refused(override, field):
     with pytest.raises(ConfigError) as e:

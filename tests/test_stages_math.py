@@ -384,6 +384,35 @@ def test_loss_refuses_bad_shapes():
         gnetdet_loss(torch.zeros(2, 14, 14, 10), torch.zeros(2, 14, 14, 10))
 
 
+def test_one_box_slot_keeps_slot_1_responsible():
+    # one object cell whose second slot matches the target and whose first is off by a cell:
+    # YOLOv1's rule (box_slots 2) makes slot 2 responsible, box_slots 1 keeps slot 1 responsible
+    target = torch.zeros(1, GRID, GRID, 10 + C)
+    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.2, 0.2, 1.0])
+    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
+    target[0, 3, 4, 10] = 1.0
+    pred = torch.zeros(1, GRID, GRID, 10 + C)
+    pred[0, 3, 4, 0:5] = torch.tensor([0.9, 0.9, 0.1, 0.3, 0.7])     # IoU with the target ~0.05
+    pred[0, 3, 4, 5:10] = torch.tensor([0.5, 0.5, 0.2, 0.2, 0.4])    # the target itself: IoU 1
+    two = gnetdet_loss(pred, target, box_slots=2)
+    one = gnetdet_loss(pred, target, box_slots=1)
+    assert float(two["loc"]) == pytest.approx(0.0, abs=1e-7)          # slot 2 responsible and exact
+    # box_slots 1: the localisation error of slot 1 (x, y off by 0.4 each, sqrt w / sqrt h)
+    import math
+    sl1 = lambda d: 0.5 * d * d if abs(d) < 1 else abs(d) - 0.5
+    loc1 = sl1(0.4) + sl1(0.4) + sl1(math.sqrt(0.1) - math.sqrt(0.2)) + sl1(math.sqrt(0.3) - math.sqrt(0.2))
+    assert float(one["loc"]) == pytest.approx(5.0 * loc1, rel=1e-5)
+    # slot 2's confidence (0.4) is trained toward 0 in the noresp term: smooth-L1(0.4) = 0.08
+    assert float(one["noresp"]) == pytest.approx(0.08, rel=1e-5)
+    assert float(two["noresp"]) == pytest.approx(sl1(0.7), rel=1e-5)
+    # slot 2's outputs get no localisation gradient with one slot
+    p = pred.clone().requires_grad_(True)
+    gnetdet_loss(p, target, box_slots=1)["loc"].backward()
+    assert bool((p.grad[0, 3, 4, 5:10] == 0).all()) and bool((p.grad[0, 3, 4, 0:4] != 0).all())
+    with pytest.raises(ValueError, match="box_slots"):
+        gnetdet_loss(pred, target, box_slots=3)
+
+
 def test_safe_sqrt_values_and_bounded_slope():
     tau = 1e-2
     x = torch.tensor([0.0, 0.0025, 0.005, tau, 0.04, 0.25, 1.0], dtype=torch.float64, requires_grad=True)

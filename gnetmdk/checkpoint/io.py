@@ -110,7 +110,7 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
     extra = {}
     if cfg is not None:
         extra = dict(cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
-                     l_class=cfg.l_class, score_loss=cfg.score_loss, l_range=cfg.l_range,
+                     l_class=cfg.l_class, score_loss=cfg.score_loss, l_range=cfg.l_range, box_slots=cfg.box_slots,
                      output_cap_percentile=cfg.output_cap_percentile, channels_last=cfg.channels_last)
         # the per-kernel scale rule: the run's config decides for a float (step-1) model; weights
         # already fine-tuned under one rule keep it (the other rule would re-quantize them blindly:

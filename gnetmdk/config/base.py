@@ -65,6 +65,7 @@ class BaseConfig:
     score_offset: float = 4.0               # logit head: score = sigmoid(score_scale * (output - score_offset))
     score_scale: float = 1.0                # logit head: logits per unit of output (keeps outputs near box range)
     l_range: float = 0.0                    # hinge on untrained outputs (empty cells, free slot) above the trained range
+    box_slots: int = 2                      # box slots trained per cell: 2 (YOLOv1: the better-IoU slot) | 1 (slot 1 only)
 
     # ---------------------------------------------------------------- optimisation
     batch_size: int = 16                    # global batch: split over world_size x gpus processes

@@ -229,6 +229,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("score_head", "must be linear or logit")
     if not (math.isfinite(cfg.score_scale) and cfg.score_scale > 0):
         bad("score_scale", "must be a positive number (the logit head's sigmoid(score_scale * (output - score_offset)))")
+    if cfg.box_slots not in (1, 2):
+        bad("box_slots", "must be 1 (slot 1 always responsible) or 2 (YOLOv1: the slot with the better IoU)")
     for name in ("l_coord", "l_noobj", "l_class", "l_range"):
         if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             bad(name, "a loss weight must be a finite number >= 0")

@@ -162,7 +162,8 @@ class GNetDet(nn.Module):
         chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
         weight_scale: "gti" or "mse"; cap_percentile: calibration percentile (hidden layers);
         output_cap_percentile: the output layer's (100 = max, so the largest scores are not clipped).
-        l_coord, l_noobj, l_class, l_range: loss weights; score_loss: "smooth_l1" or "bce" (gnetmdk.layers.loss).
+        l_coord, l_noobj, l_class, l_range: loss weights; score_loss: "smooth_l1" or "bce"; box_slots: 1 or 2
+            box slots trained per cell (training only; the output keeps two slots) (gnetmdk.layers.loss).
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
             score_offset), applied on the host; see gnetmdk.layers.decode.output_scores); score_scale:
             the logit head's k in sigmoid(k (output - score_offset)).
@@ -185,7 +186,7 @@ class GNetDet(nn.Module):
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
-                 score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False):
+                 score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False, box_slots: int = 2):
         super().__init__()
         self.gain_aware = bool(gain_aware)
         self.num_classes = int(num_classes)
@@ -206,12 +207,14 @@ class GNetDet(nn.Module):
             raise ConfigError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
         if not (math.isfinite(float(score_scale)) and float(score_scale) > 0):
             raise ConfigError(f"score_scale must be a positive number, not {score_scale!r}")
+        if box_slots not in (1, 2):
+            raise ConfigError(f"box_slots must be 1 or 2, not {box_slots!r}")
         self.score_head = score_head
         self.score_offset = float(score_offset)
         self.score_scale = float(score_scale)
         self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss,
                                  score_head=score_head, score_offset=self.score_offset,
-                                 score_scale=self.score_scale, l_range=float(l_range))
+                                 score_scale=self.score_scale, l_range=float(l_range), box_slots=int(box_slots))
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result

@@ -113,7 +113,7 @@ def logit_bce(y: torch.Tensor, t: torch.Tensor, offset: float, scale: float = 1.
 def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, sqrt_tau: float = 1e-2,
-                 score_scale: float = 1.0, l_range: float = 0.0) -> Dict[str, torch.Tensor]:
+                 score_scale: float = 1.0, l_range: float = 0.0, box_slots: int = 2) -> Dict[str, torch.Tensor]:
     """GNetDet loss terms.
 
     Args:
@@ -138,6 +138,12 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
             box outputs x, y, w, h of those cells' two slots and of an object cell's non-responsible
             slot above 1 (the largest box target). Measured: raccoon's empty-cell class output
             reached 4.4 and cards' free box outputs 7.6 while every trained output stayed below 1.4.
+        box_slots: 2 (YOLOv1): in each object cell the slot whose box has the higher IoU with the
+            target is responsible; 1: slot 1 is always responsible and slot 2's confidence is trained
+            to 0 in every cell (its box by the range term only), so the two slots never trade the
+            target. The output layout keeps both slots either way (the chip model does not change).
+            Measured on cards (docs/results.md): the step-1 runs whose second slot had died on its
+            own ended at half the training loss of those where both slots stayed alive.
         sqrt_tau: below this size (relative to the image) the sqrt of the size term is linear
             (safe_sqrt), bounding its gradient.
     Returns:
@@ -145,8 +151,10 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls``, ``range`` (only
         when l_range > 0) and ``total`` (their sum). Each is a per-image sum averaged over the batch.
     Raises:
-        ValueError: shapes differ or the last dimension is < 11.
+        ValueError: shapes differ, the last dimension is < 11, or box_slots is not 1 or 2.
     """
+    if box_slots not in (1, 2):
+        raise ValueError(f"box_slots must be 1 or 2, not {box_slots!r}")
     if pred.shape != target.shape or pred.dim() != 4 or pred.shape[-1] < 11:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must both be (N, S, S, 10 + C)")
     n, s = pred.shape[0], pred.shape[1]
@@ -162,6 +170,8 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         txy = cell_boxes_to_xyxy(tbox, s).unsqueeze(3)                # (N, S, S, 1, 4)
         ious = _pair_iou(pxy, txy)                                    # (N, S, S, 2)
         resp = (ious[..., 1] > ious[..., 0]).long()                   # responsible slot, ties -> 0
+        if box_slots == 1:
+            resp = torch.zeros_like(resp)
         resp_iou = ious.gather(3, resp.unsqueeze(-1)).squeeze(-1)
     rmask = F.one_hot(resp, 2).float()                                # (N, S, S, 2)
     rbox = (pboxes * rmask.unsqueeze(-1)).sum(3)                      # (N, S, S, 5)

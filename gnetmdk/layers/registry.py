@@ -46,4 +46,4 @@ def model_from_config(cfg, use_bn: bool | None = None) -> nn.Module:
                         cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
                         l_class=cfg.l_class, score_loss=cfg.score_loss, score_head=cfg.score_head,
                         score_offset=cfg.score_offset, score_scale=cfg.score_scale, l_range=cfg.l_range, output_cap_percentile=cfg.output_cap_percentile,
-                        channels_last=cfg.channels_last, gain_aware=cfg.gain_aware)
+                        channels_last=cfg.channels_last, gain_aware=cfg.gain_aware, box_slots=cfg.box_slots)
