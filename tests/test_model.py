@@ -113,3 +113,21 @@ def test_logit_head_meta_roundtrip():
     assert (meta["score_head"], meta["score_offset"], meta["score_scale"]) == ("logit", 0.5, 10.0)
     back = GNetDet(**{k: v for k, v in meta.items() if k != "name"})
     assert back.loss_weights["score_scale"] == 10.0
+
+
+def test_box_slots_reaches_the_loss_from_config_and_checkpoint():
+    # box_slots is a training setting: the config decides it for a new model and for a loaded
+    # checkpoint alike, and it leaves the model's structure and meta (what a checkpoint stores) alone
+    from gnetmdk.checkpoint.io import build_model_from_checkpoint
+    from gnetmdk.config import BaseConfig, build_config
+    from gnetmdk.layers.registry import model_from_config
+    cfg = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625", "box_slots", "1"])
+    m = model_from_config(cfg)
+    assert m.loss_weights["box_slots"] == 1
+    assert "box_slots" not in m.meta()
+    ckpt = {"model_meta": m.meta(), "model": m.state_dict(), "stage": "step1"}
+    assert build_model_from_checkpoint(ckpt, cfg).loss_weights["box_slots"] == 1
+    two = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625"])
+    assert build_model_from_checkpoint(ckpt, two).loss_weights["box_slots"] == 2
+    with pytest.raises(ConfigError, match="box_slots"):
+        GNetDet(num_classes=2, image_size=224, width_mult=0.0625, box_slots=0)
