@@ -26,7 +26,6 @@ class Config(BaseConfig):
     l_class = 1.0
     l_noobj = 0.05
     cap_percentile = 99.99     # calibration percentile (BaseConfig: 99; docs/results.md)
-    box_slots = 1              # one trained box slot per cell: step 4 0.933 against 0.899 with two (docs/results.md)
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=40, warmup_epochs=2),
         2: dict(learning_rate=2e-4, num_epochs=3, warmup_epochs=0.2),
