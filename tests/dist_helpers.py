@@ -91,6 +91,8 @@ def _env(marker: str, env: Optional[Dict[str, str]]) -> Dict[str, str]:
     e = dict(os.environ)
     e.update({"GNETMDK_TEST_MARKER": marker, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
               "PYTHONWARNINGS": "ignore"})
+    # children import this checkout's gnetmdk, whatever another install on the machine points at
+    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
     e.pop("LOCAL_WORLD_SIZE", None)
