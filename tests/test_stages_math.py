@@ -319,6 +319,15 @@ def _targets(n, seed):
     return torch.from_numpy(np.stack(out))
 
 
+def _one_object_target(n, w, h):
+    """(n, GRID, GRID, 10 + C) targets: image 0 holds one class-0 object centred in cell (3, 4), size w x h."""
+    target = torch.zeros(n, GRID, GRID, 10 + C)
+    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, w, h, 1.0])
+    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
+    target[0, 3, 4, 10] = 1.0
+    return target
+
+
 def test_loss_split_invariance():
     target = _targets(8, 0)
     assert target.shape == (8, GRID, GRID, 10 + C)
@@ -387,10 +396,7 @@ def test_loss_refuses_bad_shapes():
 def test_one_box_slot_keeps_slot_1_responsible():
     # one object cell whose second slot matches the target and whose first is off by a cell:
     # YOLOv1's rule (box_slots 2) makes slot 2 responsible, box_slots 1 keeps slot 1 responsible
-    target = torch.zeros(1, GRID, GRID, 10 + C)
-    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.2, 0.2, 1.0])
-    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
-    target[0, 3, 4, 10] = 1.0
+    target = _one_object_target(1, 0.2, 0.2)
     pred = torch.zeros(1, GRID, GRID, 10 + C)
     pred[0, 3, 4, 0:5] = torch.tensor([0.9, 0.9, 0.1, 0.3, 0.7])     # IoU with the target ~0.05
     pred[0, 3, 4, 5:10] = torch.tensor([0.5, 0.5, 0.2, 0.2, 0.4])    # the target itself: IoU 1
@@ -427,10 +433,7 @@ def test_safe_sqrt_values_and_bounded_slope():
 def test_loss_size_gradient_is_bounded_at_zero():
     # an object cell whose size outputs are 0 (the output ReLU at its floor): the size term's gradient
     # is l_coord * (sqrt(tau)/2 - sqrt(t)) * 5 per output, not the ~250x of sqrt(w + 1e-6)
-    target = torch.zeros(1, GRID, GRID, 10 + C)
-    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.36, 0.16, 1.0])
-    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
-    target[0, 3, 4, 10] = 1.0
+    target = _one_object_target(1, 0.36, 0.16)
     pred = target.clone()
     pred[0, 3, 4, 2:4] = 0.0
     pred[0, 3, 4, 7:9] = 0.0
@@ -472,10 +475,7 @@ def test_logit_head_scores_and_clipped_cross_entropy():
 
 def test_range_term_bounds_untrained_outputs():
     from gnetmdk.layers.loss import LOGIT_MAX
-    target = torch.zeros(2, GRID, GRID, 10 + C)
-    target[0, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.3, 0.3, 1.0])
-    target[0, 3, 4, 5:10] = target[0, 3, 4, 0:5]
-    target[0, 3, 4, 10] = 1.0
+    target = _one_object_target(2, 0.3, 0.3)
     pred = torch.zeros(2, GRID, GRID, 10 + C)
     y_max = 0.5 + LOGIT_MAX / 10.0                       # 1.1
     pred[0, 3, 4, 10:] = 3.0                             # an object cell's classes: trained by cls, not range
