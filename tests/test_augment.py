@@ -1,4 +1,4 @@
-"""Training augmentation moves the boxes with the pixels (flip, scale, shift, mosaic), clips and drops
+"""Training augmentation moves the boxes with the pixels (flip, quarter turns, scale, shift, mosaic), clips and drops
 them by the documented rule, and is a function of (seed, epoch, index)."""
 from __future__ import annotations
 
@@ -182,7 +182,63 @@ def test_clip_rule_drops_boxes_with_less_than_30_percent_left():
     assert boxes[0].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3])
 
 
+@pytest.mark.parametrize("name", ["mosaic_prob", "rotate_prob"])
 @pytest.mark.parametrize("bad", [-0.1, 1.5])
-def test_mosaic_prob_out_of_range_is_refused(colour_set, bad):
-    with pytest.raises(ValueError, match="mosaic_prob"):
-        _dataset(colour_set, mosaic_prob=bad)
+def test_probability_out_of_range_is_refused(colour_set, name, bad):
+    with pytest.raises(ValueError, match=name):
+        _dataset(colour_set, **{name: bad})
+
+
+def test_rotate_quarter_moves_boxes_with_the_pixels():
+    """A 60 x 40 image with a 20 x 10 white block: after k counter-clockwise quarter turns the block's
+    pixel extent is the turned box, exactly (the turned image is 40 x 60 for odd k)."""
+    from gnetmdk.dataset.dataset import rotate_quarter
+    img = np.zeros((40, 60, 3), np.uint8)
+    img[5:15, 10:30] = 255
+    rel = np.array([[10 / 60, 5 / 40, 30 / 60, 15 / 40]])
+    expected = {0: (10, 5, 30, 15), 1: (5, 30, 15, 50), 2: (30, 25, 50, 35), 3: (25, 10, 35, 30), 5: (5, 30, 15, 50)}
+    for turns, box in expected.items():
+        out, boxes = rotate_quarter(img, rel, turns)
+        h, w = out.shape[:2]
+        assert (h, w) == ((60, 40) if turns % 2 else (40, 60))
+        ys, xs = np.nonzero(out[..., 0])
+        assert (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1) == box
+        assert (boxes[0] * [w, h, w, h]).tolist() == pytest.approx(list(box))
+
+
+@pytest.fixture(scope="module")
+def wide_set(tmp_path_factory):
+    """Three 336 x 224 images (wider than high, so a quarter turn changes the aspect), one square each."""
+    root = tmp_path_factory.mktemp("wide")
+    lines = []
+    for i in range(3):
+        img = np.full((SIZE, 336, 3), BACKGROUND, np.uint8)
+        x1, y1 = 20 + 100 * i, 30 + 60 * i
+        img[y1:y1 + OBJ, x1:x1 + OBJ] = COLOURS[i]
+        cv2.imwrite(str(root / f"w{i}.png"), img)
+        lines.append(f"w{i}.png {x1} {y1} {x1 + OBJ} {y1 + OBJ} {i}\n")
+    meta = root / "train.txt"
+    meta.write_text("".join(lines))
+    return str(meta), str(root)
+
+
+def test_quarter_turns_keep_boxes_on_their_objects(wide_set):
+    """rotate_prob 1 with flips, scale and shift on non-square images: every sample's box covers its
+    square, and the samples of the epochs show the turned aspect (the square, OBJ x OBJ pixels in a
+    336 x 224 image, is squeezed along x before a turn and along y after one)."""
+    ds = _dataset(wide_set, rotate_prob=1.0, scale_range=(1.0, 1.0), shift_fraction=0.0)
+    aspects = set()
+    for epoch in range(8):
+        ds.set_epoch(epoch)
+        for i in range(len(ds)):
+            img, boxes, labels = ds.prepare(i, ds.rng_for(i))
+            _check_sample(img, boxes, labels)
+            w, h = (boxes[0, 2:] - boxes[0, :2]) * SIZE
+            aspects.add(round(float(w / h), 1))
+    # unturned (180 degrees): w/h = (224/336) / 1 = 0.67; turned by 90 / 270: 1.5
+    assert aspects == {0.7, 1.5}
+    # rotate_prob 0 draws nothing: the samples are those of a dataset without the option
+    a = _dataset(wide_set, rotate_prob=0.0)
+    b = _dataset(wide_set)
+    for i in range(len(a)):
+        assert np.array_equal(a.prepare(i, a.rng_for(i))[0], b.prepare(i, b.rng_for(i))[0])

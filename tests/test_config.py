@@ -217,6 +217,7 @@ def test_non_string_passes_through():
     (["l_noobj", "inf"], "l_noobj"),
     (["mosaic_prob", "1.5"], "mosaic_prob"),
     (["flip_prob", "-0.1"], "flip_prob"),
+    (["rotate_prob", "1.01"], "rotate_prob"),
     (["conf_thresh", "1.5"], "conf_thresh"),
     (["conf_thresh", "-0.01"], "conf_thresh"),
     (["nms_thresh", "0"], "nms_thresh"),

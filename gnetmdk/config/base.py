@@ -42,6 +42,7 @@ class BaseConfig:
     flip_prob: float = 0.5
     blur_prob: float = 0.1
     mosaic_prob: float = 0.0                # probability of a 4-image mosaic sample (objects keep their scale)
+    rotate_prob: float = 0.0                # probability of a 90/180/270-degree turn (data seen from above)
 
     # ---------------------------------------------------------------- model and chip
     model_name: str = "gnetdet"

@@ -234,7 +234,7 @@ def validate_config(cfg: BaseConfig) -> None:
     for name in ("l_coord", "l_noobj", "l_class", "l_range"):
         if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             bad(name, "a loss weight must be a finite number >= 0")
-    for name in ("flip_prob", "blur_prob", "mosaic_prob"):
+    for name in ("flip_prob", "blur_prob", "mosaic_prob", "rotate_prob"):
         if not 0 <= getattr(cfg, name) <= 1:
             bad(name, "a probability must be in [0, 1]")
     if not 0 < cfg.output_cap_percentile <= 100:

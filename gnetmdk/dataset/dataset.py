@@ -2,7 +2,8 @@
 
 Data flow (architecture.md): image file -> decode (opencv, grayscale becomes 3 channels, BGR)
 -> downscale once to at most 2 x image_size (INTER_AREA; cached in memory if asked)
--> training only: HSV jitter, blur, horizontal flip, random scale + shift (one affine warp),
+-> training only: HSV jitter, blur, horizontal flip, quarter-turn rotation (``rotate_prob``),
+   random scale + shift (one affine warp),
    and with probability ``mosaic_prob`` a mosaic of four such images (objects keep their scale)
 -> resize to image_size x image_size -> 8-bit to 5-bit chip codes -> GNetDet target.
 
@@ -123,6 +124,25 @@ def _clip_boxes(nb: np.ndarray, size: int, bounds: Optional[np.ndarray] = None) 
     return clipped[keep].astype(np.float32), keep
 
 
+def rotate_quarter(img: np.ndarray, rel: np.ndarray, turns: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Turn an image and its boxes counter-clockwise by ``turns`` x 90 degrees (np.rot90's sense).
+
+    Args:
+        img: (H, W, 3) uint8.
+        rel: (K, 4) float xyxy boxes relative to the image side (0..1).
+        turns: number of quarter turns (any integer; taken modulo 4).
+    Returns:
+        the turned image ((W, H, 3) for an odd number of turns), contiguous, and its (K, 4) relative
+        boxes: one counter-clockwise turn maps a point (x, y) to (y, 1 - x), so a box
+        (x1, y1, x2, y2) becomes (y1, 1 - x2, y2, 1 - x1).
+    """
+    turns %= 4
+    out = rel.copy()
+    for _ in range(turns):
+        out = np.stack([out[:, 1], 1 - out[:, 2], out[:, 3], 1 - out[:, 0]], axis=1)
+    return np.ascontiguousarray(np.rot90(img, turns)), out
+
+
 class DetectionDataset(Dataset):
     """Images and GNetDet targets from a meta file (tools/xml_2_txt.py format).
 
@@ -138,6 +158,11 @@ class DetectionDataset(Dataset):
         seed: augmentation seed.
         hsv_gain, scale_range, shift_fraction, flip_prob, blur_prob: the per-image augmentation
             (fractions of the image side for the shift; scale per axis).
+        rotate_prob: probability that a training image is turned by 90, 180 or 270 degrees (equal odds),
+            after the flip: with ``flip_prob`` 0.5 every one of the 8 orientations of the square occurs.
+            Boxes stay exact (a quarter turn maps axis-aligned boxes to axis-aligned boxes). For data
+            seen from above in any orientation (cards on a table, aerial images); 0 (the default)
+            takes no random draw, so the other augmentations are drawn as without it.
         mosaic_prob: probability that a training sample is a mosaic of four augmented images
             (YOLOv4's mosaic, Bochkovskiy et al. 2020): they tile a 2 x image_size canvas and a random
             image_size window of it is the sample, so objects keep their scale; boxes cut by the window
@@ -155,9 +180,11 @@ class DetectionDataset(Dataset):
                  train: bool = False, augment: bool = True, cache: bool = False, max_images: int = 0,
                  seed: int = 0, hsv_gain: Sequence[float] = (0.015, 0.5, 0.3),
                  scale_range: Sequence[float] = (0.75, 1.25), shift_fraction: float = 0.15,
-                 flip_prob: float = 0.5, blur_prob: float = 0.1, mosaic_prob: float = 0.0):
-        if not 0.0 <= float(mosaic_prob) <= 1.0:
-            raise ValueError(f"mosaic_prob {mosaic_prob} must be in [0, 1]")
+                 flip_prob: float = 0.5, blur_prob: float = 0.1, mosaic_prob: float = 0.0,
+                 rotate_prob: float = 0.0):
+        for name, value in (("mosaic_prob", mosaic_prob), ("rotate_prob", rotate_prob)):
+            if not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"{name} {value} must be in [0, 1]")
         if not os.path.isfile(meta_file):
             raise FileNotFoundError(f"meta file '{meta_file}' does not exist: run tools/xml_2_txt.py for this "
                                     "dataset first")
@@ -181,6 +208,7 @@ class DetectionDataset(Dataset):
         self.flip_prob = float(flip_prob)
         self.blur_prob = float(blur_prob)
         self.mosaic_prob = float(mosaic_prob)
+        self.rotate_prob = float(rotate_prob)
         self.sizes: List[Optional[Tuple[int, int]]] = [None] * len(self.records)   # original (W, H)
         self._cache: Optional[List[Tuple[np.ndarray, float]]] = None
         if cache:
@@ -245,6 +273,9 @@ class DetectionDataset(Dataset):
             img = np.ascontiguousarray(img[:, ::-1])
             rel = rel[:, [2, 1, 0, 3]].copy()
             rel[:, 0], rel[:, 2] = 1 - rel[:, 0], 1 - rel[:, 2]
+        if self.rotate_prob > 0 and rng.random() < self.rotate_prob:
+            img, rel = rotate_quarter(img, rel, int(rng.integers(1, 4)))
+            h, w = img.shape[:2]
         sx, sy = rng.uniform(self.scale_range[0], self.scale_range[1], 2)
         tx, ty = rng.uniform(-self.shift_fraction, self.shift_fraction, 2)
         # output pixel = (rel * s + (1 - s)/2 + t) * size
@@ -327,4 +358,5 @@ def build_dataset(cfg, split: str) -> DetectionDataset:
         cfg.num_classes, cfg.image_size, cfg.grid_size, train=train, augment=cfg.augment, cache=cfg.cache_images,
         max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,
         hsv_gain=cfg.hsv_gain, scale_range=cfg.scale_range, shift_fraction=cfg.shift_fraction,
-        flip_prob=cfg.flip_prob, blur_prob=cfg.blur_prob, mosaic_prob=cfg.mosaic_prob)
+        flip_prob=cfg.flip_prob, blur_prob=cfg.blur_prob, mosaic_prob=cfg.mosaic_prob,
+        rotate_prob=cfg.rotate_prob)
