@@ -67,6 +67,15 @@ def work(rank, world, port, out):
     dist.all_gather(outs, y.detach().contiguous())
     gx = [torch.empty_like(xs.grad) for _ in range(world)]
     dist.all_gather(gx, xs.grad.contiguous())
+    # mixed precision: bfloat16 input, synchronised in float32, output handed back in bfloat16
+    mb = convert_sync_batchnorm(model())
+    xb = x[sl].to(torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    yb = mb(xb)
+    ((yb.float() * w[sl]).sum(dim=(1, 2, 3)).mean()).backward()
+    outs_b = [torch.empty_like(yb) for _ in range(world)]
+    dist.all_gather(outs_b, yb.detach().contiguous())
+    gxb = [torch.empty_like(xb.grad) for _ in range(world)]
+    dist.all_gather(gxb, xb.grad.contiguous())
     scale = torch.tensor([0.5] * (N // 2) + [1.0] * (N // 2)).view(N, 1, 1, 1)
     v = ((x - 20.5) * scale)[sl]                               # calibration percentile of the global batch
     p_global = global_percentile(v, 99.0)
@@ -75,7 +84,9 @@ def work(rank, world, port, out):
     if rank == 0:
         torch.save({"y": torch.cat(outs), "gx": torch.cat(gx) / world, "grads": grads,
                     "state": {k: v.clone() for k, v in m.state_dict().items()},
-                    "p_global": p_global, "p_local_max": p_local, "type": type(m[0]).__name__}, out)
+                    "p_global": p_global, "p_local_max": p_local, "type": type(m[0]).__name__,
+                    "y_bf16": torch.cat(outs_b), "gx_bf16": torch.cat(gxb) / world,
+                    "bf16_running_mean": mb[0].running_mean.clone()}, out)
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -114,6 +125,17 @@ def test_syncbn_two_processes_equal_batchnorm_on_the_global_batch(tmp_path):
     for k, v in bn.state_dict().items():
         got = r["state"]["0." + k].double()
         assert (got - v.double()).abs().max() <= 1e-5 * max(1.0, float(v.double().abs().max())), k
+    # bfloat16 input: BatchNorm of the (rounded) global batch, to bfloat16 precision, not the shard's
+    bn_b = torch.nn.BatchNorm2d(5).double()                   # fresh running statistics, bn's affine
+    with torch.no_grad():
+        bn_b.weight.copy_(bn.weight), bn_b.bias.copy_(bn.bias)
+    xb = x.to(torch.bfloat16).double().requires_grad_(True)
+    yb = bn_b(xb)
+    (yb * w.double()).sum(dim=(1, 2, 3)).mean().backward()
+    assert r["y_bf16"].dtype == torch.bfloat16 and r["gx_bf16"].dtype == torch.bfloat16
+    assert (r["y_bf16"].double() - yb).abs().max() < 0.02 * float(yb.detach().abs().max())      # bfloat16: 8 bits
+    assert (r["gx_bf16"].double() - xb.grad).abs().max() < 0.02 * float(xb.grad.abs().max())
+    assert (r["bf16_running_mean"].double() - bn_b.running_mean).abs().max() < 1e-4 * 20
     scale = torch.tensor([0.5] * 4 + [1.0] * 4).view(8, 1, 1, 1)
     ref = QReLU.batch_percentile((x - 20.5) * scale, 99.0)
     assert float(r["p_global"]) == float(ref)                  # exact, bit for bit
@@ -136,6 +158,34 @@ def test_syncbn_gradcheck_and_single_process_precision():
     with torch.no_grad():
         err = float((DistBatchNorm2d(16)(xx).double() - ref).abs().max())
     assert err < 1e-5
+
+
+def test_syncbn_bf16_input_in_one_process_is_torch_batchnorm():
+    # amp: one process hands low-precision input to torch's kernel (float32 statistics): the output,
+    # the gradients and the running statistics are exactly BatchNorm2d's, in the input's dtype
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 8, 10, 12, generator=g) * 2 + 5).to(torch.bfloat16)
+    x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(4, 8, 10, 12, generator=g)
+    torch.manual_seed(1)
+    ref = torch.nn.BatchNorm2d(8)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5), ref.bias.uniform_(-1, 1)
+    ours = convert_sync_batchnorm(copy.deepcopy(torch.nn.Sequential(ref)))[0]
+    assert isinstance(ours, DistBatchNorm2d)
+    outs = []
+    for m in (ref, ours):
+        xx = x.clone().requires_grad_(True)
+        y = m(xx)
+        (y.float() * w).sum().backward()
+        outs.append((y, xx.grad, m.weight.grad.clone(), m.running_mean.clone(), m.running_var.clone()))
+    assert outs[1][0].dtype == torch.bfloat16
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    # and it normalises: per channel the output's mean is beta and its standard deviation gamma
+    y = outs[1][0].double()
+    assert (y.mean((0, 2, 3)) - ref.bias.double()).abs().max() < 0.02
+    assert ((y.std((0, 2, 3), unbiased=False) / ref.weight.double()) - 1).abs().max() < 0.02
 
 
 def test_converted_model_keeps_keys_folds_and_evaluates_like_batchnorm():
