@@ -76,6 +76,36 @@ def test_amp_training_run_and_fp16_note(workdir, tmp_path):
     assert all(torch.isfinite(v.float()).all() for v in last["model"].values())
 
 
+# ---------------------------------------------------------------------------------------------- allocator
+def _train_cli(path, *args):
+    import subprocess
+    import sys
+    from test_pipeline import ROOT
+    return subprocess.run([sys.executable, "train.py", "--config", path, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cpu_keep_memory_changes_speed_not_numbers(workdir, tmp_path):
+    # two fresh processes (mallopt is process-wide): the same 3 iterations with and without it give the
+    # same weights bit for bit; the run with it says so in its log, the run without it does not
+    _, path = workdir
+    runs = {}
+    for keep in ("true", "false"):
+        r = _train_cli(path, "--step", 1, "checkpoint_root", tmp_path / keep, "log_root", tmp_path / ("l" + keep),
+                       "cpu_keep_memory", keep, "max_iters", 3, "eval_before", "false", "threads", 1)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[keep] = (r.stdout, load_checkpoint(str(tmp_path / keep / "step1" / "last.pth"))["model"])
+    assert "cpu_keep_memory: freed memory stays in the process heap" in runs["true"][0]
+    assert "freed memory stays" not in runs["false"][0]
+    assert runs["true"][1].keys() == runs["false"][1].keys()
+    for k, v in runs["true"][1].items():
+        assert torch.equal(v, runs["false"][1][k]), k
+    # and the iterations did move the weights (the comparison is not between two untouched models)
+    torch.manual_seed(0)
+    start = model_from_config(build_config(load_config_class(path), [])).state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in runs["true"][1].items() if v.is_floating_point())
+
+
 # ---------------------------------------------------------------------------------------------- accumulation
 def test_sampler_micro_batches_concatenate_to_the_global_batch():
     one = GlobalBatchSampler(40, 8, seed=3)

@@ -101,6 +101,7 @@ class BaseConfig:
     checkpoint_interval: int = 0            # also save last.pth every N optimizer steps (0 = epoch ends only)
     disk_reserve_mb: float = 0.0            # free disk required beyond the estimated checkpoint size
     device: str = "auto"                    # auto | cpu | cuda
+    cpu_keep_memory: bool = True            # CPU: malloc keeps freed memory (no page faults per step; docs/training.md)
 
     # ---------------------------------------------------------------- stages
     step: int = 1                           # 1..4 (configs.py sets it through DEFAULT_STEP)

@@ -89,10 +89,13 @@ class Trainer:
         self.device = device or resolve_device(cfg)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
+        self.parallel_notes = []
+        if self.device.type == "cpu" and cfg.cpu_keep_memory:
+            self.parallel_notes.append(R.keep_freed_memory())
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.writer = None
-        self.parallel_notes = configure_determinism(cfg)   # before the datasets: may turn augmentation off
+        self.parallel_notes += configure_determinism(cfg)  # before the datasets: may turn augmentation off
         self.align = AlignmentHook(cfg)                     # record / replay / max_iters (gnetmdk.align)
 
     # ------------------------------------------------------------------ logging
