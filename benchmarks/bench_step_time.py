@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gnetmdk.config import build_config, load_config_class  # noqa: E402
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
+from gnetmdk.engine.recipe import keep_freed_memory  # noqa: E402
 from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
 from gnetmdk.layers.registry import model_from_config  # noqa: E402
 
@@ -45,6 +46,8 @@ def main():
     cfg = build_config(load_config_class(args.config), overrides, step=1)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
+    if cfg.cpu_keep_memory:                        # as the trainer does on CPU (docs/training.md)
+        print(keep_freed_memory())
     ds = build_dataset(cfg, "train")
     loader = DataLoader(ds, batch_size=cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
                         collate_fn=collate, worker_init_fn=seed_worker, drop_last=True)

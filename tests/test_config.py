@@ -208,6 +208,7 @@ def test_non_string_passes_through():
     (["cap_percentile", "0"], "cap_percentile"),
     (["cap_percentile", "100.5"], "cap_percentile"),
     (["weight_scale", "l1"], "weight_scale"),
+    (["cap_method", "kl"], "cap_method"),
     (["optimizer", "lion"], "optimizer"),
     (["VOC_CLASSES", "a,a"], "VOC_CLASSES"),
     (["num_epochs", "-1"], "num_epochs"),

@@ -157,6 +157,22 @@ def test_cal_two_processes_same_caps(ws):
     assert "batch 8 (2 x 4)" in r.stdout
 
 
+def test_cal_mse_two_processes_same_caps(ws):
+    # cap_method mse: the maxima (MAX) and the histograms (SUM of exact counts) over 2 processes give
+    # the caps of one process bit for bit; they are not the percentile caps
+    root = ws["root"]
+    caps = {}
+    for name, launcher, extra in (("m1", TRAIN, []), ("m2", TRAIN_DIST, ["--gpus", "2"])):
+        r = run([launcher, "--config", ws["cfg"], "--cal", *extra, "load", ws["fold"], "cap_method", "mse",
+                 *_out(root, name)], root).check()
+        assert "MSE-best for 5-bit codes" in r.stdout
+        caps[name] = torch.load(os.path.join(root, name, "checkpoint", "step2", "cal.pth"), weights_only=True)["caps"]
+    assert len(caps["m1"]) == 16 and all(c > 0 for c in caps["m1"])
+    assert caps["m2"] == caps["m1"]
+    pct = torch.load(ws["cal_pth"], weights_only=True)["caps"]
+    assert sum(a != b for a, b in zip(caps["m1"], pct)) >= 8
+
+
 def test_two_machines_match_one_process(ws):
     """Two train-dist.py invocations as machines 0 and 1 on 127.0.0.1 (real data loader, no replay)
     finish and match a one-process run of the same command."""

@@ -215,7 +215,7 @@ def test_cli_refuses_checkpoint_of_another_class_count(pipeline, tmp_path):
 
 
 def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
-    """The cards recipe's settings (logit score head, MSE-best weight scale) through every stage: the
+    """The cards recipe's settings (logit score head, MSE-best weight scale and caps) through every stage: the
     checkpoints keep the head and the rule, a later tool with a default config still evaluates the
     step-4 model under the MSE rule, and the chip model equals it."""
     from torch.utils.data import DataLoader
@@ -225,10 +225,13 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
     from gnetmdk.gti.chip.convert import chip_model_from_gnetdet
     root, path = make_cards_workdir(tmp_path_factory, "logit_mse")
     torch.set_num_threads(1)
-    over = ["score_head", "logit", "score_offset", "0.5", "score_scale", "10", "weight_scale", "mse"]
+    over = ["score_head", "logit", "score_offset", "0.5", "score_scale", "10", "weight_scale", "mse",
+            "cap_method", "mse"]
     for name in ["step1", "step2", "cal", "step3", "step4"]:
         cfg = _cfg(path, *over, cal=True) if name == "cal" else _cfg(path, *over, step=int(name[-1]))
         run_stage(cfg)
+    cal = load_checkpoint(os.path.join(root, "checkpoint/step2/cal.pth"))
+    assert cal["config"]["cap_method"] == "mse" and all(c > 0 for c in cal["caps"])
     s4 = load_checkpoint(os.path.join(root, "checkpoint/step4/best.pth"))
     meta = s4["model_meta"]
     assert (meta["score_head"], meta["score_offset"], meta["score_scale"], meta["weight_scale"]) == \

@@ -461,3 +461,78 @@ def test_nearest_level_matches_brute_force_with_ties_to_the_lower_level(scheme):
     if len(levels) > 1:   # exact midpoints go down
         mids = torch.tensor([(a + b) / 2 for a, b in zip(levels[:-1], levels[1:])])
         assert torch.equal(Q._nearest_level(mids, levels), lv[:-1])
+
+
+# ---------------------------------------------------------------------------------------------- MSE caps
+def _brute_mse_cap(counts, vmax, candidates):
+    """The definition, one cap and one bin at a time, in Python floats."""
+    k = len(counts)
+    best = None
+    for j in range(1, candidates + 1):
+        c = vmax * j / candidates
+        err = 0.0
+        for b, n in enumerate(counts):
+            v = (b + 0.5) * vmax / k
+            y = min(v, c)
+            code = math.floor(y * 31 / c + 0.5)       # R for y >= 0: half away from zero
+            err += n * (v - code * c / 31) ** 2
+        if best is None or err < best[0] - 1e-18:
+            best = (err, c)
+    return best[1]
+
+
+def test_mse_cap_hand_cases():
+    # all mass at one value that is also a candidate: that cap represents it exactly (code 31), error 0,
+    # and every lower cap clips it
+    counts = torch.zeros(200, dtype=torch.float64)
+    counts[50] = 7.0                                     # bin centre (50 + 0.5) * 4 / 200 = 1.01
+    assert Q.mse_cap_from_histogram(counts, 4.0, candidates=400) == pytest.approx(1.01, abs=1e-12)
+    # 100,000 values spread evenly over [0, 1] and one at ~4: clipping the one value costs (4 - 1)^2 = 9,
+    # while a cap of 4 (the max, or a high percentile) makes the rounding error of every value 16x
+    # larger (100,000 x (4/31)^2 / 12 = 139 against 8.7): the cap is 1
+    counts = torch.zeros(400, dtype=torch.float64)
+    counts[:100] = 1000.0
+    counts[399] = 1.0
+    assert Q.mse_cap_from_histogram(counts, 4.0, candidates=100) == pytest.approx(1.0, abs=1e-12)
+    # with 100x fewer values the outlier weighs more: the cap moves up, as the definition says
+    counts[:100] = 10.0
+    cap = Q.mse_cap_from_histogram(counts, 4.0, candidates=100)
+    assert cap > 1.5
+    assert cap == pytest.approx(_brute_mse_cap(counts.tolist(), 4.0, 100), abs=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000), st.integers(5, 60), st.integers(3, 40))
+def test_mse_cap_matches_the_definition(seed, bins, candidates):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 50, (bins,), generator=g).double() * (torch.rand(bins, generator=g) < 0.7)
+    counts[int(torch.randint(0, bins, (1,), generator=g))] += 1          # never all zero
+    vmax = float(torch.rand(1, generator=g)) * 10 + 0.1
+    got = Q.mse_cap_from_histogram(counts, vmax, candidates)
+    assert got == pytest.approx(_brute_mse_cap(counts.tolist(), vmax, candidates), abs=1e-12)
+    assert 0 < got <= vmax * (1 + 1e-12)
+
+
+def test_mse_cap_refusals():
+    with pytest.raises(ValueError, match="vmax must be positive"):
+        Q.mse_cap_from_histogram(torch.ones(4, dtype=torch.float64), 0.0)
+    with pytest.raises(ValueError, match="1-d"):
+        Q.mse_cap_from_histogram(torch.ones(2, 2, dtype=torch.float64), 1.0)
+
+
+def test_qrelu_calibration_statistics():
+    from gnetmdk.layers.quant import QReLU
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 3, 5, 5, generator=g) * 2 for _ in range(3)]
+    r = QReLU()
+    r.calibrating, r.cal_stat = True, "max"
+    for b in batches:
+        assert torch.equal(r(b), torch.relu(b))          # a plain ReLU while measuring
+    assert float(r.cap) == float(torch.cat([b.reshape(-1) for b in batches]).max())
+    r.cal_stat, r.cal_range = "hist", float(r.cap)
+    for b in batches:
+        r(b)
+    allv = torch.cat([b.reshape(-1) for b in batches])
+    ref = torch.histc(allv[allv > 0], bins=QReLU.HIST_BINS, min=0.0, max=float(r.cap)).double()
+    assert r.cal_hist.dtype == torch.float64 and torch.equal(r.cal_hist, ref)
+    assert float(r.cal_hist.sum()) == float((allv > 0).sum())

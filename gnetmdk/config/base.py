@@ -54,6 +54,7 @@ class BaseConfig:
     weight_scale: str = "gti"               # "gti": d = mean|w|/4 (GTI rule); "mse": MSE-best d per kernel
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
+    cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     channels_last: bool = True              # NHWC memory format (faster convolutions on CPU)
 

@@ -223,6 +223,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("num_workers", "must be >= 0")
     if not 0 < cfg.cap_percentile <= 100:
         bad("cap_percentile", "must be in (0, 100]")
+    if cfg.cap_method not in ("percentile", "mse"):
+        bad("cap_method", "must be 'percentile' (GTI) or 'mse'")
     if cfg.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
     if cfg.score_head not in ("linear", "logit"):

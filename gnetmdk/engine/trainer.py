@@ -293,18 +293,45 @@ class Trainer:
     # ------------------------------------------------------------------ calibration
     @torch.no_grad()
     def calibrate(self) -> List[float]:
-        """One forward pass over the training data measuring every ReLU cap (gti-chip.md, "cal")."""
+        """Measure every ReLU cap over the training data, forward only (gti-chip.md, "cal").
+
+        ``cap_method percentile`` (GTI): one pass; each cap is the running max over batches of the
+        batch's ``cap_percentile`` (the output layer's ``output_cap_percentile``). ``cap_method mse``:
+        two passes; the first finds each layer's largest value, the second histograms the positive
+        values over [0, largest], and each cap minimises the 5-bit quantization error over that histogram
+        (gnetmdk.gti.quantize.mse_cap_from_histogram). Over N processes the maxima are all-reduced (MAX)
+        and the histograms (SUM, exact counts), so the caps equal one process's.
+        """
         model = self.model
-        for relu in model.relus():
+        relus = list(model.relus())
+        for relu in relus:
             relu.cap.zero_()
         apply_stage(model, self.stage, calibrating=True)
         model.eval()
-        self.train_sampler.set_epoch(0)
-        it = self._progress(self.train_loader, "cal")
-        for images, _, _, _ in it:
-            model(images.to(self.device, non_blocking=True))
-        caps = torch.stack([r.cap for r in model.relus()]).float()
+        mse = self.cfg.cap_method == "mse"
+
+        def one_pass(stat: str, desc: str) -> None:
+            for relu in relus:
+                relu.cal_stat = stat
+            self.train_sampler.set_epoch(0)
+            for images, _, _, _ in self._progress(self.train_loader, desc):
+                model(images.to(self.device, non_blocking=True))
+
+        one_pass("max" if mse else "percentile", "cal (max)" if mse else "cal")
+        caps = torch.stack([r.cap for r in relus]).float()
         all_reduce(caps, "max")
+        if mse:
+            from gnetmdk.gti.quantize import mse_cap_from_histogram
+            for relu, c in zip(relus, caps):
+                relu.cal_range, relu.cal_hist = float(c), None
+            one_pass("hist", "cal (histogram)")
+            hists = torch.stack([r.cal_hist if r.cal_hist is not None else
+                                 torch.zeros(relus[0].HIST_BINS, dtype=torch.float64) for r in relus])
+            all_reduce(hists, "sum")
+            caps = torch.tensor([mse_cap_from_histogram(h, float(c)) if c > 0 else 0.0
+                                 for h, c in zip(hists, caps)], dtype=torch.float32)
+            for relu in relus:
+                relu.cal_hist, relu.cal_stat = None, "percentile"
         for relu, c in zip(model.relus(), caps):
             relu.cap.fill_(float(c))
         from .stages import STAGES
@@ -561,8 +588,9 @@ class Trainer:
             self.summary["entry_map"] = res["map"]
             self.log(f"[cal] step-2 model mAP {res['map']:.4f}")
         caps = self.calibrate()
-        self.log(f"[cal] caps ({cfg.cap_percentile:g}th percentile, running max over {len(self.train_loader)} "
-                 f"batches): " + " ".join(f"{c:.3g}" for c in caps))
+        how = (f"MSE-best for 5-bit codes over a histogram of {len(self.train_loader)} batches" if cfg.cap_method == "mse"
+               else f"{cfg.cap_percentile:g}th percentile, running max over {len(self.train_loader)} batches")
+        self.log(f"[cal] caps ({how}): " + " ".join(f"{c:.3g}" for c in caps))
         res = self.evaluate("cal")
         self.best_map = self.last_map = res["map"]
         self.log(f"[cal] mAP with 5-bit activations and these caps (step 3 before training): {res['map']:.4f}")

@@ -333,3 +333,37 @@ def _code_table():
 
 
 _CODE_TABLE = _code_table()
+
+
+def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 400) -> float:
+    """The activation cap that minimises the squared error of the 5-bit capped ReLU over a histogram.
+
+    For a cap c the chip computes y_q = R(clip(v, 0, c) * 31 / c) * c / 31 (gti-chip.md, "Activations";
+    R rounds half away from zero). Each of the K bins of ``counts`` stands for its centre
+    v_k = (k + 1/2) vmax / K; the error of a cap is sum_k counts_k (v_k - y_q(v_k))^2: the rounding
+    error below c and the clipping error v_k - c above it. The caps tried are vmax * j / candidates,
+    j = 1..candidates; the smallest error wins (the lower cap on a tie). This is MSE calibration as in
+    TensorRT / AIMET, with the chip's rounding and 31 levels.
+
+    Args:
+        counts: (K,) float64 histogram of the positive pre-ReLU values over [0, vmax] (torch.histc
+            bins; values <= 0 are left out: the ReLU maps them to 0 exactly, whatever the cap).
+        vmax: the largest value (> 0), the histogram's upper edge.
+        candidates: how many caps to try.
+    Returns:
+        the cap (a Python float, 0 < cap <= vmax).
+    Raises:
+        ValueError: vmax is not positive, or counts is not 1-d.
+    """
+    if not vmax > 0:
+        raise ValueError(f"mse_cap_from_histogram: vmax must be positive, not {vmax}")
+    if counts.dim() != 1:
+        raise ValueError(f"mse_cap_from_histogram: counts must be 1-d, got shape {tuple(counts.shape)}")
+    k = counts.numel()
+    centers = (torch.arange(k, dtype=torch.float64) + 0.5) * (vmax / k)
+    caps = torch.arange(1, candidates + 1, dtype=torch.float64) * (vmax / candidates)     # (J,)
+    c = caps.unsqueeze(1)                                                                  # (J, 1)
+    v = centers.unsqueeze(0)                                                               # (1, K)
+    y = chip_round(torch.clamp(v, max=c) * ACT_MAX / c) * c / ACT_MAX
+    err = ((v - y) ** 2 * counts.double().unsqueeze(0)).sum(1)                             # (J,)
+    return float(caps[int(torch.argmin(err))])

@@ -116,8 +116,11 @@ class QReLU(nn.Module):
         use_cap: clip at ``cap`` (steps 3, 4).
         quant_act: quantize to 5-bit codes (steps 3, 4).
         integer: step 4, cap = 31: outputs are the integer codes.
-        calibrating: record the running max over batches of the batch's ``percentile`` of the
-            pre-ReLU values into ``cap`` (gti-chip.md, "cal"); output is a plain ReLU meanwhile.
+        calibrating: measure the pre-ReLU values (gti-chip.md, "cal"); output is a plain ReLU meanwhile.
+            What is measured is ``cal_stat``: "percentile" (default): the running max over batches of
+            the batch's ``percentile`` into ``cap``; "max": the running max into ``cap``; "hist": a
+            histogram of the positive values over [0, ``cal_range``] added into ``cal_hist``
+            ((HIST_BINS,) float64; the two passes of ``cap_method mse``, see the trainer's calibrate).
 
     Input and output: any shape, float.
     """
@@ -135,6 +138,11 @@ class QReLU(nn.Module):
         #: optional hook (tensor) -> 0-d tensor computing the batch percentile; the distributed
         #: trainer replaces it with one that sees the whole global batch
         self.percentile_fn: Optional[Callable[[torch.Tensor, float], torch.Tensor]] = None
+        self.cal_stat = "percentile"
+        self.cal_range = 0.0
+        self.cal_hist: Optional[torch.Tensor] = None
+
+    HIST_BINS = 4096
 
     @staticmethod
     def batch_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
@@ -152,8 +160,16 @@ class QReLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
-            fn = self.percentile_fn or self.batch_percentile
-            value = fn(x, self.percentile).to(self.cap)
+            if self.cal_stat == "max":
+                value = x.detach().float().max().to(self.cap)
+            elif self.cal_stat == "hist":
+                v = x.detach().float()
+                h = torch.histc(v[v > 0], bins=self.HIST_BINS, min=0.0, max=self.cal_range).double()
+                self.cal_hist = h if self.cal_hist is None else self.cal_hist + h
+                return F.relu(x)
+            else:
+                fn = self.percentile_fn or self.batch_percentile
+                value = fn(x, self.percentile).to(self.cap)
             self.cap.copy_(torch.maximum(self.cap, value))
             return F.relu(x)
         if not self.use_cap:
