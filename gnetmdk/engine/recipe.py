@@ -127,8 +127,9 @@ def keep_freed_memory() -> str:
     is page-faulted in again, 4 KiB at a time, on every step. ``mallopt(M_MMAP_MAX, 0)`` puts all
     allocations on the heap and a huge ``M_TRIM_THRESHOLD`` keeps freed heap memory in the process,
     so the next step reuses it. The arithmetic is unchanged (same values, bit for bit); the process
-    holds its peak memory until it exits. Measured: step 1 of the cards model (batch 16, 2 cores)
-    from 32 to 48-50 images/s (docs/training.md, "Memory allocator").
+    holds its peak memory until it exits. Measured on the cards model (batch 16, 2 cores): a bare
+    training loop from 32 to 48-50 images/s; the trainer's step 1 from 31-34 to 36-42 images/s, and to
+    45-47 with ``num_workers 0`` (docs/training.md, "Memory allocator and data workers on CPU").
 
     Returns:
         a log line saying what was done, or why nothing was (no glibc, e.g. macOS or musl).
