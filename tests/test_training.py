@@ -106,6 +106,17 @@ def test_cpu_keep_memory_changes_speed_not_numbers(workdir, tmp_path):
     assert any(not torch.equal(start[k], v) for k, v in runs["true"][1].items() if v.is_floating_point())
 
 
+def test_keep_freed_memory_without_mallopt_says_so(monkeypatch):
+    # a C library without mallopt (macOS, musl): nothing is changed and the log line says why
+    import ctypes
+
+    def no_libc(*a, **k):
+        raise OSError("no such library")
+    monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    assert R.keep_freed_memory() == ("cpu_keep_memory: this C library has no mallopt (not glibc); "
+                                     "allocator left as it is")
+
+
 # ---------------------------------------------------------------------------------------------- accumulation
 def test_sampler_micro_batches_concatenate_to_the_global_batch():
     one = GlobalBatchSampler(40, 8, seed=3)
