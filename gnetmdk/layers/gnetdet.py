@@ -167,9 +167,12 @@ class GNetDet(nn.Module):
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
             score_offset), applied on the host; see gnetmdk.layers.decode.output_scores); score_scale:
             the logit head's k in sigmoid(k (output - score_offset)).
-        gain_aware: in step 3 (quantized weights, capped 5-bit activations) quantize each conv's weights
-            and bias as gain editing will leave them in step 4 (QConv2d.gain), so the step-4 model
-            computes with the integers step 3 trained; False: GTI's flow (step 4 re-quantizes the
+        gain_aware: in step 3 (quantized weights, capped 5-bit activations) compute as the gain-edited
+            step-4 model does: each conv's weights and bias quantized as gain editing will leave them
+            (QConv2d.gain), integer codes between the layers (QReLU.code_domain) and the host scale
+            cap_last / 31 on the output, so step 3's outputs equal step 4's bit for bit (in eval
+            mode; training to float32 rounding) and step 4 starts from exactly the model step 3
+            chose; False: GTI's flow (step 4 re-quantizes the
             gain-edited weights at new shifts, which changed 15-50% of the codes on raccoon). The
             constructor's default is False (a checkpoint from before the option rebuilds as it was
             trained); BaseConfig.gain_aware, which training uses, is True.
@@ -177,8 +180,9 @@ class GNetDet(nn.Module):
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
 
-    ``forward`` returns (N, S, S, 10 + C) float predictions (S = 14); in step 4 it multiplies the
-    output codes by cap_last / 31 (the host-side rescale), so loss and decode never change.
+    ``forward`` returns (N, S, S, 10 + C) float predictions (S = 14); in step 4 and gain-aware step 3
+    it multiplies the output codes by cap_last / 31 (the host-side rescale), so loss and decode never
+    change.
     """
 
     def __init__(self, num_classes: int, image_size: int = 448, width_mult: float = 1.0, use_bn: bool = True,
@@ -219,6 +223,8 @@ class GNetDet(nn.Module):
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result
         self.exact_eval = False
+        #: gain-aware step 3: cap_last / 31 (set_gains), else None
+        self._code_output_scale: Optional[torch.Tensor] = None
 
     def train(self, mode: bool = True):
         """Switch train/eval; in eval with ``exact_eval`` the convs compute in float64 (bit-exact)."""
@@ -253,9 +259,11 @@ class GNetDet(nn.Module):
         return [l.relu for l in self.layers]
 
     def set_gains(self) -> bool:
-        """Give every conv its (cap_in, cap_out) gain when the model is gain-aware and in step-3 mode
-        (quantized weights, capped 5-bit non-integer activations, every cap calibrated); clear them
-        otherwise. The input's cap is 31 (the image holds codes). Returns whether gains are set."""
+        """Give every conv its (cap_in, cap_out) gain and every ReLU ``code_domain`` when the model is
+        gain-aware and in step-3 mode (quantized weights, capped 5-bit non-integer activations, every
+        cap calibrated); clear them otherwise. The input's cap is 31 (the image holds codes). The
+        output is then scaled by cap_last / 31 (float32), the output_scale gain editing will store.
+        Returns whether gains are set."""
         convs, relus = self.convs(), self.relus()
         on = (self.gain_aware and all(c.quant_weight for c in convs)
               and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
@@ -264,11 +272,17 @@ class GNetDet(nn.Module):
         prev = 31.0
         for i, conv in enumerate(convs):
             conv.gain = (prev, caps[i]) if on else None
+            relus[i].code_domain = on
             prev = caps[i] if on else prev
+        # the value gain_edit writes into output_scale (a float64 quotient rounded to float32)
+        self._code_output_scale = torch.tensor(caps[-1] / 31.0, dtype=torch.float32) if on else None
         return on
 
     def features(self, x: torch.Tensor, return_all: bool = False):
-        """Run the chain; with ``return_all`` also return every sublayer's output (after pool)."""
+        """Run the chain; with ``return_all`` also return every sublayer's output (after pool).
+
+        The outputs are values (steps 1-3 with ``gain_aware`` off) or codes 0..31 (step 4, gain-aware
+        step 3), before the host scale that ``forward`` applies."""
         self.set_gains()
         outs = []
         for layer in self.layers:
@@ -281,7 +295,8 @@ class GNetDet(nn.Module):
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         y = self.features(x)
-        y = y * self.output_scale.to(y.dtype)
+        scale = self._code_output_scale if self._code_output_scale is not None else self.output_scale
+        y = y * scale.to(device=y.device, dtype=y.dtype)
         return y.permute(0, 2, 3, 1).float().contiguous()
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -25,13 +25,19 @@ class QConv2d(nn.Conv2d):
 
     Switches:
         quant_weight: use w_q, b_q (steps 2..4).
-        gain: None, or (cap_in, cap_out) in step 3 when the model quantizes "gain-aware": the weights
-            and bias are quantized as gain editing will leave them in step 4, W cap_in / cap_out and
-            b 31 / cap_out (gti-chip.md, step 4; gnetmdk.gti.transforms.gain_edit, same float64
-            formula), and scaled back, so step 3 computes with exactly the integers step 4 and the chip
-            will hold and the step 3 -> step 4 transition changes only float rounding.
-        exact: compute in float64 (step-4 evaluation: exact while partial sums < 2^53, so the
-            result equals the chip's integer accumulation; gti-chip.md "integer semantics").
+        gain: None, or (cap_in, cap_out) in step 3 when the model quantizes "gain-aware": the layer
+            then computes in the code domain of step 4. The weights and bias are quantized as gain
+            editing will leave them, W cap_in / cap_out and b 31 / cap_out (gti-chip.md, step 4;
+            gnetmdk.gti.transforms.gain_edit, the same float64 formula), the input is the previous
+            layer's codes 0..31 (the image's for the first conv), and the output is the
+            pre-activation in codes (the value divided by cap_out / 31). Gradients reach the
+            unedited weights through the gain (straight-through on the rounding). So step 3 computes
+            exactly what step 4 and the chip compute, and the step 3 -> step 4 transition changes
+            nothing.
+        exact: compute exactly: float32 when every partial sum is an integer below 2^24 (CPU), else
+            float64 (exact while partial sums < 2^53), so the result equals the chip's integer
+            accumulation (gti-chip.md "integer semantics"). Set for step-4 evaluation; a conv with a
+            gain computes exactly in eval mode as well.
 
     Input (N, in_channels, H, W) float; output (N, out_channels, H, W) of the same dtype.
     """
@@ -50,10 +56,11 @@ class QConv2d(nn.Conv2d):
     def quantized_params(self):
         """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients).
 
-        Without a gain, w_q and b_q are integer multiples of 2^-shift (what integer_params stores).
-        With a gain (gain-aware step 3) they are step 4's quantized values divided by the gain, so
-        they are not multiples of 2^-shift, and ``shift`` is the shift of the gain-edited weights;
-        integer_params ignores the gain (it describes the weights as they are now).
+        w_q and b_q are integer multiples of 2^-shift. Without a gain they are what integer_params
+        stores. With a gain (gain-aware step 3) they are the gain-edited weights quantized as step 4
+        will hold them (code domain), with the gradient passed to the unedited parameters times the
+        gain (d w_q / d W = cap_in / cap_out, d b_q / d b = 31 / cap_out); integer_params ignores the
+        gain (it describes the parameters as they are now).
         """
         if not self.quant_weight:
             return self.weight, self.bias, None
@@ -63,10 +70,9 @@ class QConv2d(nn.Conv2d):
             # the values gain_edit will write (float64 product, then the parameter dtype) ...
             w_val = (self.weight.detach().double() * cap_in / cap_out).to(self.weight.dtype)
             b_val = (self.bias.detach().double() * Q.ACT_MAX / cap_out).to(self.bias.dtype)
-            # ... quantized as in step 4, then back in step 3's units (identity gradient overall)
-            w_q, b_q, shift = Q.quantize_conv_params(Q.ste(self.weight * gw, w_val), Q.ste(self.bias * gb, b_val),
-                                                     self.scheme, self.weight_bits, self.bias_bits, self.method)
-            return w_q / gw, b_q / gb, shift
+            # ... quantized as in step 4 (the gradient reaches weight and bias through the gain)
+            return Q.quantize_conv_params(Q.ste(self.weight * gw, w_val), Q.ste(self.bias * gb, b_val),
+                                          self.scheme, self.weight_bits, self.bias_bits, self.method)
         return Q.quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
                                       self.bias_bits, self.method)
 
@@ -85,7 +91,7 @@ class QConv2d(nn.Conv2d):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b, shift = self.quantized_params()
-        if self.exact:
+        if self.exact or (self.gain is not None and not self.training):
             # float32 only on CPU (direct convolution); on CUDA TF32 and algorithm choice could round
             if shift is not None and x.device.type == "cpu" and self.float32_exact(w, b, shift):
                 return F.conv2d(x.float(), w.float(), b.float(), 1, 1)
@@ -116,6 +122,9 @@ class QReLU(nn.Module):
         use_cap: clip at ``cap`` (steps 3, 4).
         quant_act: quantize to 5-bit codes (steps 3, 4).
         integer: step 4, cap = 31: outputs are the integer codes.
+        code_domain: gain-aware step 3 (set by GNetDet.set_gains with the convs' gains): the input is
+            the pre-activation in codes (QConv2d.gain) and the output is the codes 0..31, as with
+            ``integer`` in step 4, while ``cap`` keeps the calibrated value.
         calibrating: measure the pre-ReLU values (gti-chip.md, "cal"); output is a plain ReLU meanwhile.
             What is measured is ``cal_stat``: "percentile" (default): the running max over batches of
             the batch's ``percentile`` into ``cap``; "max": the running max into ``cap``; "hist": a
@@ -132,6 +141,7 @@ class QReLU(nn.Module):
         self.use_cap = False
         self.quant_act = False
         self.integer = False
+        self.code_domain = False
         self.calibrating = False
         #: output layer only: let gradients revive units stuck outside (0, cap) (capped_relu's ``revive``)
         self.revive = False
@@ -178,12 +188,17 @@ class QReLU(nn.Module):
             return F.relu(x)
         if self.cap <= 0:
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
+        if self.code_domain:        # gain-aware step 3: the codes, exactly as step 4 computes them
+            cap, integer = self.cap.new_full((), float(Q.ACT_MAX)), True
+        else:
+            cap, integer = self.cap, self.integer
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):   # amp: the activation quantizer in float32
-                return Q.capped_relu(x.float(), self.cap, quantize=self.quant_act, integer=self.integer,
+                return Q.capped_relu(x.float(), cap, quantize=self.quant_act, integer=integer,
                                      revive=self.revive and torch.is_grad_enabled())
-        return Q.capped_relu(x, self.cap, quantize=self.quant_act, integer=self.integer,
+        return Q.capped_relu(x, cap, quantize=self.quant_act, integer=integer,
                              revive=self.revive and torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
-        return f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}"
+        return (f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}, "
+                f"code_domain={self.code_domain}")
