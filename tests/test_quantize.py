@@ -295,6 +295,61 @@ def test_weight_scheme_refusals():
         Q.quantize_weight_value(w, 3, 8, 8, method="l1")
 
 
+def _definition_mse_scale(kernel, scheme, shift, candidates=32):
+    """The MSE-best d of one 3x3 kernel, straight from its definition: for each candidate
+    d = Q_s(f max|w| / top), f = linspace(0.15, 1, candidates), every weight takes the level of
+    scheme's set nearest to |w| / d (the lower one on a tie; a zero weight is 0), and the first d with
+    the least sum of (sign(w) level d - w)^2 wins. Plain Python over floats of the kernel's dtype."""
+    dt = kernel.dtype
+    levels = {1: [1.0], 2: [0.0, 1.0], 3: [0.0, 1.0, 2.0, 4.0], 5: [float(k) for k in range(16)]}[scheme]
+    ws = kernel.reshape(-1).tolist()
+    amax = torch.tensor(max(abs(v) for v in ws), dtype=dt)
+    base = amax / levels[-1]
+    best_d, best_err = None, None
+    for f in torch.linspace(0.15, 1.0, candidates, dtype=dt):
+        d = Q.quantize_shift(base * f, shift)
+        safe = d if float(d) > 0 else torch.ones((), dtype=dt)
+        err = torch.zeros((), dtype=dt)
+        for v in ws:
+            vt = torch.tensor(v, dtype=dt)
+            r = float(vt.abs() / safe)
+            if v == 0:
+                lvl = 0.0
+            else:
+                lvl = levels[0]
+                for lo, hi in zip(levels[:-1], levels[1:]):
+                    if r > (lo + hi) / 2:
+                        lvl = hi
+            err = err + (torch.tensor(math.copysign(lvl, v), dtype=dt) * d - vt) ** 2
+        if best_err is None or float(err) < float(best_err):
+            best_d, best_err = d, err
+    return float(best_d)
+
+
+@pytest.mark.parametrize("scheme", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mse_scale_matches_the_definition(scheme, dtype):
+    """The vectorised per-kernel MSE scale picks the d of the definition for every kernel: random
+    kernels over three decades, kernels on a coarse grid (ties between levels and between
+    candidates), and all-zero and one-nonzero kernels."""
+    g = torch.Generator().manual_seed(scheme)
+    w = torch.randn(12, 12, 3, 3, generator=g, dtype=torch.float64)
+    w = w * torch.logspace(-2, 1, 12, dtype=torch.float64).view(12, 1, 1, 1)
+    w[10] = torch.round(w[10] * 4) / 4
+    w[11, 0] = 0.0
+    w[11, 1] = 0.0
+    w[11, 1, 1, 1] = 0.75
+    w = w.to(dtype)
+    shift = 10
+    got = Q._mse_scale(w, scheme, shift)
+    assert got.shape == (12, 12, 1, 1) and got.dtype == dtype
+    for o in range(12):
+        for i in range(12):
+            assert float(got[o, i]) == _definition_mse_scale(w[o, i], scheme, shift), (o, i)
+    assert float(got[11, 0]) == 0.0                  # an all-zero kernel gets d = 0
+    assert len(torch.unique(got)) > 50               # the kernels do get different scales
+
+
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 31 - 1), o=st.integers(1, 6), i=st.integers(1, 6),
        log_std=st.floats(-3, 0), bw=st.sampled_from([8, 12]))
