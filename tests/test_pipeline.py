@@ -151,6 +151,37 @@ def test_step4_is_gain_edited_integer_model(pipeline):
         assert torch.equal(o, o.round()) and o.min() >= 0 and o.max() <= 31
 
 
+def test_step4_starts_from_exactly_the_step3_model(pipeline):
+    """Gain-aware step 3 computes the step-4 model's arithmetic, so the model step 4 builds from
+    step3/best.pth (gain edit) gives the step-3 outputs bit for bit on real images, and step 4's entry
+    mAP is step 3's best mAP."""
+    import copy
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.gti.chip.cli_util import load_eval_model
+    root, path, summaries = pipeline
+    cfg = _cfg(path, step=3)
+    m3, ck3 = load_eval_model(os.path.join(root, "checkpoint/step3/best.pth"), cfg)
+    assert ck3["model_meta"]["gain_aware"]
+    m4 = copy.deepcopy(m3)
+    for hook in STAGES["step4"].enter:
+        hook(m4, "step3")
+    apply_stage(m4, STAGES["step4"])
+    m4.eval()
+    ds = build_dataset(cfg, "valid")
+    ds.augment = False
+    x = torch.stack([ds[i][0] for i in range(2)])
+    with torch.no_grad():
+        y3, f3 = m3.features(x, return_all=True)
+        y4, f4 = m4.features(x, return_all=True)
+        assert torch.equal(m3(x), m4(x))
+    assert m3.set_gains() and all(r.code_domain for r in m3.relus())
+    assert not m4.set_gains() and not any(r.code_domain for r in m4.relus())
+    for a, b in zip(f3, f4):
+        assert torch.equal(a, b)
+    assert len(torch.unique(torch.cat([a.reshape(-1) for a in f3]))) > 10     # real, varied codes
+    assert summaries["step4"]["entry_map"] == summaries["step3"]["best_map"]
+
+
 def test_resume_gives_the_same_weights(workdir, tmp_path):
     _, path = workdir
     torch.set_num_threads(1)
