@@ -69,6 +69,34 @@ def test_chip_round_float32_property(values):
 
 
 @SETTINGS
+@given(st.lists(st.floats(0, 1e7, width=32), min_size=1, max_size=40),
+       st.lists(st.integers(0, 1000), min_size=1, max_size=10),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_chip_round_nonneg_inplace_property(values, halves, dtype):
+    """The in-place rounding of the integer activation path (x >= 0, floor-based) equals R."""
+    below_half = float(np.nextafter(np.float32(0.5), np.float32(0)))
+    values = values + [h + 0.5 for h in halves] + [below_half, 0.0, 2.0 ** 23 + 1, 30.5, 31.0]
+    x = torch.tensor(values, dtype=dtype)
+    expected = [exact_round(v) for v in x.tolist()]
+    y = x.clone()
+    out = Q._chip_round_nonneg_(y)
+    assert out.data_ptr() == y.data_ptr() and out.dtype == dtype       # in place
+    assert out.tolist() == expected
+
+
+def test_integer_capped_relu_is_chip_round_of_the_clip():
+    """Step-4 / code-domain activations: R(clip(x, 0, 31)), ties away from zero, the float32 value
+    just below 0.5 to 0, in float32 and float64."""
+    below_half = float(np.nextafter(np.float32(0.5), np.float32(0)))
+    vals = [-3.0, -0.5, 0.0, below_half, 0.5, 1.5, 2.5, 2.4999, 30.49, 30.5, 31.0, 31.7, 100.0]
+    for dtype in (torch.float32, torch.float64):
+        x = torch.tensor(vals, dtype=dtype)
+        y = Q.capped_relu(x, torch.tensor(31.0), quantize=True, integer=True)
+        assert y.tolist() == [0, 0, 0, 0, 1, 2, 3, 2, 30, 31, 31, 31, 31]
+        assert y.dtype == dtype
+
+
+@SETTINGS
 @given(st.lists(st.floats(-1e9, 1e9), min_size=1, max_size=40),
        st.lists(st.integers(-1000, 1000), min_size=1, max_size=10))
 def test_chip_round_float64_property(values, halves):

@@ -42,10 +42,14 @@ def chip_round(x: torch.Tensor) -> torch.Tensor:
     return torch.sub(x, t).mul_(2).trunc_().add_(t)
 
 
-def _chip_round_(x: torch.Tensor) -> torch.Tensor:
-    """In-place chip_round of a tensor this module owns (same arithmetic as chip_round)."""
-    t = torch.trunc(x)
-    return x.sub_(t).mul_(2).trunc_().add_(t)
+def _chip_round_nonneg_(x: torch.Tensor) -> torch.Tensor:
+    """In-place chip_round of a tensor >= 0 this module owns: t + floor(2 (x - t)), t = floor(x).
+
+    Equal to chip_round for every x >= 0 (the fraction x - t in [0, 1) and its double are exact), and
+    several times faster on CPU, where torch's trunc is not vectorised (7.3 ms against 0.7 ms for
+    floor on a 16 x 16 x 224 x 224 float32 tensor)."""
+    t = torch.floor(x)
+    return x.sub_(t).mul_(2).floor_().add_(t)
 
 
 class _PassThrough(torch.autograd.Function):
@@ -280,7 +284,7 @@ class _CappedQuant(torch.autograd.Function):
         if not quantize:
             return torch.minimum(torch.clamp(x, min=0), cap)
         if integer:  # cap == 31: the codes are R(clip(x)) themselves, no multiply that could round
-            return _chip_round_(torch.clamp(x, 0, ACT_MAX))
+            return _chip_round_nonneg_(torch.clamp(x, 0, ACT_MAX))
         # R(clip(x, 0, cap) * 31 / cap) * cap / 31 in five passes over one buffer: v = clip(x * 31/cap,
         # 0, 31) >= 0, so R(v) = floor(v + 0.5) (the sum is exact except for v in [0.5 - 2^-25, 0.5),
         # a float32 training-only corner; the integer step-4 path above uses chip_round itself)
