@@ -94,6 +94,14 @@ def test_integer_capped_relu_is_chip_round_of_the_clip():
         y = Q.capped_relu(x, torch.tensor(31.0), quantize=True, integer=True)
         assert y.tolist() == [0, 0, 0, 0, 1, 2, 3, 2, 30, 31, 31, 31, 31]
         assert y.dtype == dtype
+        # a training forward (autograd recording) rounds as floor(v + 0.5): the same codes but for
+        # the float32 value just below 0.5 (the documented corner), and the gradient passes on (0, 31)
+        xg = x.clone().requires_grad_(True)
+        yg = Q.capped_relu(xg, torch.tensor(31.0), quantize=True, integer=True)
+        corner = [1] if dtype == torch.float32 else [0]
+        assert yg.tolist() == [0, 0, 0] + corner + [1, 2, 3, 2, 30, 31, 31, 31, 31]
+        yg.sum().backward()
+        assert xg.grad.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
 
 
 @SETTINGS

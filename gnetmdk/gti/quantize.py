@@ -278,16 +278,18 @@ def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme:
 # ------------------------------------------------------------------ activations
 class _CappedQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cap, quantize, integer, revive):
+    def forward(ctx, x, cap, quantize, integer, revive, training=False):
         ctx.save_for_backward(x, cap)
         ctx.revive = revive
         if not quantize:
             return torch.minimum(torch.clamp(x, min=0), cap)
         if integer:  # cap == 31: the codes are R(clip(x)) themselves, no multiply that could round
+            if training:   # three passes; floor(v + 0.5) = R(v) but for the float32 corner noted below
+                return torch.clamp(x, 0, ACT_MAX).add_(0.5).floor_()
             return _chip_round_nonneg_(torch.clamp(x, 0, ACT_MAX))
         # R(clip(x, 0, cap) * 31 / cap) * cap / 31 in five passes over one buffer: v = clip(x * 31/cap,
         # 0, 31) >= 0, so R(v) = floor(v + 0.5) (the sum is exact except for v in [0.5 - 2^-25, 0.5),
-        # a float32 training-only corner; the integer step-4 path above uses chip_round itself)
+        # a float32 corner; the integer path above rounds exactly outside training)
         v = torch.mul(x, ACT_MAX / cap).clamp_(0, ACT_MAX)
         return v.add_(0.5).floor_().mul_(cap / ACT_MAX)
 
@@ -297,11 +299,11 @@ class _CappedQuant(torch.autograd.Function):
         if not ctx.revive:
             # grad where 0 < x < cap, else 0, in one fused pass (aten's hardtanh backward has exactly
             # this strict-interval mask; cap is a float32 value, so the comparison is unchanged)
-            return torch.ops.aten.hardtanh_backward(grad, x, 0.0, float(cap)), None, None, None, None
+            return torch.ops.aten.hardtanh_backward(grad, x, 0.0, float(cap)), None, None, None, None, None
         mask = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
         # revive: outside (0, cap) let through only the gradients that lead back inside
         mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))
-        return grad.masked_fill(mask.logical_not_(), 0), None, None, None, None
+        return grad.masked_fill(mask.logical_not_(), 0), None, None, None, None, None
 
 
 def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False,
@@ -314,7 +316,10 @@ def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integ
         x: float tensor, any shape (pre-activation).
         cap: 0-d float tensor (> 0), same dtype/device as x.
         quantize: False gives the clip alone.
-        integer: step-4 semantics, cap must be 31: returns the codes R(clip(x, 0, 31)) exactly.
+        integer: step-4 semantics, cap must be 31: returns the codes R(clip(x, 0, 31)) exactly. In a
+            training forward (grad enabled and x requiring it) the codes are floor(clip(x) + 0.5), three
+            passes instead of six: equal to R except for float32 values in [0.5 - 2^-25, 0.5), which
+            give 1; evaluation, the chip comparison and the emulator never take that path.
         revive: training-only gradient choice for the output layer: outside (0, cap) the gradient
             also passes when it points back inside (x <= 0 with a gradient that raises x, x >= cap
             with one that lowers it), so an output unit whose pre-activation went negative for an
@@ -323,7 +328,7 @@ def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integ
         tensor like x; the gradient passes where 0 < x < cap (straight-through on the rounding).
     """
     cap = cap.to(dtype=x.dtype, device=x.device)
-    return _CappedQuant.apply(x, cap, quantize, integer, revive)
+    return _CappedQuant.apply(x, cap, quantize, integer, revive, torch.is_grad_enabled() and x.requires_grad)
 
 
 def activation_codes(y: torch.Tensor, cap: float | torch.Tensor) -> torch.Tensor:
