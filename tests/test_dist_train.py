@@ -143,6 +143,20 @@ def test_step3_two_processes_equal_one_process(ws):
     assert max(diffs.values()) <= 1e-6
 
 
+def test_step3_learned_caps_two_processes_equal_one_process(ws):
+    """cap_lr > 0: the caps are buffers, so their gradients are averaged by the trainer, not DDP;
+    2 processes then train the same caps (and weights) as one process replaying the same batches."""
+    a, b, rec = _record_and_replay(ws, "s3c", ["--step", "3", "--deterministic"],
+                                   ["load", ws["cal_pth"], "cap_lr", "1e-2"])
+    assert "learning the 16 activation caps" in a.stdout
+    diffs = _assert_aligned(ws, "s3c", 3, rec)
+    caps = [k for k in diffs if k.endswith(".cap")]
+    assert len(caps) == 16 and max(diffs[k] for k in caps) <= 1e-5
+    start = torch.load(os.path.join(rec, "start.pth"), weights_only=True)["model"]
+    end = torch.load(_ckpt(ws["root"], "s3c_a", 3), weights_only=True)["model"]
+    assert min(float((end[k] - start[k]).abs()) for k in caps) > 1e-3     # every cap trained
+
+
 def test_cal_two_processes_same_caps(ws):
     root = ws["root"]
     r = run([TRAIN_DIST, "--config", ws["cfg"], "--cal", "--gpus", "2", "load", ws["fold"], *_out(root, "cal2")],

@@ -182,6 +182,60 @@ def test_step4_starts_from_exactly_the_step3_model(pipeline):
     assert summaries["step4"]["entry_map"] == summaries["step3"]["best_map"]
 
 
+def test_step3_learns_the_caps_with_cap_lr(pipeline, tmp_path):
+    """cap_lr > 0: step 3 trains the calibrated caps (they move; the EMA off here), best.pth's caps are
+    written to model/relu_cap.txt, and the step-4 model made from best.pth still computes step 3's
+    outputs bit for bit with those caps."""
+    import copy
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.gti.chip.cli_util import load_eval_model
+    root, path, _ = pipeline
+    out = str(tmp_path)
+    over = ["cap_lr", "0.05", "num_epochs", "2", "load", os.path.join(root, "checkpoint/step2/cal.pth"),
+            "checkpoint_root", out + "/ck", "log_root", out + "/log", "model_root", out + "/model"]
+    summary = run_stage(_cfg(path, *over, step=3))
+    cal_caps = load_checkpoint(os.path.join(root, "checkpoint/step2/cal.pth"))["caps"]
+    last = load_checkpoint(os.path.join(out, "ck/step3/last.pth"))
+    moved = [abs(a - b) for a, b in zip(last["caps"], cal_caps)]
+    assert min(moved) > 1e-3, moved                               # every cap trained
+    assert [float(last["model"][f"layers.{i}.relu.cap"]) for i in range(16)] == last["caps"]
+    best = load_checkpoint(os.path.join(out, "ck/step3/best.pth"))
+    with open(os.path.join(out, "model", "relu_cap.txt")) as fh:
+        assert [float(v) for v in fh.read().split()] == pytest.approx(best["caps"], rel=1e-7)
+    assert summary["best_map"] >= summary["entry_map"]
+    # the step-4 model built from best.pth equals it
+    cfg = _cfg(path, *over, step=3)
+    m3, _ = load_eval_model(os.path.join(out, "ck/step3/best.pth"), cfg)
+    m4 = copy.deepcopy(m3)
+    for hook in STAGES["step4"].enter:
+        hook(m4, "step3")
+    apply_stage(m4, STAGES["step4"])
+    m4.eval()
+    assert m4.calibrated_caps == pytest.approx(best["caps"], rel=1e-7)
+    ds = build_dataset(cfg, "valid")
+    ds.augment = False
+    x = torch.stack([ds[i][0] for i in range(2)])
+    with torch.no_grad():
+        assert torch.equal(m3(x), m4(x))
+    # resuming needs the same optimizer groups: without cap_lr it is refused, naming the fix ...
+    plain = [v for v in over if v not in ("cap_lr", "0.05")] + ["num_epochs", "3", "resume", "true"]
+    with pytest.raises(Exception, match="resume with cap_lr 0.05"):
+        run_stage(_cfg(path, *plain, step=3))
+    assert load_checkpoint(os.path.join(out, "ck/step3/last.pth"))["epoch"] == 2      # nothing lost
+    # ... and with it, training continues
+    run_stage(_cfg(path, *over, "num_epochs", "3", "resume", "true", step=3))
+    assert load_checkpoint(os.path.join(out, "ck/step3/last.pth"))["epoch"] == 3
+
+
+def test_cap_lr_refusals(workdir):
+    from gnetmdk.config import ConfigError
+    _, path = workdir
+    with pytest.raises(ConfigError, match="cap_lr.*finite number >= 0"):
+        _cfg(path, "cap_lr", "-1e-3", step=3)
+    with pytest.raises(ConfigError, match="cap_lr.*gain_aware true"):
+        _cfg(path, "cap_lr", "1e-3", "gain_aware", "false", step=3)
+
+
 def test_resume_gives_the_same_weights(workdir, tmp_path):
     _, path = workdir
     torch.set_num_threads(1)

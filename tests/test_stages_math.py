@@ -278,6 +278,49 @@ def test_gain_aware_step3_is_step4_bit_for_bit(calibrated):
         prev = c
 
 
+def test_learned_caps_get_gradients_and_step4_stays_exact(calibrated):
+    """With caps that require grad (step 3, cap_lr > 0) the forward and the weights' gradients are
+    those of fixed caps, every cap gets a finite nonzero gradient (through the gains and, for the
+    last, the host scale), and after an update of weights and caps the gain-edited step-4 model
+    still gives step 3's codes and outputs bit for bit."""
+    model, caps = _quantized_step3(calibrated, True)
+    x = _codes_input(2, 96)
+    weights = torch.linspace(-1, 1, 2 * 14 * 14 * 12).reshape(2, 14, 14, 12)
+    model.train()
+    y_fixed = model(x)
+    (y_fixed * weights).sum().backward()
+    g_fixed = [c.weight.grad.clone() for c in model.convs()]
+    model.zero_grad()
+    for r in model.relus():
+        r.cap.requires_grad_(True)
+    y = model(x)
+    assert all(c.gain_tensors is not None for c in model.convs())
+    assert torch.equal(y.detach(), y_fixed.detach())
+    (y * weights).sum().backward()
+    for c, g in zip(model.convs(), g_fixed):
+        torch.testing.assert_close(c.weight.grad, g, rtol=1e-6, atol=1e-7 * float(g.abs().max()))
+    cap_grads = [r.cap.grad for r in model.relus()]
+    assert all(g is not None and torch.isfinite(g) and float(g) != 0.0 for g in cap_grads), cap_grads
+    # one SGD step on weights and caps, then the step 3 -> step 4 transition
+    with torch.no_grad():
+        for c in model.convs():
+            c.weight.sub_(1e-3 * c.weight.grad)
+        for r in model.relus():
+            r.cap.sub_(1e-2 * torch.sign(r.cap.grad))
+    new_caps = [float(r.cap.detach()) for r in model.relus()]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(new_caps, caps))
+    model.eval()
+    y3, f3 = _run(model, x)
+    for r in model.relus():
+        r.cap.requires_grad_(False)
+    assert gain_edit(model) == new_caps
+    apply_stage(model, STAGES["step4"])
+    model.eval()
+    y4, f4 = _run(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(f3, f4))
+    assert torch.equal(y3, y4)
+
+
 def test_gti_flow_step4_changes_the_step3_codes(calibrated):
     """GTI's flow (gain_aware false) quantizes the unedited weights in step 3 and re-quantizes the
     edited ones at other shifts in step 4: the integers change and so do many codes."""

@@ -56,6 +56,7 @@ class BaseConfig:
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
     cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
+    cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
     channels_last: bool = True              # NHWC memory format (faster convolutions on CPU)
 
     # ---------------------------------------------------------------- loss (gti-chip.md, GNetDet)

@@ -225,6 +225,11 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("cap_percentile", "must be in (0, 100]")
     if cfg.cap_method not in ("percentile", "mse"):
         bad("cap_method", "must be 'percentile' (GTI) or 'mse'")
+    if not (math.isfinite(cfg.cap_lr) and cfg.cap_lr >= 0):
+        bad("cap_lr", "must be a finite number >= 0 (0: the calibrated caps stay fixed in step 3)")
+    if cfg.cap_lr > 0 and not cfg.gain_aware:
+        bad("cap_lr", "learned caps need gain_aware true (the caps reach the loss through the gains); "
+                      "set cap_lr 0 or gain_aware true")
     if cfg.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
     if cfg.score_head not in ("linear", "logit"):

@@ -26,6 +26,8 @@ class ModelEMA:
         self.module = copy.deepcopy(model).eval()
         for p in self.module.parameters():
             p.requires_grad_(False)
+        for b in self.module.buffers():       # learned caps (step 3, cap_lr) are buffers that train
+            b.requires_grad_(False)
         self.decay = float(decay)
         self.ramp = float(ramp)
         self.updates = 0
@@ -39,9 +41,11 @@ class ModelEMA:
         self.updates += 1
         d = self.current_decay()
         src = model.state_dict()
+        # caps are copied (calibrated, fixed) unless they train (cap_lr): then averaged like weights
+        learned = {k for k, b in model.named_buffers() if b.requires_grad}
         for k, v in self.module.state_dict().items():
             w = src[k]
-            if v.dtype.is_floating_point and not k.endswith(".cap") and not k.endswith("output_scale"):
+            if v.dtype.is_floating_point and (not k.endswith(".cap") or k in learned) and not k.endswith("output_scale"):
                 v.mul_(d).add_(w.detach().to(v.dtype), alpha=1 - d)
             else:
                 v.copy_(w)

@@ -34,6 +34,10 @@ from . import recipe as R
 from .ema import ModelEMA
 from .stages import Stage, apply_stage, get_stage, source_path
 
+#: learned caps (step 3, cap_lr) are kept at least this large after every optimizer step (value units;
+#: a cap divides the gains, so it must stay positive)
+CAP_FLOOR = 1e-3
+
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (non-finite loss, ...); the message names the iteration and the last good checkpoint."""
@@ -227,7 +231,7 @@ class Trainer:
         m = self.model
         st = {"stage": self.stage.name, "step": self.stage.step, "model_meta": m.meta(),
               "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
-              "caps": [float(r.cap) for r in m.relus()], "config": self.cfg.to_dict(),
+              "caps": [float(r.cap.detach()) for r in self.eval_model.relus()], "config": self.cfg.to_dict(),
               "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
               "world_size": self.world_size}
@@ -260,6 +264,8 @@ class Trainer:
                 "or check the data")
         save_checkpoint(path, state)
         save_config_json(self.out_dir, self.cfg.to_dict())
+        if name == "best.pth" and getattr(self, "learned_caps", None):
+            self.write_caps(state["caps"])         # the chip files' caps are the learned ones now
         return path
 
     def check_output_dir(self) -> None:
@@ -393,7 +399,16 @@ class Trainer:
                 continue
             micro = 0
             terms, acc = acc, {}
-            norm = self.precision.step(self.optimizer, model.parameters(), cfg.grad_clip)
+            if self.learned_caps and is_dist():     # DDP averages parameters' gradients; caps are buffers
+                g = torch.stack([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.learned_caps])
+                all_reduce(g, "mean")
+                for c, gi in zip(self.learned_caps, g):
+                    c.grad = gi.clone()
+            norm = self.precision.step(self.optimizer, list(model.parameters()) + self.learned_caps, cfg.grad_clip)
+            if self.learned_caps:
+                with torch.no_grad():
+                    for c in self.learned_caps:
+                        c.clamp_(min=CAP_FLOOR)
             if not math.isfinite(norm) and self.precision.scaler is None:
                 raise TrainingError(
                     f"non-finite gradient (norm {norm}) at epoch {epoch + 1}, iteration {self.iteration + 1}; the "
@@ -443,7 +458,15 @@ class Trainer:
             self.log(f"[{self.stage.name}] freeze_at {cfg.freeze_at}: {len(self.frozen_at)} parameters of the first "
                      f"{cfg.freeze_at} sublayers frozen (not optimized)")
         self.finetune_frozen: List[torch.nn.Parameter] = []
-        self.optimizer = build_optimizer(self.model, cfg)
+        # step 3 with cap_lr > 0: the calibrated caps train too (LSQ-like gradients through the gains)
+        self.learned_caps: List[torch.Tensor] = []
+        if self.stage.name == "step3" and cfg.cap_lr > 0:
+            self.learned_caps = [r.cap for r in self.model.relus()]
+            for c in self.learned_caps:
+                c.requires_grad_(True)
+            self.log(f"[{self.stage.name}] learning the {len(self.learned_caps)} activation caps (cap_lr "
+                     f"{cfg.cap_lr:g}, no weight decay, at least {CAP_FLOOR:g}); model/relu_cap.txt follows best.pth")
+        self.optimizer = build_optimizer(self.model, cfg, self.learned_caps)
         self.iters_per_epoch = len(self.train_set) // cfg.batch_size
         self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
         self.precision = R.Precision(cfg, self.device)
@@ -515,6 +538,13 @@ class Trainer:
         self.setup_optimizer()
         if self.resume_state is not None:
             st = self.resume_state
+            saved_groups = len(st["optimizer"].get("param_groups", []))
+            if saved_groups != len(self.optimizer.param_groups):
+                from gnetmdk.config import ConfigError
+                saved_lr = (st.get("config") or {}).get("cap_lr", 0.0)
+                raise ConfigError(f"cannot resume: the checkpoint's optimizer has {saved_groups} parameter groups, "
+                                  f"this config gives {len(self.optimizer.param_groups)} (cap_lr {cfg.cap_lr:g} here, "
+                                  f"{saved_lr:g} in the checkpoint): resume with cap_lr {saved_lr:g}")
             self.optimizer.load_state_dict(st["optimizer"])
             self.scheduler.load_state_dict(st["scheduler"])
             set_rng_state(st["rng"])

@@ -263,19 +263,29 @@ class GNetDet(nn.Module):
         gain-aware and in step-3 mode (quantized weights, capped 5-bit non-integer activations, every
         cap calibrated); clear them otherwise. The input's cap is 31 (the image holds codes). The
         output is then scaled by cap_last / 31 (float32), the output_scale gain editing will store.
+        When the caps require gradients (step 3 with ``cap_lr`` > 0) the convs also get them as
+        ``gain_tensors`` and the output scale carries their gradient (straight through), so the loss
+        reaches every cap: through the gains of the conv before and after it and, for the last one,
+        the host scale; the forward values do not change.
         Returns whether gains are set."""
         convs, relus = self.convs(), self.relus()
         on = (self.gain_aware and all(c.quant_weight for c in convs)
               and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
         caps = torch.stack([r.cap.detach().float() for r in relus]).tolist() if on else []   # one sync
         on = on and all(c > 0 for c in caps)
-        prev = 31.0
+        learn = on and any(r.cap.requires_grad for r in relus)
+        prev, prev_t = 31.0, 31.0
         for i, conv in enumerate(convs):
             conv.gain = (prev, caps[i]) if on else None
+            conv.gain_tensors = (prev_t, relus[i].cap) if learn else None
             relus[i].code_domain = on
             prev = caps[i] if on else prev
+            prev_t = relus[i].cap
         # the value gain_edit writes into output_scale (a float64 quotient rounded to float32)
         self._code_output_scale = torch.tensor(caps[-1] / 31.0, dtype=torch.float32) if on else None
+        if learn:
+            from gnetmdk.gti.quantize import ste
+            self._code_output_scale = ste(relus[-1].cap / 31.0, self._code_output_scale)
         return on
 
     def features(self, x: torch.Tensor, return_all: bool = False):

@@ -34,6 +34,9 @@ class QConv2d(nn.Conv2d):
             unedited weights through the gain (straight-through on the rounding). So step 3 computes
             exactly what step 4 and the chip compute, and the step 3 -> step 4 transition changes
             nothing.
+        gain_tensors: None, or (cap_in, cap_out) as the ReLUs' cap tensors (cap_in the float 31 for
+            the first conv) when step 3 learns the caps (``cap_lr``): the gain is then computed from
+            them, so gradients reach the caps as well (the forward value is the same).
         exact: compute exactly: float32 when every partial sum is an integer below 2^24 (CPU), else
             float64 (exact while partial sums < 2^53), so the result equals the chip's integer
             accumulation (gti-chip.md "integer semantics"). Set for step-4 evaluation; a conv with a
@@ -51,6 +54,7 @@ class QConv2d(nn.Conv2d):
         self.method = method
         self.quant_weight = False
         self.gain: Optional[tuple] = None
+        self.gain_tensors: Optional[tuple] = None
         self.exact = False
 
     def quantized_params(self):
@@ -66,7 +70,11 @@ class QConv2d(nn.Conv2d):
             return self.weight, self.bias, None
         if self.gain is not None:
             cap_in, cap_out = (float(g) for g in self.gain)
-            gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
+            if self.gain_tensors is not None:          # learned caps: the gain carries their gradient
+                ci, co = self.gain_tensors
+                gw, gb = ci / co, Q.ACT_MAX / co
+            else:
+                gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
             # the values gain_edit will write (float64 product, then the parameter dtype) ...
             w_val = (self.weight.detach().double() * cap_in / cap_out).to(self.weight.dtype)
             b_val = (self.bias.detach().double() * Q.ACT_MAX / cap_out).to(self.bias.dtype)
