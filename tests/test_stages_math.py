@@ -301,6 +301,7 @@ def test_learned_caps_get_gradients_and_step4_stays_exact(calibrated):
         torch.testing.assert_close(c.weight.grad, g, rtol=1e-6, atol=1e-7 * float(g.abs().max()))
     cap_grads = [r.cap.grad for r in model.relus()]
     assert all(g is not None and torch.isfinite(g) and float(g) != 0.0 for g in cap_grads), cap_grads
+    copy.deepcopy(model)                   # after a training forward (the EMA and tools copy models)
     # one SGD step on weights and caps, then the step 3 -> step 4 transition
     with torch.no_grad():
         for c in model.convs():

@@ -225,6 +225,7 @@ class GNetDet(nn.Module):
         self.exact_eval = False
         #: gain-aware step 3: cap_last / 31 (set_gains), else None
         self._code_output_scale: Optional[torch.Tensor] = None
+        self._code_scale_learned = False
 
     def train(self, mode: bool = True):
         """Switch train/eval; in eval with ``exact_eval`` the convs compute in float64 (bit-exact)."""
@@ -283,9 +284,7 @@ class GNetDet(nn.Module):
             prev_t = relus[i].cap
         # the value gain_edit writes into output_scale (a float64 quotient rounded to float32)
         self._code_output_scale = torch.tensor(caps[-1] / 31.0, dtype=torch.float32) if on else None
-        if learn:
-            from gnetmdk.gti.quantize import ste
-            self._code_output_scale = ste(relus[-1].cap / 31.0, self._code_output_scale)
+        self._code_scale_learned = learn     # forward passes the last cap's gradient through that value
         return on
 
     def features(self, x: torch.Tensor, return_all: bool = False):
@@ -306,6 +305,9 @@ class GNetDet(nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
         y = self.features(x)
         scale = self._code_output_scale if self._code_output_scale is not None else self.output_scale
+        if self._code_output_scale is not None and self._code_scale_learned:
+            from gnetmdk.gti.quantize import ste      # learned caps: d scale / d cap_last = 1 / 31
+            scale = ste(self.layers[-1].relu.cap / 31.0, scale.to(self.layers[-1].relu.cap.device))
         y = y * scale.to(device=y.device, dtype=y.dtype)
         return y.permute(0, 2, 3, 1).float().contiguous()
 
