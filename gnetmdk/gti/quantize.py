@@ -120,16 +120,20 @@ def _kernel_stats(w: torch.Tensor):
     return a.mean(dim=(2, 3), keepdim=True), a.amax(dim=(2, 3), keepdim=True)
 
 
-def _nearest_level(r: torch.Tensor, levels: Tuple[float, ...]) -> torch.Tensor:
+def _nearest_level(r: torch.Tensor, levels: Tuple[float, ...], inplace: bool = False) -> torch.Tensor:
     """Map |w|/d (>= 0) to the nearest of ``levels`` (ascending); a tie goes to the lower level.
 
-    One binary search per value against the midpoints between levels (torch.bucketize counts the
-    midpoints strictly below r), 4-5x faster than an argmin over |r - level| and equal to it.
+    The level is levels[0] plus one step for every midpoint strictly below r: one comparison per
+    midpoint, or for the 16 uniform 5-bit levels 0..15 one ceil(r - 1/2) (exact for r >= 0). Equal to
+    an argmin over |r - level| and much cheaper. With ``inplace`` the uniform path overwrites r.
     """
-    lv = torch.tensor(levels, dtype=r.dtype, device=r.device)
-    if len(levels) == 1:
-        return lv.expand_as(r).clone()
-    return lv[torch.bucketize(r.contiguous(), (lv[1:] + lv[:-1]) / 2)]
+    steps = [hi - lo for lo, hi in zip(levels[:-1], levels[1:])]
+    if len(levels) > 4 and levels[0] == 0.0 and all(st == 1.0 for st in steps):
+        return (r if inplace else r.clone()).sub_(0.5).ceil_().clamp_(0, levels[-1])
+    q = torch.full_like(r, levels[0])
+    for lo, hi in zip(levels[:-1], levels[1:]):
+        q.add_(r > (lo + hi) / 2, alpha=hi - lo)
+    return q
 
 
 def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -> torch.Tensor:
@@ -138,10 +142,9 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     stays 0). The first d wins a tie.
 
     Runs once per conv per training step, so it is written for speed: the error of a level
-    assignment is (level d - |w|)^2 (the sign cancels), levels come from comparisons with the
-    midpoints (or one ceil for the 16 uniform 5-bit levels) instead of a search, and the candidate
-    errors are formed in place. The chosen d are the same as with the direct formulation
-    (tests/test_quantize.py, test_mse_scale_matches_the_definition).
+    assignment is (level d - |w|)^2 (the sign cancels), levels come from _nearest_level's midpoint
+    comparisons, and the candidate errors are formed in place. The chosen d are the same as with the
+    direct formulation (tests/test_quantize.py, test_mse_scale_matches_the_definition).
 
     Args:
         w: (O, I, 3, 3) float weights; scheme: 1, 2, 3 or 5; shift: the sublayer's shift.
@@ -156,22 +159,15 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     base = amax.reshape(o * i, 1) / top
     f = torch.linspace(0.15, 1.0, candidates, dtype=w.dtype, device=w.device)
     best = torch.empty(o * i, 1, dtype=w.dtype, device=w.device)
-    mids = [(levels[j] + levels[j + 1]) / 2 for j in range(len(levels) - 1)]
-    steps = [levels[j + 1] - levels[j] for j in range(len(levels) - 1)]
-    uniform = len(levels) > 4 and all(s == 1.0 for s in steps) and levels[0] == 0.0
     chunk = max(1, (1 << 22) // (candidates * absx_all.shape[1]))
     for start in range(0, absx_all.shape[0], chunk):
         ax = absx_all[start:start + chunk].unsqueeze(1)                   # (k, 1, 9)
         d = quantize_shift(base[start:start + chunk] * f, shift)         # (k, C)
         safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
         r = ax / safe                                                    # (k, C, 9)
-        if uniform:
-            q = r.sub_(0.5).ceil_().clamp_(0, levels[-1])
-        else:
-            # sign(0) = 0 makes a zero weight's level 0 whatever the levels are (1-bit: levels (1,))
-            q = torch.zeros_like(r) if levels[0] == 0 else (r > 0).to(r.dtype).mul_(levels[0])
-            for m, st in zip(mids, steps):
-                q.add_(r > m, alpha=st)
+        q = _nearest_level(r, levels, inplace=True)
+        if levels[0] != 0:     # sign(0) = 0 makes a zero weight's level 0 (1-bit: levels (1,))
+            q.mul_(ax > 0)
         err = q.mul_(d.unsqueeze(-1)).sub_(ax).square_().sum(-1)        # (k, C)
         best[start:start + chunk] = d.gather(1, err.argmin(dim=1, keepdim=True))
     return best.reshape(o, i, 1, 1)
