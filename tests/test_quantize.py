@@ -335,7 +335,8 @@ def _definition_mse_scale(kernel, scheme, shift, candidates=32):
     """The MSE-best d of one 3x3 kernel, straight from its definition: for each candidate
     d = Q_s(f max|w| / top), f = linspace(0.15, 1, candidates), every weight takes the level of
     scheme's set nearest to |w| / d (the lower one on a tie; a zero weight is 0), and the first d with
-    the least sum of (sign(w) level d - w)^2 wins. Plain Python over floats of the kernel's dtype."""
+    the least sum of (sign(w) level d - w)^2 wins. Plain Python: d and |w| / d in the kernel's dtype,
+    the errors in exact rational arithmetic."""
     dt = kernel.dtype
     levels = {1: [1.0], 2: [0.0, 1.0], 3: [0.0, 1.0, 2.0, 4.0], 5: [float(k) for k in range(16)]}[scheme]
     ws = kernel.reshape(-1).tolist()
@@ -345,7 +346,7 @@ def _definition_mse_scale(kernel, scheme, shift, candidates=32):
     for f in torch.linspace(0.15, 1.0, candidates, dtype=dt):
         d = Q.quantize_shift(base * f, shift)
         safe = d if float(d) > 0 else torch.ones((), dtype=dt)
-        err = torch.zeros((), dtype=dt)
+        err = Fraction(0)
         for v in ws:
             vt = torch.tensor(v, dtype=dt)
             r = float(vt.abs() / safe)
@@ -356,8 +357,8 @@ def _definition_mse_scale(kernel, scheme, shift, candidates=32):
                 for lo, hi in zip(levels[:-1], levels[1:]):
                     if r > (lo + hi) / 2:
                         lvl = hi
-            err = err + (torch.tensor(math.copysign(lvl, v), dtype=dt) * d - vt) ** 2
-        if best_err is None or float(err) < float(best_err):
+            err += (Fraction(math.copysign(lvl, v)) * Fraction(float(d)) - Fraction(v)) ** 2
+        if best_err is None or err < best_err:
             best_d, best_err = d, err
     return float(best_d)
 
@@ -384,6 +385,22 @@ def test_mse_scale_matches_the_definition(scheme, dtype):
             assert float(got[o, i]) == _definition_mse_scale(w[o, i], scheme, shift), (o, i)
     assert float(got[11, 0]) == 0.0                  # an all-zero kernel gets d = 0
     assert len(torch.unique(got)) > 50               # the kernels do get different scales
+
+
+def test_mse_scale_picks_the_exact_optimum_in_a_near_tie():
+    """A 1-bit kernel of a trained cards model whose two best candidates differ in error by 2.4 parts
+    in 10^8: float32 sums (the search before session 9) picked the worse d = 8/1024; the exact
+    definition and the search pick 7/1024."""
+    kernel = torch.tensor([-0.015428667888045311, 0.0017884544795379043, -0.004013287369161844,
+                           0.0076685440726578236, -0.0008466049912385643, 0.008302348665893078,
+                           0.006059699691832066, 0.012518329545855522, 0.009292029775679111]).view(1, 1, 3, 3)
+    want = _definition_mse_scale(kernel[0, 0], 1, 10)
+    assert want == 7 / 1024
+    assert float(Q._mse_scale(kernel, 1, 10)) == want
+    # an exact tie: |w| = 7.5/1024 everywhere, so d = 7/1024 and 8/1024 have equal errors; the first wins
+    tie = torch.full((1, 1, 3, 3), 7.5 / 1024) * torch.tensor([1.0, -1.0, 1.0]).view(1, 1, 1, 3)
+    assert _definition_mse_scale(tie[0, 0], 1, 10) == 7 / 1024
+    assert float(Q._mse_scale(tie, 1, 10)) == 7 / 1024
 
 
 @SETTINGS

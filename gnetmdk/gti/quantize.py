@@ -141,10 +141,20 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     ||w - w_q||^2 with every weight at its nearest level (a tie goes to the lower one; a zero weight
     stays 0). The first d wins a tie.
 
-    Runs once per conv per training step, so it is written for speed: the error of a level
-    assignment is (level d - |w|)^2 (the sign cancels), levels come from _nearest_level's midpoint
-    comparisons, and the candidate errors are formed in place. The chosen d are the same as with the
-    direct formulation (tests/test_quantize.py, test_mse_scale_matches_the_definition).
+    Runs once per conv per training step, so it is written for speed. The error of candidate d is
+    d (d sum q^2 - 2 sum q |w|) plus the constant sum |w|^2 (the sign cancels), formed in float64 from
+    two sums per candidate:
+      * schemes with at most three midpoints (1, 2, 3-bit): the candidates ascend, so a weight is above
+        midpoint m for exactly the first t of them, t = the count of d < |w| / m (one searchsorted).
+        A weight adds its level steps to the sums of those t candidates: one scatter per kernel and a
+        prefix sum, (K, M * 9) values instead of (K, C, 9). 2-4x faster than the direct form below.
+      * 5-bit (15 midpoints, where the sweep is slower): every (kernel, candidate, weight) level from
+        _nearest_level, in chunks.
+    The chosen d are those of the definition (tests/test_quantize.py,
+    test_mse_scale_matches_the_definition, exact arithmetic). The sweep compares d < |w| / m in
+    float64 while the final assignment rounds |w| / d in the weights' dtype; they can differ only for
+    a quotient within one float32 ulp of a midpoint, where the two levels' errors are equal to that
+    precision.
 
     Args:
         w: (O, I, 3, 3) float weights; scheme: 1, 2, 3 or 5; shift: the sublayer's shift.
@@ -152,25 +162,45 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
         (O, I, 1, 1) scales of w's dtype, already quantized to multiples of 2^-shift.
     """
     levels = _LEVELS[scheme]
-    top = levels[-1]
-    _, amax = _kernel_stats(w)
     o, i = w.shape[:2]
-    absx_all = w.abs().reshape(o * i, -1)                  # (K, 9)
-    base = amax.reshape(o * i, 1) / top
-    f = torch.linspace(0.15, 1.0, candidates, dtype=w.dtype, device=w.device)
-    best = torch.empty(o * i, 1, dtype=w.dtype, device=w.device)
-    chunk = max(1, (1 << 22) // (candidates * absx_all.shape[1]))
-    for start in range(0, absx_all.shape[0], chunk):
-        ax = absx_all[start:start + chunk].unsqueeze(1)                   # (k, 1, 9)
-        d = quantize_shift(base[start:start + chunk] * f, shift)         # (k, C)
-        safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
-        r = ax / safe                                                    # (k, C, 9)
-        q = _nearest_level(r, levels, inplace=True)
-        if levels[0] != 0:     # sign(0) = 0 makes a zero weight's level 0 (1-bit: levels (1,))
-            q.mul_(ax > 0)
-        err = q.mul_(d.unsqueeze(-1)).sub_(ax).square_().sum(-1)        # (k, C)
-        best[start:start + chunk] = d.gather(1, err.argmin(dim=1, keepdim=True))
-    return best.reshape(o, i, 1, 1)
+    k = o * i
+    a = w.abs().reshape(k, -1)                                           # (K, n)
+    n = a.shape[1]
+    dev = w.device
+    f = torch.linspace(0.15, 1.0, candidates, dtype=w.dtype, device=dev)
+    scale = float(2 ** shift)          # quantize_shift for values >= 0, without torch's slow trunc
+    d = _chip_round_nonneg_(a.amax(1, keepdim=True) / levels[-1] * f * scale).div_(scale)  # (K, C) ascending
+    dd = d.double()
+    lows, highs = levels[:-1], levels[1:]
+    if levels[0] != 0.0:                # 1-bit: every nonzero weight is at level 1 for every d
+        p2 = (a > 0).sum(1, keepdim=True).double().expand(k, candidates)
+        pa = a.double().sum(1, keepdim=True).expand(k, candidates)
+    elif len(highs) <= 3:
+        a64 = a.double()
+        inv_mid = torch.tensor([2.0 / (lo + hi) for lo, hi in zip(lows, highs)], dtype=torch.float64, device=dev)
+        t = torch.searchsorted(dd, (inv_mid.view(1, -1, 1) * a64.unsqueeze(1)).reshape(k, -1))  # (K, M*n)
+        step = torch.tensor([hi - lo for lo, hi in zip(lows, highs)], dtype=torch.float64, device=dev)
+        step_sq = torch.tensor([hi * hi - lo * lo for lo, hi in zip(lows, highs)], dtype=torch.float64,
+                               device=dev)
+        p2 = torch.zeros(k, candidates + 1, dtype=torch.float64, device=dev)
+        p2.scatter_add_(1, t, step_sq.repeat_interleave(n).expand(k, -1))
+        pa = torch.zeros(k, candidates + 1, dtype=torch.float64, device=dev)
+        pa.scatter_add_(1, t, (step.view(1, -1, 1) * a64.unsqueeze(1)).reshape(k, -1))
+        # candidate c takes the weights with t > c: all of them less those with t <= c
+        p2 = p2.sum(1, keepdim=True) - p2[:, :candidates].cumsum(1)
+        pa = pa.sum(1, keepdim=True) - pa[:, :candidates].cumsum(1)
+    else:
+        p2 = torch.empty(k, candidates, dtype=torch.float64, device=dev)
+        pa = torch.empty_like(p2)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        chunk = max(1, (1 << 22) // (candidates * n))
+        for start in range(0, k, chunk):
+            ax = a[start:start + chunk].unsqueeze(1)                         # (k, 1, n)
+            q = _nearest_level(ax / safe[start:start + chunk].unsqueeze(-1), levels, inplace=True)  # (k, C, n)
+            p2[start:start + chunk] = q.square().sum(-1)                    # integers: exact
+            pa[start:start + chunk] = torch.matmul(q.double(), ax.double().transpose(1, 2)).squeeze(-1)
+    err = dd * (dd * p2 - 2.0 * pa)          # sum (q d - |w|)^2 - sum |w|^2; 0 for d = 0
+    return d.gather(1, err.argmin(dim=1, keepdim=True)).reshape(o, i, 1, 1)
 
 
 def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits: int,
