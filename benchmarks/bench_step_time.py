@@ -2,6 +2,10 @@
 """Step time of step 3 (quantized weights and 5-bit activations) over step 1 (float), same model and
 batch, and data-loading images/s against training images/s. Prints ratios; asserts nothing.
 
+The loader is timed twice: alone (can it keep up at all?) and in the loop, as the trainer runs it,
+with each step's batch drawn from the DataLoader. On a small machine the two can disagree: workers that
+load fast alone may still take cores from the training threads (docs/training.md).
+
     python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [overrides...]
 
 Goal (issue "staged pipeline"): step3 / step1 <= 1.15.
@@ -31,6 +35,26 @@ def time_steps(model, batch, iters, warmup=3):
     for i in range(warmup + iters):
         if i == warmup:
             t0 = time.perf_counter()
+        loss = model.loss(model(images), targets)["total"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return (time.perf_counter() - t0) / iters
+
+
+def time_loop(model, loader, iters, warmup=2):
+    """Seconds per training step with each batch drawn from ``loader`` (a new pass when it runs out)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+    batches = iter(loader)
+    for i in range(warmup + iters):
+        if i == warmup:
+            t0 = time.perf_counter()
+        try:
+            images, targets, _, _ = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            images, targets, _, _ = next(batches)
         loss = model.loss(model(images), targets)["total"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -83,7 +107,10 @@ def main():
     train_rate = cfg.batch_size / t1
     print(f"data loading        {load_rate:8.1f} img/s ({cfg.num_workers} workers, cache_images={cfg.cache_images})")
     print(f"training (step 1)   {train_rate:8.1f} img/s")
-    print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up)")
+    print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up when alone)")
+    t_loop = time_loop(float_model, loader, args.iters)
+    print(f"step 1 + loading    {cfg.batch_size / t_loop:8.1f} img/s (batches from the loader, as in training)")
+    print(f"ratio loop/step     {t1 / t_loop:8.2f}   (1: loading costs the training loop nothing)")
 
 
 if __name__ == "__main__":

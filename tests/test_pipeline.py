@@ -236,6 +236,29 @@ def test_cap_lr_refusals(workdir):
         _cfg(path, "cap_lr", "1e-3", "gain_aware", "false", step=3)
 
 
+def test_mask_bits_set_after_step1_reach_step2(pipeline, tmp_path, capsys):
+    """mask_bits do not touch a float model, so a step-1 checkpoint takes the config's (set in
+    configs.py after step 1, they used to be dropped in favour of the step-1 checkpoint's); a
+    quantized checkpoint keeps the schemes it was trained with and says so."""
+    root, path, _ = pipeline
+    step1 = os.path.join(root, "checkpoint/step1/best.pth")
+    cfg = _cfg(path, "mask_bits", "8,3,3,3,3,8", step=2)
+    assert load_checkpoint(step1)["model_meta"]["mask_bits"] == [3, 3, 3, 3, 3, 8]
+    m = build_model_from_checkpoint(load_checkpoint(step1), cfg)
+    assert m.mask_bits() == [8, 3, 3, 3, 3, 8] and [c.scheme for c in m.convs()][:3] == [8, 8, 3]
+    assert build_model_from_checkpoint(load_checkpoint(step1), _cfg(path, step=2)).mask_bits() == [3, 3, 3, 3, 3, 8]
+    # a step-2 run from step 1 trains with them, and its checkpoint records them
+    out = str(tmp_path)
+    run_stage(_cfg(path, "mask_bits", "8,3,3,3,3,8", "load", step1, "checkpoint_root", out + "/ck",
+                   "log_root", out + "/log", "model_root", out + "/model", step=2))
+    assert load_checkpoint(os.path.join(out, "ck/step2/last.pth"))["model_meta"]["mask_bits"] == [8, 3, 3, 3, 3, 8]
+    # a quantized checkpoint keeps its own schemes, with a note
+    capsys.readouterr()
+    m2 = build_model_from_checkpoint(load_checkpoint(os.path.join(root, "checkpoint/step2/best.pth")), cfg, "s2.pth")
+    assert m2.mask_bits() == [3, 3, 3, 3, 3, 8]
+    assert "note: checkpoint 's2.pth' (step2) was trained with mask_bits [3, 3, 3, 3, 3, 8]" in capsys.readouterr().err
+
+
 def test_resume_gives_the_same_weights(workdir, tmp_path):
     _, path = workdir
     torch.set_num_threads(1)

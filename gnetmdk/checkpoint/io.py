@@ -94,10 +94,10 @@ QUANTIZED_STAGES = ("step2", "cal", "step3", "step4")
 def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):
     """Rebuild the model a checkpoint describes and load its weights (strict).
 
-    Loss weights, channels_last and the calibration percentiles come from ``cfg`` when given; so does
-    the weight scale rule (weight_scale) for a step-1 checkpoint, while a checkpoint of a quantized
-    stage (step2, cal, step3, step4) keeps the rule it was trained with (a note on stderr when the
-    config differs), and a step-3 checkpoint keeps its ``gain_aware`` setting.
+    Loss weights, channels_last and the calibration percentiles come from ``cfg`` when given; so do
+    the weight scale rule (weight_scale) and the weight schemes (mask_bits) for a step-1 checkpoint,
+    while a checkpoint of a quantized stage (step2, cal, step3, step4) keeps those it was trained with
+    (a note on stderr when the config differs), and a step-3 checkpoint keeps its ``gain_aware`` setting.
     ``weights``: "eval" loads the weights the checkpoint was evaluated with, the EMA
     (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] == "ema"`` (a run with ``ema true``), else
     the raw weights; "model" always loads the raw weights (resume).
@@ -122,6 +122,15 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
                   file=sys.stderr)
         else:
             meta["weight_scale"] = cfg.weight_scale
+        # the weight schemes (mask_bits) likewise: a float model takes the config's (its weights do not
+        # depend on them; set after step 1, they must not be dropped), a quantized one keeps its own
+        if ckpt.get("stage") in QUANTIZED_STAGES:
+            if cfg.mask_bits and [int(b) for b in cfg.mask_bits] != [int(b) for b in meta.get("mask_bits", [])]:
+                print(f"note: checkpoint '{path}' ({ckpt.get('stage')}) was trained with mask_bits "
+                      f"{meta.get('mask_bits')}; keeping them (the config's {list(cfg.mask_bits)} apply to "
+                      f"step-1 models)", file=sys.stderr)
+        else:
+            meta["mask_bits"] = [int(b) for b in cfg.mask_bits]      # [] = the chip's default
         # gain-aware quantization acts in step 3 only: a step-3 model is evaluated as it was trained
         # (a step-3 checkpoint from before the option: GTI's flow), any other takes the config's
         if ckpt.get("stage") == "step3":
