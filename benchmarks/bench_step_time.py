@@ -109,7 +109,8 @@ def main():
     print(f"training (step 1)   {train_rate:8.1f} img/s")
     print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up when alone)")
     t_loop = time_loop(float_model, loader, args.iters)
-    print(f"step 1 + loading    {cfg.batch_size / t_loop:8.1f} img/s (batches from the loader, as in training)")
+    print(f"step 1 + loading    {cfg.batch_size / t_loop:8.1f} img/s (the same BN-less model, batches drawn "
+          f"from the loader as the trainer draws them)")
     print(f"ratio loop/step     {t1 / t_loop:8.2f}   (1: loading costs the training loop nothing)")
 
 

@@ -252,11 +252,27 @@ def test_mask_bits_set_after_step1_reach_step2(pipeline, tmp_path, capsys):
     run_stage(_cfg(path, "mask_bits", "8,3,3,3,3,8", "load", step1, "checkpoint_root", out + "/ck",
                    "log_root", out + "/log", "model_root", out + "/model", step=2))
     assert load_checkpoint(os.path.join(out, "ck/step2/last.pth"))["model_meta"]["mask_bits"] == [8, 3, 3, 3, 3, 8]
-    # a quantized checkpoint keeps its own schemes, with a note
+    # a quantized checkpoint keeps its own schemes, with a note, also when the config asks for the
+    # chip's default ([]) and the checkpoint has others
     capsys.readouterr()
     m2 = build_model_from_checkpoint(load_checkpoint(os.path.join(root, "checkpoint/step2/best.pth")), cfg, "s2.pth")
     assert m2.mask_bits() == [3, 3, 3, 3, 3, 8]
     assert "note: checkpoint 's2.pth' (step2) was trained with mask_bits [3, 3, 3, 3, 3, 8]" in capsys.readouterr().err
+    other = load_checkpoint(os.path.join(out, "ck/step2/last.pth"))
+    assert build_model_from_checkpoint(other, _cfg(path, step=2), "o.pth").mask_bits() == [8, 3, 3, 3, 3, 8]
+    assert "(step2) was trained with mask_bits [8, 3, 3, 3, 3, 8]; keeping them (the config's [3, 3, 3, 3, 3, 8]" \
+        in capsys.readouterr().err
+    # a float checkpoint that recorded other schemes says the config's apply; equal ones say nothing
+    rec = load_checkpoint(step1)
+    rec["model_meta"]["mask_bits"] = [8, 3, 3, 3, 3, 8]
+    assert build_model_from_checkpoint(rec, _cfg(path, step=2), "f.pth").mask_bits() == [3, 3, 3, 3, 3, 8]
+    assert "recorded mask_bits [8, 3, 3, 3, 3, 8]; the config's [3, 3, 3, 3, 3, 8] apply" in capsys.readouterr().err
+    build_model_from_checkpoint(load_checkpoint(step1), _cfg(path, step=2), "g.pth")
+    assert "mask_bits" not in capsys.readouterr().err
+    # a list that does not fit the model is refused by the config, naming the count
+    from gnetmdk.config import ConfigError
+    with pytest.raises(ConfigError, match="mask_bits.*GNetDet-224 has 6 major layers"):
+        _cfg(path, "mask_bits", "8,3,3,3,8", step=2)
 
 
 def test_resume_gives_the_same_weights(workdir, tmp_path):

@@ -124,12 +124,16 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
             meta["weight_scale"] = cfg.weight_scale
         # the weight schemes (mask_bits) likewise: a float model takes the config's (its weights do not
         # depend on them; set after step 1, they must not be dropped), a quantized one keeps its own
+        recorded = [int(b) for b in meta.get("mask_bits", [])]
+        wanted = _config_mask_bits(cfg, ckpt["model_meta"])
         if ckpt.get("stage") in QUANTIZED_STAGES:
-            if cfg.mask_bits and [int(b) for b in cfg.mask_bits] != [int(b) for b in meta.get("mask_bits", [])]:
-                print(f"note: checkpoint '{path}' ({ckpt.get('stage')}) was trained with mask_bits "
-                      f"{meta.get('mask_bits')}; keeping them (the config's {list(cfg.mask_bits)} apply to "
-                      f"step-1 models)", file=sys.stderr)
+            if wanted is not None and recorded and wanted != recorded:
+                print(f"note: checkpoint '{path}' ({ckpt.get('stage')}) was trained with mask_bits {recorded}; "
+                      f"keeping them (the config's {wanted} apply to step-1 models)", file=sys.stderr)
         else:
+            if wanted is not None and recorded and wanted != recorded:
+                print(f"note: checkpoint '{path}' ({ckpt.get('stage')}, float) recorded mask_bits {recorded}; "
+                      f"the config's {wanted} apply", file=sys.stderr)
             meta["mask_bits"] = [int(b) for b in cfg.mask_bits]      # [] = the chip's default
         # gain-aware quantization acts in step 3 only: a step-3 model is evaluated as it was trained
         # (a step-3 checkpoint from before the option: GTI's flow), any other takes the config's
@@ -150,6 +154,25 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
     if ckpt.get("calibrated_caps"):          # a step-4 model: its caps before gain editing travel with it
         model.calibrated_caps = [float(c) for c in ckpt["calibrated_caps"]]
     return model
+
+
+def _config_mask_bits(cfg, meta: Dict[str, Any]):
+    """The schemes per major layer the config asks for, the chip's default filled in for ``[]``
+    (GNetDet); None when that cannot be worked out (another model, a size the table lacks)."""
+    if cfg.mask_bits:
+        return [int(b) for b in cfg.mask_bits]
+    if meta.get("name") != "gnetdet":
+        return None
+    from gnetmdk.layers.gnetdet import gnetdet_layers
+    try:
+        layers = gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
+                                str(meta["chip"]), ())
+    except Exception:
+        return None
+    schemes: Dict[int, int] = {}
+    for ls in layers:
+        schemes[ls.major] = ls.scheme
+    return [schemes[m] for m in sorted(schemes)]
 
 
 def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:

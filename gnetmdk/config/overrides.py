@@ -292,6 +292,12 @@ def validate_config(cfg: BaseConfig) -> None:
         if bits not in spec.schemes:
             bad("mask_bits", f"major layer {i + 1} asks for scheme {bits}, chip {cfg.chip} has "
                 f"{sorted(spec.schemes)}")
+    if cfg.mask_bits and cfg.model_name == "gnetdet" and cfg.image_size in (224, 448):
+        from gnetmdk.layers.gnetdet import GNETDET_224, GNETDET_448
+        majors = len(GNETDET_224 if cfg.image_size == 224 else GNETDET_448)
+        if len(cfg.mask_bits) != majors:
+            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one scheme per "
+                f"major layer, or [] for the chip's default")
 
 
 def load_config(config_file: str | None = None, overrides: Sequence[str] = (), step: int | None = None,

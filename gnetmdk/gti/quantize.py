@@ -136,6 +136,10 @@ def _nearest_level(r: torch.Tensor, levels: Tuple[float, ...], inplace: bool = F
     return q
 
 
+#: midpoint crossings searched per pass of _mse_scale's sweep (bounds its temporaries on wide layers)
+_SWEEP_CHUNK_VALUES = 1 << 20
+
+
 def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -> torch.Tensor:
     """Per-kernel d in {Q_s(f * max|w| / top level)}, f = 0.15..1 (``candidates`` values), minimising
     ||w - w_q||^2 with every weight at its nearest level (a tie goes to the lower one; a zero weight
@@ -150,11 +154,11 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
         prefix sum, (K, M * 9) values instead of (K, C, 9). 2-4x faster than the direct form below.
       * 5-bit (15 midpoints, where the sweep is slower): every (kernel, candidate, weight) level from
         _nearest_level, in chunks.
-    The chosen d are those of the definition (tests/test_quantize.py,
-    test_mse_scale_matches_the_definition, exact arithmetic). The sweep compares d < |w| / m in
-    float64 while the final assignment rounds |w| / d in the weights' dtype; they can differ only for
-    a quotient within one float32 ulp of a midpoint, where the two levels' errors are equal to that
-    precision.
+    The errors are float64 (rounded, not exact); on the test kernels the chosen d equal those of the
+    definition in exact rational arithmetic (tests/test_quantize.py,
+    test_mse_scale_matches_the_definition). The sweep compares d < |w| / m in float64 while the final
+    assignment rounds |w| / d in the weights' dtype; they can differ only for a quotient within one
+    float32 ulp of a midpoint, where the two levels' errors are equal to that precision.
 
     Args:
         w: (O, I, 3, 3) float weights; scheme: 1, 2, 3 or 5; shift: the sublayer's shift.
@@ -176,19 +180,24 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
         p2 = (a > 0).sum(1, keepdim=True).double().expand(k, candidates)
         pa = a.double().sum(1, keepdim=True).expand(k, candidates)
     elif len(highs) <= 3:
-        a64 = a.double()
         inv_mid = torch.tensor([2.0 / (lo + hi) for lo, hi in zip(lows, highs)], dtype=torch.float64, device=dev)
-        t = torch.searchsorted(dd, (inv_mid.view(1, -1, 1) * a64.unsqueeze(1)).reshape(k, -1))  # (K, M*n)
         step = torch.tensor([hi - lo for lo, hi in zip(lows, highs)], dtype=torch.float64, device=dev)
         step_sq = torch.tensor([hi * hi - lo * lo for lo, hi in zip(lows, highs)], dtype=torch.float64,
-                               device=dev)
-        p2 = torch.zeros(k, candidates + 1, dtype=torch.float64, device=dev)
-        p2.scatter_add_(1, t, step_sq.repeat_interleave(n).expand(k, -1))
-        pa = torch.zeros(k, candidates + 1, dtype=torch.float64, device=dev)
-        pa.scatter_add_(1, t, (step.view(1, -1, 1) * a64.unsqueeze(1)).reshape(k, -1))
-        # candidate c takes the weights with t > c: all of them less those with t <= c
-        p2 = p2.sum(1, keepdim=True) - p2[:, :candidates].cumsum(1)
-        pa = pa.sum(1, keepdim=True) - pa[:, :candidates].cumsum(1)
+                               device=dev).repeat_interleave(n)
+        p2 = torch.empty(k, candidates, dtype=torch.float64, device=dev)
+        pa = torch.empty_like(p2)
+        chunk = max(1, _SWEEP_CHUNK_VALUES // (len(highs) * n))     # kernels per pass: a few MB of temporaries
+        for start in range(0, k, chunk):
+            a64 = a[start:start + chunk].double().unsqueeze(1)                         # (k, 1, n)
+            kk = a64.shape[0]
+            t = torch.searchsorted(dd[start:start + chunk], (inv_mid.view(1, -1, 1) * a64).reshape(kk, -1))
+            s2 = torch.zeros(kk, candidates + 1, dtype=torch.float64, device=dev)
+            s2.scatter_add_(1, t, step_sq.expand(kk, -1))
+            sa = torch.zeros(kk, candidates + 1, dtype=torch.float64, device=dev)
+            sa.scatter_add_(1, t, (step.view(1, -1, 1) * a64).reshape(kk, -1))
+            # candidate c takes the weights with t > c: all of them less those with t <= c
+            p2[start:start + chunk] = s2.sum(1, keepdim=True) - s2[:, :candidates].cumsum(1)
+            pa[start:start + chunk] = sa.sum(1, keepdim=True) - sa[:, :candidates].cumsum(1)
     else:
         p2 = torch.empty(k, candidates, dtype=torch.float64, device=dev)
         pa = torch.empty_like(p2)
