@@ -53,7 +53,7 @@ class Config(BaseConfig):
     # (8-bit); here the first major layer (two convs, 2.7k weights) is 8-bit too. Quantizing the step-1
     # model without training cost 1.5-6.9 points with the default and at most 1.9 with this (five seeds);
     # after steps 2-4, step 4 was within 2 points of step 1 in five seeds of five, mean -0.0 points,
-    # against four of five, mean -0.7 (session 9, docs/results.md)
+    # against four of five, mean -0.7; two more seeds end to end: -1.9 and -2.1 (session 9, docs/results.md)
     mask_bits = [8, 3, 3, 3, 3, 8]
     per_step = {
         # step 1: 160 epochs (130 before session 7, when a step ran at 31-39 images/s instead of 45-47;
