@@ -126,14 +126,13 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
         # depend on them; set after step 1, they must not be dropped), a quantized one keeps its own
         recorded = [int(b) for b in meta.get("mask_bits", [])]
         wanted = _config_mask_bits(cfg, ckpt["model_meta"])
-        if ckpt.get("stage") in QUANTIZED_STAGES:
-            if wanted is not None and recorded and wanted != recorded:
-                print(f"note: checkpoint '{path}' ({ckpt.get('stage')}) was trained with mask_bits {recorded}; "
-                      f"keeping them (the config's {wanted} apply to step-1 models)", file=sys.stderr)
-        else:
-            if wanted is not None and recorded and wanted != recorded:
-                print(f"note: checkpoint '{path}' ({ckpt.get('stage')}, float) recorded mask_bits {recorded}; "
-                      f"the config's {wanted} apply", file=sys.stderr)
+        quantized = ckpt.get("stage") in QUANTIZED_STAGES
+        if wanted is not None and recorded and wanted != recorded:
+            print(f"note: checkpoint '{path}' ({ckpt.get('stage')}" + (
+                  f") was trained with mask_bits {recorded}; keeping them (the config's {wanted} apply to "
+                  f"step-1 models)" if quantized else
+                  f", float) recorded mask_bits {recorded}; the config's {wanted} apply"), file=sys.stderr)
+        if not quantized:
             meta["mask_bits"] = [int(b) for b in cfg.mask_bits]      # [] = the chip's default
         # gain-aware quantization acts in step 3 only: a step-3 model is evaluated as it was trained
         # (a step-3 checkpoint from before the option: GTI's flow), any other takes the config's
@@ -163,16 +162,12 @@ def _config_mask_bits(cfg, meta: Dict[str, Any]):
         return [int(b) for b in cfg.mask_bits]
     if meta.get("name") != "gnetdet":
         return None
-    from gnetmdk.layers.gnetdet import gnetdet_layers
+    from gnetmdk.layers.gnetdet import gnetdet_layers, major_schemes
     try:
-        layers = gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
-                                str(meta["chip"]), ())
+        return major_schemes(gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]),
+                                            float(meta["width_mult"]), str(meta["chip"]), ()))
     except Exception:
         return None
-    schemes: Dict[int, int] = {}
-    for ls in layers:
-        schemes[ls.major] = ls.scheme
-    return [schemes[m] for m in sorted(schemes)]
 
 
 def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:

@@ -91,6 +91,14 @@ def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, c
     return layers
 
 
+def major_schemes(layers: Sequence[LayerSpec]) -> List[int]:
+    """The weight scheme of each major layer, in order (the ``mask_bits`` list of a layer list)."""
+    out: Dict[int, int] = {}
+    for ls in layers:
+        out[ls.major] = ls.scheme
+    return [out[m] for m in sorted(out)]
+
+
 def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: int) -> None:
     """Refuse a layer list the chip cannot run (gti-chip.md, "Limits").
 
@@ -248,10 +256,7 @@ class GNetDet(nn.Module):
                 "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware}
 
     def mask_bits(self) -> List[int]:
-        out: Dict[int, int] = {}
-        for ls in self.specs:
-            out[ls.major] = ls.scheme
-        return [out[m] for m in sorted(out)]
+        return major_schemes(self.specs)
 
     def convs(self) -> List[QConv2d]:
         return [l.conv for l in self.layers]
