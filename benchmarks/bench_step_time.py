@@ -2,16 +2,22 @@
 """Step time of step 3 (quantized weights and 5-bit activations) over step 1 (float), same model and
 batch, and data-loading images/s against training images/s. Prints ratios; asserts nothing.
 
+The two steps are timed in alternating blocks (step 1, step 3, then step 3, step 1, ...), and the
+ratio printed is the median of the blocks' ratios: on a shared or throttling machine, timing all of
+step 1 and then all of step 3 let a change of speed in between pass for a difference between them
+(one box gave 1.10, 1.26 and 1.58 in three back-to-back runs of the old sequential form).
+
 The loader is timed twice: alone (can it keep up at all?) and in the loop, as the trainer runs it,
 with each step's batch drawn from the DataLoader. On a small machine the two can disagree: workers that
 load fast alone may still take cores from the training threads (docs/training.md).
 
-    python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [overrides...]
+    python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [--rounds 5] [overrides...]
 
 Goal (issue "staged pipeline"): step3 / step1 <= 1.15.
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -28,18 +34,37 @@ from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
 from gnetmdk.layers.registry import model_from_config  # noqa: E402
 
 
-def time_steps(model, batch, iters, warmup=3):
+def time_interleaved(models, batch, iters, rounds, warmup=3):
+    """Seconds per training step of each model, timed in alternating blocks.
+
+    The ``iters`` timed steps per model are split into ``rounds`` blocks; round r runs one block of
+    every model, in the order given for even r and reversed for odd r (A B, B A, ...), so that a
+    change in the machine's speed during the run reaches all models alike instead of whichever ran
+    last. Returns one list per model of its per-round seconds per step.
+    """
     images, targets = batch
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model.train()
-    for i in range(warmup + iters):
-        if i == warmup:
-            t0 = time.perf_counter()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-5) for m in models]
+
+    def step(model, opt):
         loss = model.loss(model(images), targets)["total"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return (time.perf_counter() - t0) / iters
+
+    for model, opt in zip(models, opts):
+        model.train()
+        for _ in range(warmup):
+            step(model, opt)
+    per_round = max(1, iters // rounds)
+    times = [[] for _ in models]
+    for r in range(rounds):
+        order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
+        for j in order:
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                step(models[j], opts[j])
+            times[j].append((time.perf_counter() - t0) / per_round)
+    return times
 
 
 def time_loop(model, loader, iters, warmup=2):
@@ -65,7 +90,9 @@ def time_loop(model, loader, iters, warmup=2):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed steps per model (default 20)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="blocks the timed steps are split into, alternating step 1 and step 3 (default 5)")
     args, overrides = p.parse_known_args()
     cfg = build_config(load_config_class(args.config), overrides, step=1)
     if cfg.threads > 0:
@@ -89,13 +116,17 @@ def main():
         quant_model(images)
     apply_stage(quant_model, STAGES["step3"])
 
-    t1 = time_steps(float_model, batch, args.iters)
-    t3 = time_steps(quant_model, batch, args.iters)
+    rounds = max(1, min(args.rounds, args.iters))
+    r1, r3 = time_interleaved([float_model, quant_model], batch, args.iters, rounds)
+    t1, t3 = statistics.median(r1), statistics.median(r3)
+    ratios = [b / a for a, b in zip(r1, r3)]
     print(f"model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}, batch {cfg.batch_size}, "
-          f"threads {torch.get_num_threads()}")
-    print(f"step 1 (float)      {t1 * 1000:8.1f} ms/step  {cfg.batch_size / t1:7.1f} img/s")
-    print(f"step 3 (quantized)  {t3 * 1000:8.1f} ms/step  {cfg.batch_size / t3:7.1f} img/s")
-    print(f"ratio step3/step1   {t3 / t1:8.3f}   (goal <= 1.15)")
+          f"threads {torch.get_num_threads()}, weight_scale {cfg.weight_scale}; "
+          f"{rounds} rounds of {max(1, args.iters // rounds)} steps per model, alternating")
+    print(f"step 1 (float)      {t1 * 1000:8.1f} ms/step  {cfg.batch_size / t1:7.1f} img/s  (median of rounds)")
+    print(f"step 3 (quantized)  {t3 * 1000:8.1f} ms/step  {cfg.batch_size / t3:7.1f} img/s  (median of rounds)")
+    print(f"ratio step3/step1   {statistics.median(ratios):8.3f}   (median of the rounds' ratios, "
+          f"{min(ratios):.3f}-{max(ratios):.3f}; goal <= 1.15)")
 
     # data loading alone (augmentation on, as in training), then training throughput
     ds.set_epoch(1)

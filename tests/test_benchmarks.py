@@ -1,0 +1,44 @@
+"""The benchmark scripts' own logic (their numbers are machine-dependent and not asserted)."""
+import importlib.util
+import os
+
+import torch
+import torch.nn as nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Recorder(nn.Module):
+    """A one-parameter 'model' that logs each forward under its tag."""
+
+    def __init__(self, tag, log):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.tag, self.log = tag, log
+
+    def forward(self, x):
+        self.log.append(self.tag)
+        return x * self.w
+
+    def loss(self, out, targets):
+        return {"total": (out - targets).square().sum()}
+
+
+def test_step_time_blocks_alternate_and_every_round_is_timed():
+    bench = _load("bench_step_time")
+    log = []
+    a, b = _Recorder("a", log), _Recorder("b", log)
+    batch = (torch.ones(2, 1), torch.zeros(2, 1))
+    times = bench.time_interleaved([a, b], batch, iters=6, rounds=3, warmup=1)
+    # warm-up one step each, then blocks of 2 steps: a b | b a | a b
+    assert log == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+    assert [len(t) for t in times] == [3, 3]
+    assert all(t > 0 for ts in times for t in ts)
+    assert float(a.w.detach()) < 1.0 and float(b.w.detach()) < 1.0         # the steps really trained (optimizer ran)
