@@ -1,4 +1,5 @@
 """End to end: every stage on real images (../shared/data/cards), tiny model; resume; CLI refusals."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -96,6 +97,24 @@ def test_every_stage_writes_its_checkpoint(pipeline):
     for stage in ("step1", "step3"):
         files = os.listdir(os.path.join(root, "log", stage))
         assert any(f.startswith("events.out.tfevents") for f in files)
+
+
+def test_summary_says_when_the_best_model_was_reached(pipeline):
+    root, _, summaries = pipeline
+    for name in ("step1", "step2", "step3", "step4"):
+        s = summaries[name]
+        best = load_checkpoint(os.path.join(root, "checkpoint", name, "best.pth"))
+        assert s["best_epoch"] == best["epoch"]                  # the epoch whose evaluation wrote best.pth
+        assert best["best_map"] == s["best_map"]
+        assert 0.0 < s["best_seconds"] <= s["seconds"]
+    assert "best_epoch" not in summaries["cal"]
+    # the pipeline tool's table shows it beside the stage time
+    spec = importlib.util.spec_from_file_location("run_pipeline", os.path.join(ROOT, "tools", "run_pipeline.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    table = tool.format_table([("step1", 0.0, 0.95, 150, 1541.4, 1643.0), ("cal", 0.95, 0.92, None, None, 15.0)])
+    assert table.splitlines()[2].split() == ["step1", "0.0000", "0.9500", "150,", "1541", "1643"]
+    assert table.splitlines()[3].split() == ["cal", "0.9500", "0.9200", "-", "15"]
 
 
 def test_step1_has_bn_and_step2_is_folded(pipeline):

@@ -30,13 +30,18 @@ def stage_config(klass, name, overrides):
 
 
 def format_table(rows):
-    """Rows of (stage, entry mAP, best mAP, seconds) -> printable table."""
-    lines = ["stage    entry mAP   best mAP   seconds",
-             "-------  ----------  ---------  -------"]
-    for name, entry, best, secs in rows:
+    """Rows of (stage, entry mAP, best mAP, best epoch, seconds to best, seconds) -> printable table.
+
+    "best at" is the epoch whose evaluation gave the best mAP and the seconds from the stage's start
+    until its best.pth was written ("-" for cal, or for a best from before a resume).
+    """
+    lines = ["stage    entry mAP   best mAP   best at (epoch, s)  seconds",
+             "-------  ----------  ---------  ------------------  -------"]
+    for name, entry, best, best_epoch, best_secs, secs in rows:
         e = "-" if entry is None else f"{entry:.4f}"
         b = "-" if best is None else f"{best:.4f}"
-        lines.append(f"{name:<7}  {e:>10}  {b:>9}  {secs:7.0f}")
+        at = "-" if best_epoch is None or best_secs is None else f"{best_epoch}, {best_secs:.0f}"
+        lines.append(f"{name:<7}  {e:>10}  {b:>9}  {at:>18}  {secs:7.0f}")
     return "\n".join(lines)
 
 
@@ -68,7 +73,8 @@ def main(argv=None):
             cfg = stage_config(klass, name, overrides)
             print(f"\n===== {name} =====", flush=True)
             s = run_stage(cfg)
-            rows.append((name, s.get("entry_map"), s.get("best_map"), s.get("seconds", 0.0)))
+            rows.append((name, s.get("entry_map"), s.get("best_map"), s.get("best_epoch"), s.get("best_seconds"),
+                         s.get("seconds", 0.0)))
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -77,7 +83,8 @@ def main(argv=None):
     print(f"total {time.time() - t0:.0f}s")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump([dict(stage=r[0], entry_map=r[1], best_map=r[2], seconds=r[3]) for r in rows], fh, indent=2)
+            json.dump([dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4],
+                            seconds=r[5]) for r in rows], fh, indent=2)
     return 0
 
 

@@ -518,7 +518,13 @@ class Trainer:
         return DDP(model, device_ids=ids, forward_sync_buffers=False)
 
     def run(self) -> Dict[str, object]:
-        """Run the stage; returns a summary (entry_map, best_map, final_map, caps, timings, paths)."""
+        """Run the stage; returns a summary (entry_map, best_map, final_map, caps, timings, paths).
+
+        ``best_epoch`` / ``best_seconds``: the epoch whose evaluation set best_map (0: the entry model)
+        and the seconds from the stage's start until that best.pth was written, so the time a run took
+        to reach its accuracy can be read apart from the time its schedule took (None when best_map
+        comes from before a ``--resume``).
+        """
         cfg, stage = self.cfg, self.stage
         t_start = time.time()
         self.check_output_dir()
@@ -526,6 +532,7 @@ class Trainer:
         self.build_model()
         self.best_map = -1.0
         self.last_map = None
+        self.best_epoch = self.best_seconds = None
         self.iteration = 0
         self.start_epoch = 0
         self.start_batch = 0
@@ -571,6 +578,7 @@ class Trainer:
             # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
             self.best_map = res["map"]
             self.save("best.pth", 0, 0)
+            self.best_epoch, self.best_seconds = 0, time.time() - t_start
         if cfg.num_epochs == 0 and self.resume_state is None:
             if not cfg.eval_before:
                 self.save("best.pth", 0, 0)
@@ -586,7 +594,7 @@ class Trainer:
                    f"(loc {tr['loc']:.3f} conf {tr['conf']:.3f} noresp {tr['noresp']:.3f} noobj {tr['noobj']:.3f} "
                    f"cls {tr['cls']:.3f}{' range %.3f' % tr['range'] if 'range' in tr else ''}) "
                    f"lr {self.optimizer.param_groups[0]['lr']:.2e} "
-                   f"{tr['images_per_s']:.1f} img/s")
+                   f"{tr['images_per_s']:.1f} img/s, {(time.time() - t_start) / 60:.1f} min")
             if do_eval:
                 res = self.evaluate(f"epoch{epoch + 1}")
                 self.last_map = res["map"]
@@ -597,6 +605,7 @@ class Trainer:
                 if better:
                     self.best_map = res["map"]
                     self.save("best.pth", epoch + 1, self.iteration)
+                    self.best_epoch, self.best_seconds = epoch + 1, time.time() - t_start
                     msg += " *best*"
             self.save("last.pth", epoch + 1, self.iteration, full=True)
             self.log(msg)
@@ -605,9 +614,11 @@ class Trainer:
             self.writer.flush()
             self.writer.close()
         self.summary.update(best_map=self.best_map, final_map=self.last_map, seconds=time.time() - t_start,
-                            best_path=os.path.join(self.out_dir, "best.pth"))
+                            best_path=os.path.join(self.out_dir, "best.pth"), best_epoch=self.best_epoch,
+                            best_seconds=self.best_seconds)
+        when = "" if self.best_epoch is None else f" (epoch {self.best_epoch}, {self.best_seconds:.0f}s)"
         self.log(f"[{stage.name}] done in {self.summary['seconds']:.0f}s: entry mAP "
-                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(self.best_map)} -> "
+                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(self.best_map)}{when} -> "
                  f"{self.summary['best_path']}")
         return self.summary
 
