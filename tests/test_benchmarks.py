@@ -42,3 +42,12 @@ def test_step_time_blocks_alternate_and_every_round_is_timed():
     assert [len(t) for t in times] == [3, 3]
     assert all(t > 0 for ts in times for t in ts)
     assert float(a.w.detach()) < 1.0 and float(b.w.detach()) < 1.0         # the steps really trained (optimizer ran)
+
+
+def test_step_time_ratio_is_the_median_of_the_rounds_ratios():
+    bench = _load("bench_step_time")
+    base = [1.0, 2.0, 1.0, 1.0]                  # round 2: a burst slowed both blocks
+    other = [1.1, 2.4, 1.3, 1.2]
+    t1, t3, ratio, low, high = bench.summarize_rounds(base, other)
+    assert (t1, t3) == (1.0, 1.25)
+    assert abs(ratio - 1.2) < 1e-12 and abs(low - 1.1) < 1e-12 and abs(high - 1.3) < 1e-12

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gnetmdk.checkpoint.io import load_checkpoint, build_model_from_checkpoint
+from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint, save_checkpoint
 from gnetmdk.config import build_config, load_config_class
 from gnetmdk.dataset.voc import convert_voc_to_meta
 from gnetmdk.engine import trainer as trainer_mod
@@ -108,7 +108,9 @@ def test_summary_says_when_the_best_model_was_reached(pipeline):
         assert best["best_map"] == s["best_map"]
         assert 0.0 < s["best_seconds"] <= s["seconds"]
     assert "best_epoch" not in summaries["cal"]
-    # the pipeline tool's table shows it beside the stage time
+
+
+def test_pipeline_table_shows_when_best_was_reached():
     spec = importlib.util.spec_from_file_location("run_pipeline", os.path.join(ROOT, "tools", "run_pipeline.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -299,7 +301,8 @@ def test_resume_gives_the_same_weights(workdir, tmp_path):
     torch.set_num_threads(1)
     over = ["num_epochs", "2", "eval_interval", "5", "eval_before", "false"]
     straight = _cfg(path, *over, "checkpoint_root", str(tmp_path / "a"), "log_root", str(tmp_path / "la"), step=1)
-    run_stage(straight)
+    s_straight = run_stage(straight)
+    assert s_straight["best_epoch"] == 2              # no entry evaluation; the only one is after epoch 2
     interrupted = _cfg(path, *over, "checkpoint_root", str(tmp_path / "b"), "log_root", str(tmp_path / "lb"),
                        step=1)
     original = trainer_mod.Trainer.train_one_epoch
@@ -317,9 +320,16 @@ def test_resume_gives_the_same_weights(workdir, tmp_path):
         trainer_mod.Trainer.train_one_epoch = original
     half = load_checkpoint(str(tmp_path / "b" / "step1" / "last.pth"))
     assert half["epoch"] == 1
+    assert half["best_epoch"] is None and half["elapsed"] > 0
+    half["elapsed"] = 1000.0                           # as if the first part had taken 1000 s
+    save_checkpoint(str(tmp_path / "b" / "step1" / "last.pth"), half)
     resumed = _cfg(path, *over, "checkpoint_root", str(tmp_path / "b"), "log_root", str(tmp_path / "lb"),
                    "resume", "true", step=1)
-    run_stage(resumed)
+    s_resumed = run_stage(resumed)
+    # the stage clock runs on from the interrupted run's checkpoint: the time before it is counted
+    assert s_resumed["best_epoch"] == 2
+    assert 1000.0 < s_resumed["best_seconds"] <= s_resumed["seconds"] < 1000.0 + 300
+    assert load_checkpoint(str(tmp_path / "b" / "step1" / "best.pth"))["best_seconds"] == s_resumed["best_seconds"]
     a = load_checkpoint(str(tmp_path / "a" / "step1" / "last.pth"))
     b = load_checkpoint(str(tmp_path / "b" / "step1" / "last.pth"))
     assert a["iteration"] == b["iteration"] == 4

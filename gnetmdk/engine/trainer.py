@@ -233,6 +233,8 @@ class Trainer:
               "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
               "caps": [float(r.cap.detach()) for r in self.eval_model.relus()], "config": self.cfg.to_dict(),
               "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
+              "best_epoch": getattr(self, "best_epoch", None), "best_seconds": getattr(self, "best_seconds", None),
+              "elapsed": time.time() - self.t_start if getattr(self, "t_start", None) is not None else None,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
               "world_size": self.world_size}
         if getattr(m, "calibrated_caps", None):
@@ -522,11 +524,13 @@ class Trainer:
 
         ``best_epoch`` / ``best_seconds``: the epoch whose evaluation set best_map (0: the entry model)
         and the seconds from the stage's start until that best.pth was written, so the time a run took
-        to reach its accuracy can be read apart from the time its schedule took (None when best_map
-        comes from before a ``--resume``).
+        to reach its accuracy can be read apart from the time its schedule took. Stage seconds (these,
+        ``seconds`` and the minutes on each epoch line) run on across a ``--resume``: the checkpoint
+        carries the seconds spent before it (``elapsed``), and the time between the interruption and
+        the resume is not counted. None for a checkpoint written before these keys existed.
         """
         cfg, stage = self.cfg, self.stage
-        t_start = time.time()
+        t_start = self.t_start = time.time()
         self.check_output_dir()
         self.build_data()
         self.build_model()
@@ -568,6 +572,9 @@ class Trainer:
             if self.start_batch >= self.iters_per_epoch:
                 self.start_epoch, self.start_batch = self.start_epoch + 1, 0
             self.best_map = float(st.get("best_map", -1.0))
+            self.best_epoch, self.best_seconds = st.get("best_epoch"), st.get("best_seconds")
+            # the stage's clock goes on from where the interrupted run's last checkpoint left it
+            t_start = self.t_start = t_start - float(st.get("elapsed") or 0.0)
             self.summary["entry_map"] = st.get("entry_map")
         elif cfg.eval_before:
             res = self.evaluate("entry")
@@ -577,10 +584,11 @@ class Trainer:
             self.scalar(f"{stage.name}/mAP", res["map"], 0)
             # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
             self.best_map = res["map"]
-            self.save("best.pth", 0, 0)
             self.best_epoch, self.best_seconds = 0, time.time() - t_start
+            self.save("best.pth", 0, 0)
         if cfg.num_epochs == 0 and self.resume_state is None:
             if not cfg.eval_before:
+                self.best_epoch, self.best_seconds = 0, time.time() - t_start
                 self.save("best.pth", 0, 0)
             self.save("last.pth", 0, 0, full=True)
         self.align.before_train(self)
@@ -594,7 +602,7 @@ class Trainer:
                    f"(loc {tr['loc']:.3f} conf {tr['conf']:.3f} noresp {tr['noresp']:.3f} noobj {tr['noobj']:.3f} "
                    f"cls {tr['cls']:.3f}{' range %.3f' % tr['range'] if 'range' in tr else ''}) "
                    f"lr {self.optimizer.param_groups[0]['lr']:.2e} "
-                   f"{tr['images_per_s']:.1f} img/s, {(time.time() - t_start) / 60:.1f} min")
+                   f"{tr['images_per_s']:.1f} img/s")
             if do_eval:
                 res = self.evaluate(f"epoch{epoch + 1}")
                 self.last_map = res["map"]
@@ -604,11 +612,11 @@ class Trainer:
                 self.scalar(f"{stage.name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
                 if better:
                     self.best_map = res["map"]
-                    self.save("best.pth", epoch + 1, self.iteration)
                     self.best_epoch, self.best_seconds = epoch + 1, time.time() - t_start
+                    self.save("best.pth", epoch + 1, self.iteration)
                     msg += " *best*"
             self.save("last.pth", epoch + 1, self.iteration, full=True)
-            self.log(msg)
+            self.log(f"{msg} ({(time.time() - t_start) / 60:.1f} min)")
         barrier()
         if self.writer is not None:
             self.writer.flush()
