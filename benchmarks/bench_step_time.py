@@ -12,7 +12,7 @@ with each step's batch drawn from the DataLoader (that loop is timed in one bloc
 On a small machine the two can disagree: workers that load fast alone may still take cores from the
 training threads (docs/training.md).
 
-    python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [--rounds 4] [overrides...]
+    python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [--rounds 4] [--batchnorm] [overrides...]
 
 Goal (issue "staged pipeline"): step3 / step1 <= 1.15.
 """
@@ -35,6 +35,14 @@ from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
 from gnetmdk.layers.registry import model_from_config  # noqa: E402
 
 
+def train_step(model, opt, images, targets):
+    """One training step as the trainer takes it: forward, loss, backward, optimizer step."""
+    loss = model.loss(model(images), targets)["total"]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def time_interleaved(models, batch, iters, rounds, warmup=3):
     """Seconds per training step of each model, timed in alternating blocks.
 
@@ -46,17 +54,10 @@ def time_interleaved(models, batch, iters, rounds, warmup=3):
     """
     images, targets = batch
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-5) for m in models]
-
-    def step(model, opt):
-        loss = model.loss(model(images), targets)["total"]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
     for model, opt in zip(models, opts):
         model.train()
         for _ in range(warmup):
-            step(model, opt)
+            train_step(model, opt, images, targets)
     per_round = max(1, iters // rounds)
     times = [[] for _ in models]
     for r in range(rounds):
@@ -64,7 +65,7 @@ def time_interleaved(models, batch, iters, rounds, warmup=3):
         for j in order:
             t0 = time.perf_counter()
             for _ in range(per_round):
-                step(models[j], opts[j])
+                train_step(models[j], opts[j], images, targets)
             times[j].append((time.perf_counter() - t0) / per_round)
     return times
 
@@ -92,11 +93,50 @@ def time_loop(model, loader, iters, warmup=2):
         except StopIteration:
             batches = iter(loader)
             images, targets, _, _ = next(batches)
-        loss = model.loss(model(images), targets)["total"]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_step(model, opt, images, targets)
     return (time.perf_counter() - t0) / iters
+
+
+def time_batchnorm(cfg, batch, iters, rounds):
+    """Step 1 of the same model with no BatchNorm, torch's BatchNorm2d and DistBatchNorm2d (what
+    every CPU run trains with), timed in alternating blocks; then single passes over a tensor of the
+    first layer's output shape (batch x 16 x 224 x 224 at width 0.25), to compare the reductions a
+    BatchNorm could be built from. Prints ms; returns nothing."""
+    from gnetmdk.dist.syncbn import convert_sync_batchnorm
+    models = []
+    for kind in ("none", "torch", "dist"):
+        torch.manual_seed(0)
+        m = model_from_config(cfg, use_bn=kind != "none")
+        apply_stage(m, STAGES["step1"])
+        if kind == "dist":
+            convert_sync_batchnorm(m)
+        if cfg.channels_last:
+            m.to(memory_format=torch.channels_last)
+        models.append(m)
+    times = time_interleaved(models, batch, iters, rounds)
+    for name, ts in zip(("no BatchNorm", "torch BatchNorm2d", "DistBatchNorm2d"), times):
+        print(f"step 1, {name:<18} {statistics.median(ts) * 1000:8.1f} ms/step (median of rounds)")
+    images = batch[0]
+    c = next(mod for mod in models[0].modules() if isinstance(mod, torch.nn.Conv2d)).out_channels
+    x = (torch.randn(images.shape[0], c, *images.shape[2:]) + 3).contiguous(memory_format=torch.channels_last)
+    m0 = x.mean((0, 2, 3)).view(1, -1, 1, 1)
+    x2 = x.permute(0, 2, 3, 1).reshape(-1, c)
+    passes = {
+        "elementwise x - mean": lambda: torch.sub(x, m0),
+        "per-channel sum, float32": lambda: x.sum(dim=(0, 2, 3)),
+        "per-channel sum, float64": lambda: x.sum(dim=(0, 2, 3), dtype=torch.float64),
+        "torch.var_mean": lambda: torch.var_mean(x, dim=(0, 2, 3), correction=0),
+        "vector_norm": lambda: torch.linalg.vector_norm(x, dim=(0, 2, 3)),
+        "x^T x (matrix product)": lambda: x2.T @ x2,
+    }
+    print(f"one pass over a {tuple(x.shape)} channels-last float32 tensor:")
+    for name, fn in passes.items():
+        for _ in range(3):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        print(f"  {name:<26} {(time.perf_counter() - t0) / 20 * 1000:7.2f} ms")
 
 
 def main():
@@ -105,7 +145,11 @@ def main():
     p.add_argument("--iters", type=int, default=20, help="timed steps per model (default 20)")
     p.add_argument("--rounds", type=int, default=4,
                    help="blocks the timed steps are split into, alternating step 1 and step 3 (default 4)")
+    p.add_argument("--batchnorm", action="store_true",
+                   help="also time step 1 with no BatchNorm, torch's and DistBatchNorm2d, and single reductions")
     args, overrides = p.parse_known_args()
+    if args.iters < 1 or args.rounds < 1:
+        p.error(f"--iters and --rounds must be at least 1 (got --iters {args.iters} --rounds {args.rounds})")
     cfg = build_config(load_config_class(args.config), overrides, step=1)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -154,6 +198,8 @@ def main():
     print(f"step 1 + loading    {cfg.batch_size / t_loop:8.1f} img/s (the same BN-less model, batches drawn "
           f"from the loader as the trainer draws them)")
     print(f"ratio loop/step     {t1 / t_loop:8.2f}   (1: loading costs the training loop nothing)")
+    if args.batchnorm:
+        time_batchnorm(cfg, batch, args.iters, rounds)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,12 @@ def test_step_time_ratio_is_the_median_of_the_rounds_ratios():
     t1, t3, ratio, low, high = bench.summarize_rounds(base, other)
     assert (t1, t3) == (1.0, 1.25)
     assert abs(ratio - 1.2) < 1e-12 and abs(low - 1.1) < 1e-12 and abs(high - 1.3) < 1e-12
+
+
+def test_step_time_refuses_zero_rounds_with_one_message():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_step_time.py"), "--rounds", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--rounds must be at least 1" in r.stderr and "Traceback" not in r.stderr

@@ -519,6 +519,11 @@ class Trainer:
         # buffers (BN running stats, caps) are equal on every rank (synchronised BN): synced once at init only
         return DDP(model, device_ids=ids, forward_sync_buffers=False)
 
+    def save_best(self, epoch: int, iteration: int, t_start: float) -> None:
+        """Write best.pth for ``epoch``, recording that epoch and the stage seconds so far in it."""
+        self.best_epoch, self.best_seconds = epoch, time.time() - t_start
+        self.save("best.pth", epoch, iteration)
+
     def run(self) -> Dict[str, object]:
         """Run the stage; returns a summary (entry_map, best_map, final_map, caps, timings, paths).
 
@@ -584,12 +589,10 @@ class Trainer:
             self.scalar(f"{stage.name}/mAP", res["map"], 0)
             # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
             self.best_map = res["map"]
-            self.best_epoch, self.best_seconds = 0, time.time() - t_start
-            self.save("best.pth", 0, 0)
+            self.save_best(0, 0, t_start)
         if cfg.num_epochs == 0 and self.resume_state is None:
             if not cfg.eval_before:
-                self.best_epoch, self.best_seconds = 0, time.time() - t_start
-                self.save("best.pth", 0, 0)
+                self.save_best(0, 0, t_start)
             self.save("last.pth", 0, 0, full=True)
         self.align.before_train(self)
         for epoch in range(self.start_epoch, cfg.num_epochs):
@@ -612,8 +615,7 @@ class Trainer:
                 self.scalar(f"{stage.name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
                 if better:
                     self.best_map = res["map"]
-                    self.best_epoch, self.best_seconds = epoch + 1, time.time() - t_start
-                    self.save("best.pth", epoch + 1, self.iteration)
+                    self.save_best(epoch + 1, self.iteration, t_start)
                     msg += " *best*"
             self.save("last.pth", epoch + 1, self.iteration, full=True)
             self.log(f"{msg} ({(time.time() - t_start) / 60:.1f} min)")
