@@ -89,11 +89,11 @@ def _one_process(args, threads: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from gnetmdk.dist.parallel import wrap_ddp
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     m = _model(args.width, args.image_size)
-    ddp = DDP(m, forward_sync_buffers=False)
+    ddp = wrap_ddp(m, torch.device("cpu"))
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
     local = args.batch // world
     images, targets = _data(args.batch, args.image_size, 0)

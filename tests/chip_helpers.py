@@ -43,6 +43,7 @@ def write_config(folder: str, name: str, width_mult: float = 0.0625, max_val_ima
         "chip": "5801", "batch_size": 8, "num_workers": 0, "threads": 1, "cache_images": False,
         "max_val_images": max_val_images, "checkpoint_root": os.path.join(folder, "checkpoint"),
         "model_root": os.path.join(folder, "model"), "channels_last": False, "progress": False,
+        "device": "cpu",
     }
     body.update(extra)
     lines = ["from gnetmdk.config import BaseConfig", "", "", "class Config(BaseConfig):"]

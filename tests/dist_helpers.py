@@ -44,6 +44,7 @@ class Config(BaseConfig):
     progress = False
     warmup_epochs = 0
     learning_rate = 1e-3
+    device = "cpu"               # gloo CPU processes: the CPU behaviour is what these tests check
 '''
 
 

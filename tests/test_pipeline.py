@@ -41,6 +41,7 @@ class Config(BaseConfig):
     num_epochs = 1
     warmup_epochs = 0.5
     learning_rate = 1e-3
+    device = "cpu"               # CPU behaviour is what these tests check (the cuda lane: test_cuda.py)
 '''
 
 

@@ -68,7 +68,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    from gnetmdk.gti.chip.cli_util import eval_device, fail, user_errors
     try:
         import torch
         from gnetmdk.config import load_config
@@ -113,6 +113,8 @@ def main(argv=None) -> int:
             if not ckpt_path:
                 raise ChipModelError(f"chip model '{path}' does not name its checkpoint: pass --check CHECKPOINT")
             model, _ = load_eval_model(ckpt_path, cfg, require_stage="step4")
+            device = eval_device(cfg)              # the step-4 model on the GPU when there is one
+            model.to(device)
     except user_errors() as exc:
         return fail(str(exc))
 
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
         from gnetmdk.dataset.dataset import collate
         from gnetmdk.evaluation.evaluator import evaluate_model
         loader = DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate, num_workers=0)
-        ref = evaluate_model(model, loader, dataset, torch.device("cpu"), conf, nms, maxd)
+        ref = evaluate_model(model, loader, dataset, device, conf, nms, maxd)
         same = ref["map"] == res["map"] or (ref["map"] != ref["map"] and res["map"] != res["map"])
         print(f"\nstep-4 checkpoint mAP {ref['map']:.6f} | chip mAP {res['map']:.6f} | "
               f"{'equal' if same else 'DIFFERENT'}")

@@ -103,6 +103,7 @@ class BaseConfig:
     checkpoint_interval: int = 0            # also save last.pth every N optimizer steps (0 = epoch ends only)
     disk_reserve_mb: float = 0.0            # free disk required beyond the estimated checkpoint size
     device: str = "auto"                    # auto | cpu | cuda
+    tf32: bool = False                      # CUDA: float32 convs / matmuls in TF32 (faster, 10-bit mantissa); never exact paths
     cpu_keep_memory: bool = True            # CPU: malloc keeps freed memory (no page faults per step; docs/training.md)
 
     # ---------------------------------------------------------------- stages

@@ -169,8 +169,9 @@ class DetectionDataset(Dataset):
             are clipped, those keeping less than 30% of their area (or under 2 pixels) are dropped.
 
     ``__getitem__`` returns (image, target, index, (width, height) of the original file; for a mosaic,
-    the file of ``index``, its top-left tile): image (3, image_size, image_size) float32 holding
-    the chip's 5-bit codes 0..31 in BGR order, target (S, S, 10 + C) float32, index int.
+    the file of ``index``, its top-left tile): image (3, image_size, image_size) uint8 holding
+    the chip's 5-bit codes 0..31 in BGR order (a quarter of float32's bytes between loader processes;
+    the trainer turns them into float32 on its device), target (S, S, 10 + C) float32, index int.
 
     Raises:
         MetaFormatError (from read_meta), ImageReadError: when the meta file or an image is bad.
@@ -317,25 +318,30 @@ class DetectionDataset(Dataset):
         boxes, keep = _clip_boxes(np.concatenate(all_boxes), size, np.concatenate(all_bounds))
         return out, boxes, np.concatenate(all_labels)[keep]
 
-    def rng_for(self, index: int) -> np.random.Generator:
-        """The augmentation generator of (seed, epoch, index)."""
-        return np.random.default_rng([self.seed, self.epoch, int(index)])
+    def rng_for(self, index: int, epoch: Optional[int] = None) -> np.random.Generator:
+        """The augmentation generator of (seed, epoch, index); ``epoch`` defaults to set_epoch's."""
+        return np.random.default_rng([self.seed, self.epoch if epoch is None else int(epoch), int(index)])
 
-    def __getitem__(self, index: int):
-        rng = self.rng_for(index) if self.augment else None
+    def __getitem__(self, key):
+        """``key``: an index, or ``(index, epoch)`` (EpochBatches: the epoch travels with the index, so
+        persistent loader workers, which keep their own copy of the dataset, draw that epoch's
+        augmentation). Returns (image (3, S, S) uint8 codes, target, index, (width, height)); see the
+        class docstring."""
+        index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), None)
+        rng = self.rng_for(index, epoch) if self.augment else None
         if rng is not None and self.mosaic_prob > 0 and rng.random() < self.mosaic_prob:
             img, boxes, labels = self.prepare_mosaic(index, rng)
         else:
             img, boxes, labels = self.prepare(index, rng)
         codes = image_to_codes(img)
-        image = torch.from_numpy(np.ascontiguousarray(codes.transpose(2, 0, 1))).float()
+        image = torch.from_numpy(np.ascontiguousarray(codes.transpose(2, 0, 1)))
         target = torch.from_numpy(encode_targets(boxes, labels, self.grid, self.num_classes))
         return image, target, index, self.original_size(index)
 
 
 def collate(batch):
-    """Stack samples: images (N, 3, S, S) float32, targets (N, G, G, 10+C) float32, indices (N,) int64,
-    original sizes (N, 2) int64 as (width, height) pixels."""
+    """Stack samples: images (N, 3, S, S) uint8 (codes), targets (N, G, G, 10+C) float32, indices (N,)
+    int64, original sizes (N, 2) int64 as (width, height) pixels."""
     images = torch.stack([b[0] for b in batch])
     targets = torch.stack([b[1] for b in batch])
     indices = torch.tensor([b[2] for b in batch], dtype=torch.int64)

@@ -10,11 +10,12 @@ Called by the trainer once the model is built:
     :func:`freeze_biases_before_bn`), in every run.
 Gradient averaging is DistributedDataParallel's (Trainer.wrap_model).
 
-And for alignment runs, :func:`configure_determinism` (``cfg.deterministic``).
+The deterministic mode of alignment runs is set with the other backend switches in
+:func:`gnetmdk.engine.device.configure_backends`.
 """
 from __future__ import annotations
 
-import os
+import inspect
 from typing import List
 
 import torch
@@ -70,18 +71,16 @@ def freeze_biases_before_bn(model: torch.nn.Module) -> int:
     return n
 
 
-def configure_determinism(cfg) -> List[str]:
-    """Deterministic mode for alignment runs (``cfg.deterministic``); returns log lines.
+def wrap_ddp(model: torch.nn.Module, device: torch.device):
+    """DistributedDataParallel around ``model``, with buffers synchronised once at construction only.
 
-    Turns augmentation off (``cfg.augment = False``; the input size is fixed in this toolkit, and
-    GNetDet has no dropout-like layers), sets ``torch.use_deterministic_algorithms(True)``, cuDNN
-    deterministic without benchmarking, and CUBLAS_WORKSPACE_CONFIG for deterministic cuBLAS.
+    Every buffer (BatchNorm statistics through synchronised BN, ReLU caps) is equal on every rank, so
+    DDP's broadcast of rank 0's buffers before each forward is skipped. Torch names that switch
+    differently across the supported versions: ``forward_sync_buffers=False`` where it exists (2.13),
+    ``broadcast_buffers=False`` before (2.11); both keep the one broadcast at construction.
     """
-    if not getattr(cfg, "deterministic", False):
-        return []
-    cfg.augment = False
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    return ["deterministic mode: augmentation off, torch deterministic algorithms on"]
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ids = [device.index] if device.type == "cuda" else None
+    params = inspect.signature(DDP.__init__).parameters
+    kw = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return DDP(model, device_ids=ids, **kw)

@@ -84,3 +84,23 @@ class ShardSampler(Sampler[int]):
 
     def __iter__(self):
         return iter(self.indices)
+
+
+class EpochBatches:
+    """Batch sampler wrapper: each index of ``sampler``'s batches becomes ``(index, epoch)``.
+
+    The epoch is read from ``sampler.epoch`` when an epoch's iteration starts, in the loader's main
+    process. Datasets that accept such keys (DetectionDataset) then draw that epoch's augmentation
+    even in persistent workers, whose dataset copies never see ``set_epoch``.
+    """
+
+    def __init__(self, sampler: GlobalBatchSampler):
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        epoch = int(self.sampler.epoch)
+        for batch in self.sampler:
+            yield [(i, epoch) for i in batch]

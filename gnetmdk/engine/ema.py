@@ -43,12 +43,17 @@ class ModelEMA:
         src = model.state_dict()
         # caps are copied (calibrated, fixed) unless they train (cap_lr): then averaged like weights
         learned = {k for k, b in model.named_buffers() if b.requires_grad}
+        avg, new = [], []
         for k, v in self.module.state_dict().items():
             w = src[k]
             if v.dtype.is_floating_point and (not k.endswith(".cap") or k in learned) and not k.endswith("output_scale"):
-                v.mul_(d).add_(w.detach().to(v.dtype), alpha=1 - d)
+                avg.append(v)
+                new.append(w.detach().to(v.dtype))
             else:
                 v.copy_(w)
+        if avg:   # one multi-tensor kernel per op on CUDA (the same per-element arithmetic as v * d + (1 - d) w)
+            torch._foreach_mul_(avg, d)
+            torch._foreach_add_(avg, new, alpha=1 - d)
 
     def sync_switches(self, model: torch.nn.Module) -> None:
         """Copy layer switches (quantization on/off, caps mode) from the trained model."""

@@ -47,24 +47,31 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, params, grad_clip: float) -> float:
-        """Unscale (fp16), clip the gradient norm, step the optimizer, update the scale; returns the
-        gradient norm. Without a GradScaler a non-finite gradient norm returns it *without* stepping
-        (the trainer stops the run: the weights stay those of the last good step). With GradScaler
-        (fp16) an overflow is normal: the scaler skips that step and lowers the scale."""
+    def step(self, optimizer: torch.optim.Optimizer, params, grad_clip: float) -> torch.Tensor:
+        """Unscale (fp16), clip the gradient norm, step the optimizer, update the scale.
+
+        Returns the gradient norm before clipping as a 0-d float32 tensor on the parameters' device,
+        without reading it back (the trainer reads it with the loss terms, once per iteration, and
+        stops the run when it is not finite: such a step's weights are never written). With
+        GradScaler (fp16) an overflow is normal: the scaler skips that step and lowers the scale
+        (GradScaler itself reads its overflow flag back).
+        """
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         grads = [p for p in params if p.grad is not None]
-        if grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(grads, grad_clip))
+        if not grads:
+            dev = next(iter(params), torch.zeros(())).device if params else torch.device("cpu")
+            norm = torch.zeros((), device=dev)
+        elif grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(grads, grad_clip)
         else:
-            norm = float(torch.nn.utils.get_total_norm([p.grad for p in grads])) if grads else 0.0
+            norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
-        elif math.isfinite(norm):
+        else:
             optimizer.step()
-        return norm
+        return norm.detach()
 
     def state_dict(self) -> Optional[Dict[str, object]]:
         return self.scaler.state_dict() if self.scaler is not None else None

@@ -24,8 +24,9 @@ from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
 from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
                                reduce_mean_dict)
-from gnetmdk.dist.parallel import configure_determinism, prepare_model
-from gnetmdk.dist.sampler import GlobalBatchSampler, ShardSampler
+from gnetmdk.dist.parallel import prepare_model, wrap_ddp
+from .device import configure_backends, resolve_device
+from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.layers.registry import model_from_config
@@ -41,15 +42,6 @@ CAP_FLOOR = 1e-3
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (non-finite loss, ...); the message names the iteration and the last good checkpoint."""
-
-
-def resolve_device(cfg) -> torch.device:
-    """cfg.device "auto" -> cuda if available else cpu."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' asked for but torch sees no GPU: set device=cpu or auto")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def set_seed(seed: int) -> None:
@@ -99,7 +91,7 @@ class Trainer:
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.writer = None
-        self.parallel_notes += configure_determinism(cfg)  # before the datasets: may turn augmentation off
+        self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
         self.align = AlignmentHook(cfg)                     # record / replay / max_iters (gnetmdk.align)
 
     # ------------------------------------------------------------------ logging
@@ -140,13 +132,16 @@ class Trainer:
                                                 shuffle=shuffle, seed=cfg.seed, accumulate=accumulate)
         if self.stage.name == "cal":
             self.train_set.augment = False
-        self.train_loader = DataLoader(self.train_set, batch_sampler=self.train_sampler, num_workers=cfg.num_workers,
-                                       collate_fn=collate, worker_init_fn=seed_worker, generator=g,
-                                       pin_memory=self.device.type == "cuda")
+        # workers persist over the epochs (no start-up per epoch: the epoch travels with each index,
+        # EpochBatches) and, on CUDA, fill pinned memory so the copies to the device do not block
+        workers = dict(num_workers=cfg.num_workers, collate_fn=collate, worker_init_fn=seed_worker,
+                       pin_memory=self.device.type == "cuda", persistent_workers=cfg.num_workers > 0)
+        if cfg.num_workers > 0:
+            workers["prefetch_factor"] = 4
+        self.train_loader = DataLoader(self.train_set, batch_sampler=EpochBatches(self.train_sampler),
+                                       generator=g, **workers)
         self.val_loader = DataLoader(self.val_set, batch_size=self.local_batch,
-                                     sampler=ShardSampler(len(self.val_set), self.rank, self.world_size),
-                                     num_workers=cfg.num_workers, collate_fn=collate, worker_init_fn=seed_worker,
-                                     pin_memory=self.device.type == "cuda")
+                                     sampler=ShardSampler(len(self.val_set), self.rank, self.world_size), **workers)
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> None:
@@ -323,7 +318,7 @@ class Trainer:
                 relu.cal_stat = stat
             self.train_sampler.set_epoch(0)
             for images, _, _, _ in self._progress(self.train_loader, desc):
-                model(images.to(self.device, non_blocking=True))
+                model(images.to(self.device, non_blocking=True).float())
 
         one_pass("max" if mse else "percentile", "cal (max)" if mse else "cal")
         caps = torch.stack([r.cap for r in relus]).float()
@@ -334,7 +329,8 @@ class Trainer:
                 relu.cal_range, relu.cal_hist = float(c), None
             one_pass("hist", "cal (histogram)")
             hists = torch.stack([r.cal_hist if r.cal_hist is not None else
-                                 torch.zeros(relus[0].HIST_BINS, dtype=torch.float64) for r in relus])
+                                 torch.zeros(relus[0].HIST_BINS, dtype=torch.float64, device=self.device)
+                                 for r in relus])
             all_reduce(hists, "sum")
             caps = torch.tensor([mse_cap_from_histogram(h, float(c)) if c > 0 else 0.0
                                  for h, c in zip(hists, caps)], dtype=torch.float32)
@@ -361,22 +357,35 @@ class Trainer:
         return iterable
 
     def train_one_epoch(self, epoch: int) -> Dict[str, float]:
+        """Train one epoch (or what is left of it after a resume); returns the epoch's mean loss terms,
+        ``seconds`` and ``images_per_s``.
+
+        Nothing in an iteration waits for the device: loss terms, the gradient norm and each
+        micro-batch's total loss stay on the device in one packed tensor, read back once, one
+        iteration later (:meth:`_finish_step`), while the next iteration's work is already queued;
+        the checks of that read (a non-finite loss or gradient stops the run) therefore come one
+        iteration late, before anything is written. Alignment runs (record, replay, max_iters) read
+        every iteration back as it ends.
+        """
         cfg, model = self.cfg, self.model
         model.train()
         self.apply_finetune(epoch)
         self.batch_in_epoch = self.start_batch if epoch == self.start_epoch else 0
         self.train_sampler.set_epoch(epoch, self.batch_in_epoch)
         self.train_set.set_epoch(epoch)
-        sums: Dict[str, float] = {}
-        count = 0
+        self._sums: Dict[str, float] = {}
+        self._count = 0
         t0 = time.time()
         accumulate = cfg.accumulate
         micro = 0
         acc: Dict[str, torch.Tensor] = {}
+        micro_totals: List[torch.Tensor] = []
+        pending = None
+        lag = not self.align.active
         self.optimizer.zero_grad(set_to_none=True)
-        bar = self._progress(self.train_loader, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}")
+        self._bar = bar = self._progress(self.train_loader, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}")
         for images, targets, indices, _ in bar:
-            images = images.to(self.device, non_blocking=True)
+            images = images.to(self.device, non_blocking=True).float()   # the loader sends uint8 codes
             targets = targets.to(self.device, non_blocking=True)
             micro += 1
             last_micro = micro == accumulate
@@ -388,12 +397,8 @@ class Trainer:
                     pred = self.ddp_model(images)
                     terms = model.loss(pred, targets)
                 loss = terms["total"]
-                if not torch.isfinite(loss):
-                    raise TrainingError(
-                        f"non-finite loss ({float(loss.detach())}) at epoch {epoch + 1}, iteration {self.iteration + 1}"
-                        f"{f' (micro-batch {micro}/{accumulate})' if accumulate > 1 else ''}; "
-                        f"{self.last_good_checkpoint()}: lower learning_rate or check the data")
                 self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+            micro_totals.append(loss.detach().float())
             for k, v in terms.items():
                 v = v.detach().float()
                 acc[k] = acc[k] + v / accumulate if k in acc else (v / accumulate if accumulate > 1 else v)
@@ -411,33 +416,34 @@ class Trainer:
                 with torch.no_grad():
                     for c in self.learned_caps:
                         c.clamp_(min=CAP_FLOOR)
-            if not math.isfinite(norm) and self.precision.scaler is None:
-                raise TrainingError(
-                    f"non-finite gradient (norm {norm}) at epoch {epoch + 1}, iteration {self.iteration + 1}; the "
-                    f"optimizer step was not taken; {self.last_good_checkpoint()}: lower learning_rate or check the data")
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update(model)
             self.iteration += 1
             self.batch_in_epoch += 1
-            values = reduce_mean_dict({k: float(v.detach()) for k, v in terms.items()})   # mean over ranks
-            self.align.after_step(self, images, targets, indices, terms, values, epoch)
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + v
-            count += 1
-            if self.main:
-                lr = self.optimizer.param_groups[0]["lr"]
-                for k, v in values.items():
-                    self.scalar(f"{self.stage.name}/loss_{k}", v, self.iteration)
-                self.scalar(f"{self.stage.name}/lr", lr, self.iteration)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
+            keys = sorted(terms)
+            step = {"epoch": epoch, "iteration": self.iteration, "keys": keys, "terms": terms,
+                    "packed": torch.stack([terms[k] for k in keys] + [norm.float()] + micro_totals),
+                    "batch": (images, targets, indices), "lr": self.optimizer.param_groups[0]["lr"]}
+            micro_totals = []
+            if pending is not None:
+                self._finish_step(pending)
+            pending = step
+            if not lag:
+                self._finish_step(pending)
+                pending = None
             if (cfg.checkpoint_interval and self.iteration % cfg.checkpoint_interval == 0
                     and self.batch_in_epoch < self.iters_per_epoch):
+                if pending is not None:
+                    self._finish_step(pending)
+                    pending = None
                 self.save("last.pth", epoch, self.iteration, full=True)   # mid-epoch: resumable here
             if self.align.should_stop():
                 break
+        if pending is not None:
+            self._finish_step(pending)
+        sums, count = self._sums, self._count
         mean = {k: v / max(count, 1) for k, v in sums.items()}
         if is_dist():
             t = torch.tensor([mean.get(k, 0.0) for k in sorted(mean)], dtype=torch.float64)
@@ -446,6 +452,50 @@ class Trainer:
         mean["seconds"] = time.time() - t0
         mean["images_per_s"] = count * cfg.batch_size / max(mean["seconds"], 1e-9)
         return mean
+
+    def _finish_step(self, step: Dict[str, object]) -> None:
+        """Read one iteration's packed values back (the one wait for the device per iteration), stop the
+        run on a non-finite loss or gradient, and log: mean over ranks, tensorboard, progress bar, the
+        alignment hook, the epoch sums.
+
+        Raises:
+            TrainingError: a non-finite loss (naming the micro-batch with gradient accumulation) or
+                gradient norm, with the iteration and the last good checkpoint. The weights of that
+                iteration are never written (:meth:`save` also refuses non-finite weights).
+        """
+        keys, n = step["keys"], len(step["keys"])
+        vals = step["packed"].tolist()
+        local, norm, micro = dict(zip(keys, vals[:n])), vals[n], vals[n + 1:]
+        epoch, iteration, accumulate = step["epoch"], step["iteration"], self.cfg.accumulate
+        for m, total in enumerate(micro):
+            if not math.isfinite(total):
+                raise TrainingError(
+                    f"non-finite loss ({total}) at epoch {epoch + 1}, iteration {iteration}"
+                    f"{f' (micro-batch {m + 1}/{accumulate})' if accumulate > 1 else ''}; "
+                    f"{self.last_good_checkpoint()}: lower learning_rate or check the data")
+        if not math.isfinite(norm) and self.precision.scaler is None:
+            raise TrainingError(
+                f"non-finite gradient (norm {norm}) at epoch {epoch + 1}, iteration {iteration}; the run "
+                f"stops before these weights are written; {self.last_good_checkpoint()}: lower learning_rate "
+                "or check the data")
+        values = reduce_mean_dict(local)          # mean over ranks (one small collective)
+        images, targets, indices = step["batch"]
+        # the hook reads the iteration of the step it is given
+        current, self.iteration = self.iteration, iteration
+        try:
+            self.align.after_step(self, images, targets, indices, step["terms"], values, epoch)
+        finally:
+            self.iteration = current
+        for k, v in values.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+        self._count += 1
+        if self.main:
+            lr = step["lr"]
+            for k, v in values.items():
+                self.scalar(f"{self.stage.name}/loss_{k}", v, iteration)
+            self.scalar(f"{self.stage.name}/lr", lr, iteration)
+            if hasattr(self._bar, "set_postfix"):
+                self._bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
 
     def setup_optimizer(self) -> None:
         cfg = self.cfg
@@ -514,10 +564,7 @@ class Trainer:
         """Data-parallel wrapper (DistributedDataParallel when world size > 1)."""
         if not is_dist():
             return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # buffers (BN running stats, caps) are equal on every rank (synchronised BN): synced once at init only
-        return DDP(model, device_ids=ids, forward_sync_buffers=False)
+        return wrap_ddp(model, self.device)
 
     def save_best(self, epoch: int, iteration: int, t_start: float) -> None:
         """Write best.pth for ``epoch``, recording that epoch and the stage seconds so far in it."""

@@ -27,7 +27,7 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
     n = 0
     try:
         for images, targets, indices, sizes in loader:
-            images = images.to(device, non_blocking=True)
+            images = images.to(device, non_blocking=True).float()   # uint8 codes from the loader
             pred = model(images)
             if with_loss:
                 terms = model.loss(pred, targets.to(device))

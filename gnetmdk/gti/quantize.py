@@ -78,13 +78,64 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return ste(x, chip_round(x.detach()))
 
 
-def quantize_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Q_s(x) = R(x * 2^s) / 2^s (no gradient handling; exact in float32 for |x| * 2^s < 2^24)."""
-    scale = float(2 ** shift)
+def device_path(t: torch.Tensor) -> bool:
+    """Whether quantizers working on ``t`` take the device path: shifts and scales stay 0-d tensors
+    on ``t``'s device, so a training step never waits for the accelerator (no ``.item()``, no tensor
+    built from a Python list). True for every device but the CPU (and on the CPU inside
+    :func:`force_device_path`, which tests use to check that both paths give the same numbers).
+    On the CPU the host path is kept: reading a CPU scalar costs nothing there."""
+    return t.device.type != "cpu" or _FORCE_DEVICE_PATH[0]
+
+
+_FORCE_DEVICE_PATH = [False]
+
+
+class force_device_path:
+    """Context manager: quantizers take the device path on the CPU too (tests of the two paths)."""
+
+    def __enter__(self):
+        self._old = _FORCE_DEVICE_PATH[0]
+        _FORCE_DEVICE_PATH[0] = True
+        return self
+
+    def __exit__(self, *exc):
+        _FORCE_DEVICE_PATH[0] = self._old
+        return False
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached tensor of Python numbers on ``device`` (built once per device and dtype: a tensor made
+    from a Python list on a CUDA device is a host-to-device copy that waits for the device's queue)."""
+    key = (tuple(values), dtype, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(list(values), dtype=dtype, device=device)
+    return t
+
+
+def shift_scale(shift, like: torch.Tensor):
+    """2^s as the multiplier of Q_s: a Python float for an int shift, a 0-d tensor of ``like``'s dtype
+    and device for a tensor shift (looked up in a table of the exact powers 2^0..2^12, no rounding)."""
+    if isinstance(shift, torch.Tensor):
+        table = _constant([float(2 ** k) for k in range(MAX_SHIFT + 1)], like.dtype, like.device)
+        # index_select, not table[shift]: indexing with a 0-d tensor reads it back to the host
+        return table.index_select(0, shift.to(device=like.device, dtype=torch.long).reshape(1)).reshape(())
+    return float(2 ** shift)
+
+
+def quantize_shift(x: torch.Tensor, shift) -> torch.Tensor:
+    """Q_s(x) = R(x * 2^s) / 2^s (no gradient handling; exact in float32 for |x| * 2^s < 2^24).
+
+    ``shift``: an int, or a 0-d integer tensor (the device path, see compute_shift)."""
+    scale = shift_scale(shift, x)
     return chip_round(x * scale) / scale
 
 
-def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int, bias_bits: int) -> int:
+def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int, bias_bits: int,
+                  as_tensor: bool = False):
     """Shift s of one sublayer (gti-chip.md):
 
         s = clip(min(floor(log2((2^(Bw-1) - 1) / max|W|)), floor(log2((2^(Bb-1) - 1) / max|b|))), 0, 12)
@@ -95,9 +146,23 @@ def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: 
         weight: (O, I, 3, 3) float weights of the sublayer (before quantization).
         bias: (O,) float bias or None.
         weight_bits / bias_bits: register widths Bw / Bb of the scheme (gnetmdk.gti.spec).
+        as_tensor: return s as a 0-d int64 tensor on the weights' device, computed there without
+            reading anything back to the host: s = the number of k in 1..12 with 2^k <= r, where
+            r = min((2^(Bw-1) - 1) / max|W|, (2^(Bb-1) - 1) / max|b|) in float64 (that count is
+            clip(floor(log2 r), 0, 12) with no logarithm to round; r is infinite for zero tensors).
+            The host path rounds log2(r) in float64 first, so the two can differ only when r lies
+            within a few float64 ulps below a power of two, where the count is the exact answer.
     Returns:
-        the shift, an int in 0..12.
+        the shift, an int in 0..12 (or a 0-d int64 tensor with ``as_tensor``).
     """
+    if as_tensor:
+        w = weight.detach()
+        wmax = w.abs().amax().double() if w.numel() else w.new_zeros((), dtype=torch.float64)
+        r = (2 ** (weight_bits - 1) - 1) / wmax                     # inf for an all-zero tensor
+        if bias is not None and bias.numel():
+            r = torch.minimum(r, (2 ** (bias_bits - 1) - 1) / bias.detach().abs().amax().double())
+        powers = _constant([float(2 ** k) for k in range(1, MAX_SHIFT + 1)], torch.float64, w.device)
+        return (r >= powers).sum()
     limits = []
     wmax = float(weight.detach().abs().max()) if weight.numel() else 0.0
     if wmax > 0:
@@ -136,6 +201,19 @@ def _nearest_level(r: torch.Tensor, levels: Tuple[float, ...], inplace: bool = F
     return q
 
 
+def _prefix_sum(x: torch.Tensor) -> torch.Tensor:
+    """Running sums along dim 1 of a (K, C) float64 tensor. CPU: torch.cumsum (sequential). Other
+    devices: a product with the (C, C) upper-triangular matrix of ones: deterministic (CUDA's float
+    cumsum has no deterministic kernel and raises under torch.use_deterministic_algorithms) and one
+    kernel; float64 sums in another order, so a near-tie of two candidates' errors (float64 rounding,
+    see _mse_scale) may resolve differently from the CPU's."""
+    if x.device.type == "cpu":
+        return x.cumsum(1)
+    c = x.shape[1]
+    tri = torch.ones(c, c, dtype=x.dtype, device=x.device).triu_()
+    return x @ tri
+
+
 #: midpoint crossings searched per pass of _mse_scale's sweep (bounds its temporaries on wide layers)
 _SWEEP_CHUNK_VALUES = 1 << 20
 
@@ -172,7 +250,7 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     n = a.shape[1]
     dev = w.device
     f = torch.linspace(0.15, 1.0, candidates, dtype=w.dtype, device=dev)
-    scale = float(2 ** shift)          # quantize_shift for values >= 0, without torch's slow trunc
+    scale = shift_scale(shift, a)      # quantize_shift for values >= 0, without torch's slow trunc
     d = _chip_round_nonneg_(a.amax(1, keepdim=True) / levels[-1] * f * scale).div_(scale)  # (K, C) ascending
     dd = d.double()
     lows, highs = levels[:-1], levels[1:]
@@ -180,10 +258,10 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
         p2 = (a > 0).sum(1, keepdim=True).double().expand(k, candidates)
         pa = a.double().sum(1, keepdim=True).expand(k, candidates)
     elif len(highs) <= 3:
-        inv_mid = torch.tensor([2.0 / (lo + hi) for lo, hi in zip(lows, highs)], dtype=torch.float64, device=dev)
-        step = torch.tensor([hi - lo for lo, hi in zip(lows, highs)], dtype=torch.float64, device=dev)
-        step_sq = torch.tensor([hi * hi - lo * lo for lo, hi in zip(lows, highs)], dtype=torch.float64,
-                               device=dev).repeat_interleave(n)
+        inv_mid = _constant([2.0 / (lo + hi) for lo, hi in zip(lows, highs)], torch.float64, dev)
+        step = _constant([hi - lo for lo, hi in zip(lows, highs)], torch.float64, dev)
+        step_sq = _constant([hi * hi - lo * lo for lo, hi in zip(lows, highs)], torch.float64,
+                            dev).repeat_interleave(n)
         p2 = torch.empty(k, candidates, dtype=torch.float64, device=dev)
         pa = torch.empty_like(p2)
         chunk = max(1, _SWEEP_CHUNK_VALUES // (len(highs) * n))     # kernels per pass: a few MB of temporaries
@@ -196,8 +274,8 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
             sa = torch.zeros(kk, candidates + 1, dtype=torch.float64, device=dev)
             sa.scatter_add_(1, t, (step.view(1, -1, 1) * a64).reshape(kk, -1))
             # candidate c takes the weights with t > c: all of them less those with t <= c
-            p2[start:start + chunk] = s2.sum(1, keepdim=True) - s2[:, :candidates].cumsum(1)
-            pa[start:start + chunk] = sa.sum(1, keepdim=True) - sa[:, :candidates].cumsum(1)
+            p2[start:start + chunk] = s2.sum(1, keepdim=True) - _prefix_sum(s2[:, :candidates])
+            pa[start:start + chunk] = sa.sum(1, keepdim=True) - _prefix_sum(sa[:, :candidates])
     else:
         p2 = torch.empty(k, candidates, dtype=torch.float64, device=dev)
         pa = torch.empty_like(p2)
@@ -230,7 +308,7 @@ def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits:
     Args:
         w: (O, I, kh, kw) float weights.
         scheme: mask bits, one of WEIGHT_SCHEMES.
-        shift: the sublayer's shift s (compute_shift).
+        shift: the sublayer's shift s (compute_shift): an int, or a 0-d integer tensor on w's device.
         weight_bits: Bw of the scheme on the chip.
         method: "gti" or "mse".
     Raises:
@@ -267,14 +345,15 @@ def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits:
             safe = torch.where(d > 0, d, torch.ones_like(d))
             wq = chip_round(w / safe) * quantize_shift(d, shift)
     limit = float(2 ** (weight_bits - 1) - 1)
-    scale = float(2 ** shift)
+    scale = shift_scale(shift, wq)
     return torch.clamp(chip_round(wq * scale), -limit, limit) / scale
 
 
-def quantize_bias_value(b: torch.Tensor, shift: int, bias_bits: int) -> torch.Tensor:
-    """b_q = Q_s(b), clamped to the bias register +-(2^(Bb-1) - 1) / 2^s (no gradient handling)."""
+def quantize_bias_value(b: torch.Tensor, shift, bias_bits: int) -> torch.Tensor:
+    """b_q = Q_s(b), clamped to the bias register +-(2^(Bb-1) - 1) / 2^s (no gradient handling).
+    ``shift``: an int or a 0-d integer tensor (compute_shift)."""
     limit = float(2 ** (bias_bits - 1) - 1)
-    scale = float(2 ** shift)
+    scale = shift_scale(shift, b)
     return torch.clamp(chip_round(b.detach() * scale), -limit, limit) / scale
 
 
@@ -288,9 +367,11 @@ def quantize_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme
         scheme, weight_bits, bias_bits: the scheme and its registers (gnetmdk.gti.spec.register_bits).
         method: "gti" (GTI's rule) or "mse" (MSE-best per-kernel scale), see quantize_weight_value.
     Returns:
-        (w_q, b_q, shift): w_q and b_q carry identity gradients to weight and bias; shift is an int.
+        (w_q, b_q, shift): w_q and b_q carry identity gradients to weight and bias; shift is an int,
+        or, on the device path (device_path: weights on an accelerator), a 0-d int64 tensor on the
+        weights' device, so that no step waits for the device; ``int(shift)`` reads it.
     """
-    shift = compute_shift(weight, bias, weight_bits, bias_bits)
+    shift = compute_shift(weight, bias, weight_bits, bias_bits, as_tensor=device_path(weight))
     w_q = ste(weight, quantize_weight_value(weight, scheme, shift, weight_bits, method))
     b_q = None if bias is None else ste(bias, quantize_bias_value(bias, shift, bias_bits))
     return w_q, b_q, shift
@@ -301,10 +382,11 @@ def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme:
     """The integers the chip stores for one sublayer: (W_int int64 (O,I,3,3), b_int int64 (O,), shift)."""
     w_q, b_q, shift = quantize_conv_params(weight.detach(), None if bias is None else bias.detach(),
                                            scheme, weight_bits, bias_bits, method)
+    shift = int(shift)
     scale = float(2 ** shift)
     w_int = torch.round(w_q.detach().double() * scale).to(torch.int64)
     if b_q is None:
-        b_int = torch.zeros(weight.shape[0], dtype=torch.int64)
+        b_int = torch.zeros(weight.shape[0], dtype=torch.int64, device=weight.device)
     else:
         b_int = torch.round(b_q.detach().double() * scale).to(torch.int64)
     return w_int, b_int, shift
@@ -332,6 +414,10 @@ class _CappedQuant(torch.autograd.Function):
     def backward(ctx, grad):
         x, cap = ctx.saved_tensors
         if not ctx.revive:
+            if device_path(x):   # the same mask from the cap tensor: nothing read back to the host
+                inside = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
+                return torch.where(inside, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), \
+                    None, None, None, None, None
             # grad where 0 < x < cap, else 0, in one fused pass (aten's hardtanh backward has exactly
             # this strict-interval mask; cap is a float32 value, so the comparison is unchanged)
             return torch.ops.aten.hardtanh_backward(grad, x, 0.0, float(cap)), None, None, None, None, None
@@ -399,6 +485,33 @@ def _code_table():
 _CODE_TABLE = _code_table()
 
 
+def value_histogram(x: torch.Tensor, bins: int, vmax: float) -> torch.Tensor:
+    """Counts of the positive values of ``x`` in ``bins`` equal bins over [0, vmax], as float64.
+
+    The bins are torch.histc's (bins, min=0, max=vmax) on the CPU, value for value: a value v with
+    0 < v <= vmax goes to bin trunc(v * bins / vmax) in float32 arithmetic (vmax rounded to float32),
+    the last bin holding vmax itself; values above vmax, zeros, negatives and NaN are left out. Written
+    out rather than calling histc because histc on CUDA has no deterministic kernel (it raises under
+    torch.use_deterministic_algorithms) and because selecting the positive values first would read
+    their count back to the host; here the counting is a float64 scatter-add (exact for counts below
+    2^53, so its order does not matter) and nothing waits for the device.
+
+    Args:
+        x: float tensor, any shape (pre-activation values), any device.
+        bins: number of bins (>= 1); vmax: upper edge (> 0).
+    Returns:
+        (bins,) float64 counts on x's device.
+    """
+    v = x.detach().float().reshape(-1)
+    hi = torch.tensor(float(vmax), dtype=torch.float32)            # histc's edge: vmax as float32
+    pos = torch.mul(v, float(bins)).div_(hi).to(torch.int64).clamp_(0, bins - 1)
+    keep = torch.gt(v, 0).logical_and_(torch.le(v, hi))
+    pos = torch.where(keep, pos, torch.full((), bins, dtype=torch.int64, device=v.device))  # bin `bins`: dropped
+    counts = torch.zeros(bins + 1, dtype=torch.float64, device=v.device)
+    counts.scatter_add_(0, pos, torch.ones((), dtype=torch.float64, device=v.device).expand(pos.shape))
+    return counts[:bins]
+
+
 def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 400) -> float:
     """The activation cap that minimises the squared error of the 5-bit capped ReLU over a histogram.
 
@@ -410,8 +523,8 @@ def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 
     TensorRT / AIMET, with the chip's rounding and 31 levels.
 
     Args:
-        counts: (K,) float64 histogram of the positive pre-ReLU values over [0, vmax] (torch.histc
-            bins; values <= 0 are left out: the ReLU maps them to 0 exactly, whatever the cap).
+        counts: (K,) histogram of the positive pre-ReLU values over [0, vmax] (value_histogram, any
+            device; values <= 0 are left out: the ReLU maps them to 0 exactly, whatever the cap).
         vmax: the largest value (> 0), the histogram's upper edge.
         candidates: how many caps to try.
     Returns:
@@ -423,6 +536,7 @@ def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 
         raise ValueError(f"mse_cap_from_histogram: vmax must be positive, not {vmax}")
     if counts.dim() != 1:
         raise ValueError(f"mse_cap_from_histogram: counts must be 1-d, got shape {tuple(counts.shape)}")
+    counts = counts.detach().to("cpu", torch.float64)     # a few thousand numbers: the search runs on the host
     k = counts.numel()
     centers = (torch.arange(k, dtype=torch.float64) + 0.5) * (vmax / k)
     caps = torch.arange(1, candidates + 1, dtype=torch.float64) * (vmax / candidates)     # (J,)

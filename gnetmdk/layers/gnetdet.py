@@ -277,7 +277,7 @@ class GNetDet(nn.Module):
         convs, relus = self.convs(), self.relus()
         on = (self.gain_aware and all(c.quant_weight for c in convs)
               and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
-        caps = torch.stack([r.cap.detach().float() for r in relus]).tolist() if on else []   # one sync
+        caps = self._cap_values(relus) if on else []
         on = on and all(c > 0 for c in caps)
         learn = on and any(r.cap.requires_grad for r in relus)
         prev, prev_t = 31.0, 31.0
@@ -288,9 +288,27 @@ class GNetDet(nn.Module):
             prev = caps[i] if on else prev
             prev_t = relus[i].cap
         # the value gain_edit writes into output_scale (a float64 quotient rounded to float32)
-        self._code_output_scale = torch.tensor(caps[-1] / 31.0, dtype=torch.float32) if on else None
+        self._code_output_scale = self._cached_scale(caps[-1] / 31.0, relus[-1].cap.device) if on else None
         self._code_scale_learned = learn     # forward passes the last cap's gradient through that value
         return on
+
+    def _cap_values(self, relus) -> List[float]:
+        """The caps as Python floats, read back from their device only when one of them changed since
+        the last read (a cap tensor's storage or in-place version counter moved: calibration, loading,
+        a learned-cap step): a step-3 forward with fixed caps waits for nothing."""
+        key = tuple((id(r.cap), r.cap.data_ptr(), str(r.cap.device), r.cap._version) for r in relus)
+        cached = getattr(self, "_caps_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._caps_cache = (key, torch.stack([r.cap.detach().float() for r in relus]).tolist())
+        return cached[1]
+
+    def _cached_scale(self, value: float, device: torch.device) -> torch.Tensor:
+        """0-d float32 tensor of ``value`` on ``device``, copied there once per value."""
+        cached = getattr(self, "_scale_cache", None)
+        if cached is None or cached[0] != (value, str(device)):
+            cached = self._scale_cache = ((value, str(device)),
+                                          torch.tensor(value, dtype=torch.float32, device=device))
+        return cached[1]
 
     def features(self, x: torch.Tensor, return_all: bool = False):
         """Run the chain; with ``return_all`` also return every sublayer's output (after pool).
@@ -306,6 +324,8 @@ class GNetDet(nn.Module):
         return (x, outs) if return_all else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():           # uint8 codes straight from a loader
+            x = x.float()
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         y = self.features(x)

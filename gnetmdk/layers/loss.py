@@ -173,7 +173,8 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         if box_slots == 1:
             resp = torch.zeros_like(resp)
         resp_iou = ious.gather(3, resp.unsqueeze(-1)).squeeze(-1)
-    rmask = F.one_hot(resp, 2).float()                                # (N, S, S, 2)
+    # one-hot of the responsible slot (F.one_hot would check the index range on the host)
+    rmask = torch.stack([1 - resp, resp], dim=-1).float()             # (N, S, S, 2)
     rbox = (pboxes * rmask.unsqueeze(-1)).sum(3)                      # (N, S, S, 5)
     obox = (pboxes * (1 - rmask).unsqueeze(-1)).sum(3)
 

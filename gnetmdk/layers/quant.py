@@ -181,8 +181,7 @@ class QReLU(nn.Module):
             if self.cal_stat == "max":
                 value = x.detach().float().max().to(self.cap)
             elif self.cal_stat == "hist":
-                v = x.detach().float()
-                h = torch.histc(v[v > 0], bins=self.HIST_BINS, min=0.0, max=self.cal_range).double()
+                h = Q.value_histogram(x, self.HIST_BINS, self.cal_range)
                 self.cal_hist = h if self.cal_hist is None else self.cal_hist + h
                 return F.relu(x)
             else:
@@ -192,9 +191,9 @@ class QReLU(nn.Module):
             return F.relu(x)
         if not self.use_cap:
             if self.revive and torch.is_grad_enabled():
-                return Q.capped_relu(x, torch.tensor(float("inf")), quantize=False, revive=True)
+                return Q.capped_relu(x, x.new_full((), float("inf")), quantize=False, revive=True)
             return F.relu(x)
-        if self.cap <= 0:
+        if not Q.device_path(self.cap) and self.cap <= 0:   # on a device the stage's entry checks the caps
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
         if self.code_domain:        # gain-aware step 3: the codes, exactly as step 4 computes them
             cap, integer = self.cap.new_full((), float(Q.ACT_MAX)), True

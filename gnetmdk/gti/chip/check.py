@@ -65,7 +65,8 @@ def model_layer_codes(model, images: np.ndarray, with_predictions: bool = False)
     """Every sublayer's codes of the step-4 model on 8-bit images.
 
     Args:
-        model: GNetDet in step-4 eval mode (apply_stage(model, STAGES["step4"]); model.eval()).
+        model: GNetDet in step-4 eval mode (apply_stage(model, STAGES["step4"]); model.eval()), on
+            any device (the images follow it; codes and predictions come back on the CPU).
         images: (N, H, W, 3) uint8 BGR at network size.
         with_predictions: also return the model's forward output (N, S, S, 10 + C) float32, computed
             from the same pass as GNetDet.forward does (last codes x output_scale, NHWC).
@@ -74,12 +75,13 @@ def model_layer_codes(model, images: np.ndarray, with_predictions: bool = False)
     Raises:
         ValueError: an activation is not an integer in 0..31 (the model is not in step-4 mode).
     """
-    x = image_to_codes(torch.from_numpy(np.ascontiguousarray(images))).permute(0, 3, 1, 2).float()
+    device = next(model.parameters()).device          # CPU or CUDA: the exact path is float64 on both
+    x = image_to_codes(torch.from_numpy(np.ascontiguousarray(images))).permute(0, 3, 1, 2).float().to(device)
     y, outs = model.features(x, return_all=True)
-    pred = (y * model.output_scale.to(y.dtype)).permute(0, 2, 3, 1).float().contiguous()
+    pred = (y * model.output_scale.to(y.dtype)).permute(0, 2, 3, 1).float().contiguous().cpu()
     res = []
     for i, o in enumerate(outs):
-        o = o.double()
+        o = o.double().cpu()
         if not torch.equal(o, torch.round(o)) or (o.numel() and (o.min() < 0 or o.max() > 31)):
             raise ValueError(f"sublayer {i + 1} of the model does not output integer codes 0..31: put the model in "
                              "step-4 eval mode (apply_stage(model, STAGES['step4']); model.eval())")

@@ -89,17 +89,21 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
     from gnetmdk.config.base import BaseConfig
     low = path.lower()
     if low.endswith((".pth", ".pt")):
-        from .cli_util import load_eval_model
+        from types import SimpleNamespace
+        from .cli_util import eval_device, load_eval_model
         model, ckpt = load_eval_model(path)
         cfg = dict(ckpt.get("config") or {})
+        # the device the checkpoint's config allows (auto / cuda: the GPU when there is one)
+        device = eval_device(SimpleNamespace(device=cfg.get("device", "auto"), tf32=cfg.get("tf32", False)))
+        model.to(device)
         names = list(cfg.get("VOC_CLASSES") or [])
         if len(names) != model.num_classes:
             names = [f"class{i}" for i in range(model.num_classes)]
 
         @torch.no_grad()
         def fn(images):
-            x = image_to_codes(torch.from_numpy(images)).permute(0, 3, 1, 2).float()
-            return model(x).float()
+            x = image_to_codes(torch.from_numpy(images)).permute(0, 3, 1, 2).float().to(device)
+            return model(x).float().cpu()
         return Predictor("checkpoint", path, names, model.image_size, float(cfg.get("conf_thresh", BaseConfig.conf_thresh)),
                          float(cfg.get("nms_thresh", BaseConfig.nms_thresh)),
                          int(cfg.get("max_detections", BaseConfig.max_detections)),

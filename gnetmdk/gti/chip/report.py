@@ -33,8 +33,9 @@ class StageRow:
 @torch.no_grad()
 def _model_predictions(model, dataset, batch_size: int) -> torch.Tensor:
     preds = []
+    device = next(model.parameters()).device
     for _, imgs, _ in iter_dataset_batches(dataset, batch_size):
-        x = image_to_codes(torch.from_numpy(imgs)).permute(0, 3, 1, 2).float()
+        x = image_to_codes(torch.from_numpy(imgs)).permute(0, 3, 1, 2).float().to(device)
         preds.append(model(x).float().cpu())
     return torch.cat(preds)
 
@@ -71,7 +72,7 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
     Raises:
         CheckpointError: a checkpoint that cannot be read or does not fit ``cfg``.
     """
-    from .cli_util import load_eval_model
+    from .cli_util import eval_device, load_eval_model
     from .emulator import ChipEmulator
     rows: List[StageRow] = []
     prev = None
@@ -90,6 +91,7 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
             head = (src.score_head, src.score_offset, src.score_scale)
         else:
             model, ckpt = load_eval_model(src, cfg)
+            model.to(eval_device(cfg))             # the GPU when the config allows one and it is there
             pred = _model_predictions(model, dataset, batch_size)
             label = src
             head = (model.score_head, model.score_offset, model.score_scale)

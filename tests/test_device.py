@@ -1,0 +1,262 @@
+"""The device path of the quantizers and the trainer's loader, checked on the CPU (device cpu).
+
+On an accelerator the quantizers keep shifts and scales on the device (gnetmdk.gti.quantize.device_path)
+so that a training step never waits for it; these tests force that path on the CPU and check that it
+gives the host path's numbers bit for bit and reads nothing back. The same code on CUDA is the cuda
+lane's (tests/test_cuda.py).
+"""
+import collections
+import inspect
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gnetmdk.engine import recipe as R
+from gnetmdk.engine.stages import STAGES, apply_stage
+from gnetmdk.gti import quantize as Q
+from gnetmdk.layers.gnetdet import GNetDet
+
+torch.set_num_threads(1)
+
+#: ops that read a tensor's value back to the host (on CUDA: wait for the device)
+_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+          torch.ops.aten.nonzero.default)
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads a tensor back to the host, with the project frames that called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _READS:
+            frames = [f for f in traceback.extract_stack() if "gnetmdk" in f.filename]
+            self.where[" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[-3:])] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------------------------- histogram
+def test_value_histogram_equals_histc_device_cpu():
+    """value_histogram (deterministic on CUDA, no host read) bins exactly as torch.histc on the CPU,
+    including values on every bin edge and one float32 step either side of it."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(8):
+        x = torch.randn(50000, generator=g) * 10.0 ** (trial % 4 - 2)
+        vmax = float(x.max()) * (0.6 + 0.1 * trial)
+        hi = torch.tensor(vmax, dtype=torch.float32)
+        edges = torch.linspace(0, float(hi), 4097)
+        x = torch.cat([x, edges, torch.nextafter(edges, torch.tensor(-1.0)), torch.nextafter(edges, torch.tensor(1e30)),
+                       torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), float(hi)])])
+        ref = torch.histc(x[x > 0], bins=4096, min=0.0, max=vmax).double()
+        got = Q.value_histogram(x, 4096, vmax)
+        assert got.dtype == torch.float64 and torch.equal(got, ref), trial
+
+
+def test_mse_cap_accepts_counts_on_any_device_cpu():
+    counts = Q.value_histogram(torch.linspace(0, 4, 1000), 64, 4.0)
+    assert Q.mse_cap_from_histogram(counts, 4.0) == Q.mse_cap_from_histogram(counts.cpu().double(), 4.0)
+
+
+# ---------------------------------------------------------------------------------------------- shifts, weights
+def test_tensor_shift_equals_int_shift_device_cpu():
+    cases = [(torch.full((1, 1, 3, 3), 127.0 / 128.0), None, 8, 20),       # r exactly 2^7
+             (torch.full((1, 1, 3, 3), 1e-4), None, 8, 20),                 # clipped at 12
+             (torch.zeros(1, 1, 3, 3), torch.zeros(1), 8, 20),              # nothing constrains: 12
+             (torch.full((1, 1, 3, 3), 1000.0), None, 8, 20),               # clipped at 0
+             (torch.full((2, 1, 3, 3), 0.3), torch.tensor([1.0, -40.0]), 12, 12),   # the bias limits
+             (torch.full((2, 1, 3, 3), 0.3), torch.tensor([1e9]), 8, 20)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        w = torch.randn(4, 2, 3, 3, generator=g) * 10.0 ** float(torch.empty(1).uniform_(-3, 2, generator=g))
+        b = torch.randn(4, generator=g) * 10.0 ** float(torch.empty(1).uniform_(-3, 3, generator=g))
+        cases.append((w, b, 8, 20))
+        cases.append((w, b, 12, 12))
+    for w, b, bw, bb in cases:
+        t = Q.compute_shift(w, b, bw, bb, as_tensor=True)
+        assert t.dtype == torch.int64 and t.dim() == 0
+        assert int(t) == Q.compute_shift(w, b, bw, bb)
+
+
+@pytest.mark.parametrize("method", ["gti", "mse"])
+def test_device_path_quantizes_like_the_host_path_device_cpu(method):
+    g = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        w = torch.randn(6, 4, 3, 3, generator=g) * 10.0 ** float(torch.empty(1).uniform_(-3, 1, generator=g))
+        b = torch.randn(6, generator=g) * 10.0 ** float(torch.empty(1).uniform_(-3, 1, generator=g))
+        for scheme, bw, bb in ((1, 8, 20), (2, 12, 12), (3, 8, 20), (5, 12, 16), (8, 8, 20), (12, 12, 20)):
+            wq, bq, s = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+            with Q.force_device_path():
+                wq2, bq2, s2 = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+            assert isinstance(s, int) and isinstance(s2, torch.Tensor) and int(s2) == s
+            assert torch.equal(wq, wq2) and torch.equal(bq, bq2), (scheme, method)
+
+
+def _tiny_model(method, stage):
+    torch.manual_seed(0)
+    m = GNetDet(3, 224, 0.0625, use_bn=False, weight_scale=method, gain_aware=True)
+    for i, r in enumerate(m.relus()):
+        r.cap.fill_(2.0 + i % 3)
+    apply_stage(m, STAGES[stage])
+    return m.train()
+
+
+def _target():
+    t = torch.zeros(2, 14, 14, 13)
+    t[:, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.2, 0.3, 1.0])
+    t[:, 3, 4, 5:10] = t[:, 3, 4, 0:5]
+    t[:, 3, 4, 10] = 1.0
+    return t
+
+
+class _NoAmp:
+    amp = False
+    amp_dtype = "bf16"
+
+
+@pytest.mark.parametrize("method", ["gti", "mse"])
+@pytest.mark.parametrize("stage", ["step2", "step3", "step4"])
+def test_training_step_reads_nothing_back_on_the_device_path_device_cpu(method, stage):
+    """Forward, loss, backward, gradient clipping and the optimizer step of a quantized stage read no
+    tensor back to the host on the device path: on CUDA such a step never waits for the GPU.
+    (SGD here: Adam's step counters live on the CPU unless ``capturable``, so reading them costs no
+    wait on a GPU but would be counted on this CPU-only check.)"""
+    m = _tiny_model(method, stage)
+    x = torch.randint(0, 32, (2, 3, 224, 224)).float()
+    p = R.Precision(_NoAmp, torch.device("cpu"))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
+    with Q.force_device_path():
+        m(x)                                              # first forward: the caps are read once
+        with HostReads() as reads:
+            for _ in range(2):
+                loss = m.loss(m(x), _target())["total"]
+                p.backward(loss)
+                norm = p.step(opt, list(m.parameters()), 10.0)
+                opt.zero_grad(set_to_none=True)
+    assert not reads.where, dict(reads.where)
+    assert norm.dim() == 0 and torch.isfinite(norm)
+
+
+def test_device_path_training_step_equals_the_host_path_device_cpu():
+    """The same two training steps of step 3 on both paths: the same weights bit for bit."""
+    x = torch.randint(0, 32, (2, 3, 224, 224)).float()
+    out = []
+    for forced in (False, True):
+        m = _tiny_model("mse", "step3")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        p = R.Precision(_NoAmp, torch.device("cpu"))
+        with (Q.force_device_path() if forced else _nothing()):
+            for _ in range(2):
+                p.backward(m.loss(m(x), _target())["total"])
+                p.step(opt, list(m.parameters()), 10.0)
+                opt.zero_grad(set_to_none=True)
+        out.append(m.state_dict())
+    for k in out[0]:
+        assert torch.equal(out[0][k], out[1][k]), k
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- backends, DDP
+def test_wrap_ddp_keeps_buffers_synced_once_whatever_the_torch_version(monkeypatch):
+    """torch 2.13 has forward_sync_buffers, 2.11 only broadcast_buffers: wrap_ddp picks what exists."""
+    from gnetmdk.dist import parallel
+    seen = {}
+
+    class FakeNew:
+        def __init__(self, module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+            seen["new"] = (broadcast_buffers, forward_sync_buffers)
+
+    class FakeOld:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True):
+            seen["old"] = broadcast_buffers
+
+    import torch.nn.parallel as tnp
+    for fake in (FakeNew, FakeOld):
+        monkeypatch.setattr(tnp, "DistributedDataParallel", fake)
+        parallel.wrap_ddp(torch.nn.Linear(2, 2), torch.device("cpu"))
+    assert seen == {"new": (None, False), "old": False}
+    real = inspect.signature(torch.nn.parallel.distributed.DistributedDataParallel.__init__).parameters
+    assert "broadcast_buffers" in real
+
+
+def test_configure_backends_tf32_and_deterministic(monkeypatch):
+    from gnetmdk.engine.device import configure_backends, tf32_enabled
+
+    class Cfg:
+        tf32 = True
+        deterministic = False
+        augment = True
+
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode: seen.append(mode))
+    seen = []
+    try:
+        configure_backends(Cfg, torch.device("cpu"))
+        assert tf32_enabled() and not seen
+        Cfg.deterministic = True
+        notes = configure_backends(Cfg, torch.device("cpu"))
+        assert not tf32_enabled() and seen == [True] and Cfg.augment is False
+        assert any("deterministic" in n for n in notes)
+        Cfg.tf32, Cfg.deterministic = False, False
+        configure_backends(Cfg, torch.device("cpu"))
+        assert not tf32_enabled()
+    finally:
+        from gnetmdk.engine.device import set_tf32
+        set_tf32(False)
+
+
+def test_device_cuda_without_a_gpu_is_a_config_error():
+    from gnetmdk.config import ConfigError
+    from gnetmdk.engine.device import resolve_device
+
+    class Cfg:
+        device = "cuda"
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ConfigError, match="device cpu or auto"):
+        resolve_device(Cfg)
+
+
+# ---------------------------------------------------------------------------------------------- loader
+def test_persistent_workers_draw_each_epochs_augmentation_device_cpu(tmp_path):
+    """The trainer's loader keeps its workers over the epochs; the epoch travels with every index
+    (EpochBatches), so a persistent worker draws epoch 1's augmentation in epoch 1, exactly what a
+    loader without workers gives. Images come as uint8 codes."""
+    from torch.utils.data import DataLoader
+    from gnetmdk.dataset.dataset import DetectionDataset, collate
+    from gnetmdk.dataset.shapes import make_shapes_dataset
+    from gnetmdk.dataset.voc import convert_voc_to_meta
+    from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler
+    root = tmp_path / "shapes"
+    make_shapes_dataset(str(root), num_train=8, num_val=2, image_size=(64, 96), seed=0)
+    meta = tmp_path / "meta"
+    convert_voc_to_meta(str(root), ["circle", "square", "triangle"], str(meta / "t.txt"), str(meta / "v.txt"))
+    ds = DetectionDataset(str(meta / "t.txt"), str(root / "JPEGImages"), 3, 224, 14, train=True)
+
+    def epochs(workers):
+        sampler = GlobalBatchSampler(len(ds), 4, shuffle=False)
+        kw = dict(persistent_workers=True) if workers else {}
+        loader = DataLoader(ds, batch_sampler=EpochBatches(sampler), collate_fn=collate, num_workers=workers, **kw)
+        out = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            ds.set_epoch(epoch)          # what the trainer does; persistent workers never see it
+            out.append([(b[0].clone(), b[1].clone()) for b in loader])
+        return out
+
+    plain, persistent = epochs(0), epochs(1)
+    assert plain[0][0][0].dtype == torch.uint8 and int(plain[0][0][0].max()) <= 31
+    for e in range(2):
+        for (a, ta), (b, tb) in zip(plain[e], persistent[e]):
+            assert torch.equal(a, b) and torch.equal(ta, tb)
+    assert not torch.equal(plain[0][0][0], plain[1][0][0])     # same images, each epoch its own draws
