@@ -12,9 +12,16 @@ with each step's batch drawn from the DataLoader (that loop is timed in one bloc
 On a small machine the two can disagree: workers that load fast alone may still take cores from the
 training threads (docs/training.md).
 
-    python3 benchmarks/bench_step_time.py --config examples/cards.py [--iters 20] [--rounds 4] [--batchnorm] [overrides...]
+    python3 benchmarks/bench_step_time.py --config examples/cards.py [--device cpu|cuda] [--iters 20]
+        [--rounds 4] [--batchnorm] [--trainer] [overrides...]
 
-Goal (issue "staged pipeline"): step3 / step1 <= 1.15.
+On CUDA every timed block ends with torch.cuda.synchronize(), and the run also times step 1 under
+bf16 autocast against float32 (--device cuda, or --amp on any device). ``--trainer`` times the real
+trainer (gnetmdk.engine.trainer.Trainer: its loader, logging and one read-back per iteration) on the
+same model and batch size, against its bare step.
+
+Goals: step3 / step1 <= 1.15; on a GPU also trainer / bare step >= 0.9, loader / bare step >= 1.5,
+bf16 / fp32 step-1 speed >= 1.25 (448 px, width 1.0, batch 32 on the cards images).
 """
 import argparse
 import os
@@ -30,14 +37,31 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gnetmdk.config import build_config, load_config_class  # noqa: E402
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
+from gnetmdk.engine.device import configure_backends, resolve_device  # noqa: E402
 from gnetmdk.engine.recipe import keep_freed_memory  # noqa: E402
 from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
 from gnetmdk.layers.registry import model_from_config  # noqa: E402
 
 
+#: autocast dtype of the timed steps (None: float32); set by main for the bf16 comparison
+AUTOCAST = {}
+
+
+def sync(device) -> None:
+    """Wait for the device (CUDA): a timer read after this measures the work, not its queueing."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def train_step(model, opt, images, targets):
-    """One training step as the trainer takes it: forward, loss, backward, optimizer step."""
-    loss = model.loss(model(images), targets)["total"]
+    """One training step as the trainer takes it: forward, loss, backward, optimizer step (under
+    autocast when ``AUTOCAST`` names a dtype for this model)."""
+    dtype = AUTOCAST.get(id(model))
+    if dtype is not None:
+        with torch.autocast(images.device.type, dtype=dtype):
+            loss = model.loss(model(images), targets)["total"]
+    else:
+        loss = model.loss(model(images), targets)["total"]
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -63,9 +87,11 @@ def time_interleaved(models, batch, iters, rounds, warmup=3):
     for r in range(rounds):
         order = range(len(models)) if r % 2 == 0 else reversed(range(len(models)))
         for j in order:
+            sync(images.device)
             t0 = time.perf_counter()
             for _ in range(per_round):
                 train_step(models[j], opts[j], images, targets)
+            sync(images.device)
             times[j].append((time.perf_counter() - t0) / per_round)
     return times
 
@@ -80,21 +106,51 @@ def summarize_rounds(base, other):
             max(ratios))
 
 
-def time_loop(model, loader, iters, warmup=2):
-    """Seconds per training step with each batch drawn from ``loader`` (a new pass when it runs out)."""
+def time_loop(model, loader, iters, device, warmup=2):
+    """Seconds per training step with each batch drawn from ``loader`` (a new pass when it runs out)
+    and copied to ``device`` as the trainer copies it (uint8 codes, non-blocking, float there)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
     batches = iter(loader)
     for i in range(warmup + iters):
         if i == warmup:
+            sync(device)
             t0 = time.perf_counter()
         try:
             images, targets, _, _ = next(batches)
         except StopIteration:
             batches = iter(loader)
             images, targets, _, _ = next(batches)
-        train_step(model, opt, images, targets)
+        train_step(model, opt, images.to(device, non_blocking=True).float(), targets.to(device, non_blocking=True))
+    sync(device)
     return (time.perf_counter() - t0) / iters
+
+
+def time_trainer(cfg, overrides, iters: int) -> float:
+    """Images/s of the real trainer (step 1, a fresh model, no evaluation) over ``iters`` iterations
+    after one warm-up epoch: its loader (persistent workers), its per-iteration work (deferred
+    read-back, EMA when on, tensorboard) and the device it resolves. ``overrides``: the command line's,
+    so the trainer's config is the benchmark's."""
+    import tempfile
+    from gnetmdk.engine.trainer import Trainer
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Trainer(build_config(type(cfg), list(overrides) + [
+            "checkpoint_root", tmp + "/ck", "log_root", tmp + "/log", "progress", "false", "eval_before", "false"],
+            step=1))
+        t.build_data()
+        t.build_model()
+        t.best_map, t.last_map, t.iteration, t.start_epoch, t.start_batch = -1.0, None, 0, 0, 0
+        t.setup_optimizer()
+        t.train_one_epoch(0)                               # warm-up: workers start, caches fill
+        rates, epoch, done = [], 1, 0
+        while done < iters:
+            r = t.train_one_epoch(epoch)
+            rates.append((r["images_per_s"], t.iters_per_epoch))
+            done += t.iters_per_epoch
+            epoch += 1
+        if t.writer is not None:
+            t.writer.close()
+    return sum(r * n for r, n in rates) / sum(n for _, n in rates)
 
 
 def time_batchnorm(cfg, batch, iters, rounds):
@@ -106,7 +162,7 @@ def time_batchnorm(cfg, batch, iters, rounds):
     models = []
     for kind in ("none", "torch", "dist"):
         torch.manual_seed(0)
-        m = model_from_config(cfg, use_bn=kind != "none")
+        m = model_from_config(cfg, use_bn=kind != "none").to(batch[0].device)
         apply_stage(m, STAGES["step1"])
         if kind == "dist":
             convert_sync_batchnorm(m)
@@ -118,7 +174,8 @@ def time_batchnorm(cfg, batch, iters, rounds):
         print(f"step 1, {name:<18} {statistics.median(ts) * 1000:8.1f} ms/step (median of rounds)")
     images = batch[0]
     c = next(mod for mod in models[0].modules() if isinstance(mod, torch.nn.Conv2d)).out_channels
-    x = (torch.randn(images.shape[0], c, *images.shape[2:]) + 3).contiguous(memory_format=torch.channels_last)
+    x = (torch.randn(images.shape[0], c, *images.shape[2:], device=images.device) + 3).contiguous(
+        memory_format=torch.channels_last)
     m0 = x.mean((0, 2, 3)).view(1, -1, 1, 1)
     x2 = x.permute(0, 2, 3, 1).reshape(-1, c)
     passes = {
@@ -147,24 +204,37 @@ def main():
                    help="blocks the timed steps are split into, alternating step 1 and step 3 (default 4)")
     p.add_argument("--batchnorm", action="store_true",
                    help="also time step 1 with no BatchNorm, torch's and DistBatchNorm2d, and single reductions")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where to time (default: the config's device, auto = cuda when torch sees a GPU)")
+    p.add_argument("--amp", action="store_true", help="also time step 1 under bf16 autocast (always on CUDA)")
+    p.add_argument("--trainer", action="store_true", help="also time the real trainer's images/s (always on CUDA)")
     args, overrides = p.parse_known_args()
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1 (got --iters {args.iters} --rounds {args.rounds})")
+    if args.device:
+        overrides = list(overrides) + ["device", args.device]
     cfg = build_config(load_config_class(args.config), overrides, step=1)
+    try:
+        device = resolve_device(cfg)
+    except Exception as exc:
+        p.error(str(exc))
+    configure_backends(cfg, device)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    if cfg.cpu_keep_memory:                        # as the trainer does on CPU (docs/training.md)
+    if cfg.cpu_keep_memory and device.type == "cpu":   # as the trainer does on CPU (docs/training.md)
         print(keep_freed_memory())
     ds = build_dataset(cfg, "train")
     loader = DataLoader(ds, batch_size=cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
-                        collate_fn=collate, worker_init_fn=seed_worker, drop_last=True)
+                        collate_fn=collate, worker_init_fn=seed_worker, drop_last=True,
+                        pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0)
     images, targets, _, _ = next(iter(loader))
-    batch = (images, targets)
+    batch = (images.to(device).float(), targets.to(device))
+    images = batch[0]
 
     torch.manual_seed(0)
-    float_model = model_from_config(cfg, use_bn=False)
+    float_model = model_from_config(cfg, use_bn=False).to(device)
     apply_stage(float_model, STAGES["step1"])
-    quant_model = model_from_config(cfg, use_bn=False)
+    quant_model = model_from_config(cfg, use_bn=False).to(device)
     quant_model.load_state_dict(float_model.state_dict())
     # caps from a calibration forward so step 3 runs with realistic clipping
     apply_stage(quant_model, STAGES["cal"], calibrating=True)
@@ -175,29 +245,58 @@ def main():
     rounds = max(1, min(args.rounds, args.iters))
     r1, r3 = time_interleaved([float_model, quant_model], batch, args.iters, rounds)
     t1, t3, ratio, low, high = summarize_rounds(r1, r3)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, threads {torch.get_num_threads()}"
+    print(f"device {where}, torch {torch.__version__}")
     print(f"model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}, batch {cfg.batch_size}, "
-          f"threads {torch.get_num_threads()}, weight_scale {cfg.weight_scale}; "
+          f"weight_scale {cfg.weight_scale}, channels_last {cfg.channels_last}; "
           f"{rounds} rounds of {max(1, args.iters // rounds)} steps per model, alternating")
     print(f"step 1 (float)      {t1 * 1000:8.1f} ms/step  {cfg.batch_size / t1:7.1f} img/s  (median of rounds)")
     print(f"step 3 (quantized)  {t3 * 1000:8.1f} ms/step  {cfg.batch_size / t3:7.1f} img/s  (median of rounds)")
     print(f"ratio step3/step1   {ratio:8.3f}   (median of the rounds' ratios, not the quotient of the two "
           f"lines above; rounds {low:.3f}-{high:.3f}; goal <= 1.15)")
 
+    if args.amp or device.type == "cuda":
+        torch.manual_seed(0)
+        amp_model = model_from_config(cfg, use_bn=False).to(device)
+        apply_stage(amp_model, STAGES["step1"])
+        amp_model.load_state_dict(float_model.state_dict())
+        AUTOCAST[id(amp_model)] = torch.bfloat16
+        r32, r16 = time_interleaved([float_model, amp_model], batch, args.iters, rounds)
+        a16, a32, amp_ratio, alow, ahigh = summarize_rounds(r16, r32)   # ratio: fp32 time / bf16 time
+        print(f"step 1 bf16 autocast {a16 * 1000:7.1f} ms/step  {cfg.batch_size / a16:7.1f} img/s")
+        print(f"speed bf16/fp32     {amp_ratio:8.3f}   (fp32 time / bf16 time, median of rounds {alow:.3f}-{ahigh:.3f}; "
+              "goal >= 1.25 on a GPU)")
+
     # data loading alone (augmentation on, as in training), then training throughput
     ds.set_epoch(1)
+    for _ in loader:                                  # the workers start (persistent afterwards)
+        break
     n = 0
     t0 = time.perf_counter()
-    for images, _, _, _ in loader:
-        n += images.shape[0]
+    for imgs, _, _, _ in loader:
+        n += imgs.shape[0]
     load_rate = n / (time.perf_counter() - t0)
     train_rate = cfg.batch_size / t1
     print(f"data loading        {load_rate:8.1f} img/s ({cfg.num_workers} workers, cache_images={cfg.cache_images})")
-    print(f"training (step 1)   {train_rate:8.1f} img/s")
-    print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up when alone)")
-    t_loop = time_loop(float_model, loader, args.iters)
+    print(f"training (step 1)   {train_rate:8.1f} img/s (bare step, batch on the device)")
+    print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up when alone; goal >= 1.5 on a GPU)")
+    t_loop = time_loop(float_model, loader, args.iters, device)
     print(f"step 1 + loading    {cfg.batch_size / t_loop:8.1f} img/s (the same BN-less model, batches drawn "
           f"from the loader as the trainer draws them)")
     print(f"ratio loop/step     {t1 / t_loop:8.2f}   (1: loading costs the training loop nothing)")
+    if args.trainer or device.type == "cuda":
+        if cfg.use_bn:        # the trainer's step 1 has BatchNorm: its own bare step is the reference
+            torch.manual_seed(0)
+            bn_model = model_from_config(cfg).to(device)
+            apply_stage(bn_model, STAGES["step1"])
+            tb = statistics.median(time_interleaved([bn_model], batch, args.iters, rounds)[0])
+        else:
+            tb = t1
+        rate = time_trainer(cfg, overrides, args.iters)
+        print(f"trainer (step 1)    {rate:8.1f} img/s (train_one_epoch, after a warm-up epoch; BatchNorm "
+              f"{'on' if cfg.use_bn else 'off'})")
+        print(f"ratio trainer/step  {rate / (cfg.batch_size / tb):8.2f}   (against the bare step of the same model; "
+              "goal >= 0.9 on a GPU)")
     if args.batchnorm:
         time_batchnorm(cfg, batch, args.iters, rounds)
 

@@ -60,3 +60,31 @@ def test_step_time_refuses_zero_rounds_with_one_message():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "--rounds must be at least 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_step_time_device_cuda_without_a_gpu_is_one_message_device_cpu():
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("a GPU is visible")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_step_time.py"), "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "torch sees no GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_step_time_autocast_applies_to_the_named_model_only():
+    bench = _load("bench_step_time")
+    seen = []
+
+    class M(_Recorder):
+        def forward(self, x):
+            seen.append((self.tag, torch.is_autocast_enabled("cpu")))
+            return super().forward(x)
+
+    a, b = M("a", []), M("b", [])
+    bench.AUTOCAST[id(b)] = torch.bfloat16
+    batch = (torch.ones(2, 1), torch.zeros(2, 1))
+    bench.train_step(a, torch.optim.SGD(a.parameters(), lr=0.1), *batch)
+    bench.train_step(b, torch.optim.SGD(b.parameters(), lr=0.1), *batch)
+    assert seen == [("a", False), ("b", True)]
