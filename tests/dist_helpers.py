@@ -48,6 +48,23 @@ class Config(BaseConfig):
 '''
 
 
+#: How far two float32 runs that sum the same numbers in another order (1 process x 8 against
+#: 2 processes x 4 plus an all-reduce) may drift over the tests' 10 iterations, and why (docs/distributed.md,
+#: "How close is close"). A gradient element is a sum of up to n = 8 x 224 x 224 = 401,408 products (the
+#: first layer's weights); summed in another order it differs by about lambda sqrt(n) u of the sum of
+#: the magnitudes (the probabilistic bound of Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019;
+#: u = 2^-24; the worst-case n u is 600 times larger and never seen), 3.8e-5 lambda. Step 3 trains with
+#: AdamW at lr 1e-3, whose update m / sqrt(v) keeps that relative difference: lr x 3.8e-5 lambda per
+#: iteration, 3.8e-7 lambda after 10. ALIGN_ATOL_ADAM allows lambda = 50 (2e-5; measured 2.4e-7 on one
+#: CPU and 3.4e-6 on another). Step 1 trains with SGD at lr 2e-5, whose update scales the difference by
+#: lr itself: ALIGN_ATOL keeps 1e-5 (measured 2.3e-7), the level at which the BatchNorm dynamics of a
+#: warmed-up model stay quiet. A wrong computation (another batch on a rank, a missing all-reduce,
+#: unsynchronised BatchNorm) differs by about lr per iteration for AdamW (1e-3) and by > 1e-4 for step 1
+#: (the negative control in test_dist_train.py): far outside both.
+ALIGN_ATOL = 1e-5
+ALIGN_ATOL_ADAM = 2e-5
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -39,7 +39,7 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_pat
     args = ["--step", 1, *RESUME, "checkpoint_root", ck, "log_root", tmp_path / "lk"]
     proc = subprocess.Popen([sys.executable, "train.py", "--config", path, *map(str, args)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    last = ck / "step1" / "last.pth"
+    last = ck / "step1" / "run" / "last.pth"           # the run in progress writes into run/
     killed_at, seen = None, None
     deadline = time.time() + 120
     try:
@@ -61,9 +61,12 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_pat
     assert proc.returncode == -signal.SIGKILL
     state = load_checkpoint(str(last))
     assert state["iteration"] >= killed_at and state["sampler"]["start_batch"] > 0
+    assert not (ck / "step1" / "last.pth").exists()      # the killed run published nothing
     r = _train(path, *args, "--resume")
     assert r.returncode == 0, r.stderr
     assert f"resuming from {last} (epoch {state['epoch']}, iteration {state['iteration']})" in r.stdout
+    last = ck / "step1" / "last.pth"                   # the finished run's files, published together
+    assert not (ck / "step1" / "run").exists() and (ck / "step1" / "best.pth").exists()
 
     straight = build_config(load_config_class(path), [*map(str, RESUME), "checkpoint_root", str(tmp_path / "s"),
                                                       "log_root", str(tmp_path / "ls")], step=1)
@@ -158,13 +161,20 @@ def test_unwritable_checkpoint_dir_is_reported_before_training(workdir, tmp_path
 
 
 def test_nan_loss_names_iteration_and_last_good_checkpoint(workdir, trained, tmp_path):
+    """A run that diverges stops with one line naming the iteration and its own last checkpoint
+    (run/last.pth, resumable); the previous run's outputs stay byte for byte as they were."""
+    import shutil
     _, path = workdir
     ck = tmp_path / "nan"
+    shutil.copytree(trained, ck)                               # a finished earlier run of step 1
+    published = {k: v for k, v in _digest(ck).items() if not k.startswith("step1/run")}
     r = _train(path, "--step", 1, "checkpoint_root", ck, "learning_rate", "1e12", "optimizer", "sgd",
                "num_epochs", 3, "eval_before", "false", "checkpoint_interval", 1)
-    line = _refused(r, "non-finite", "iteration", "last good checkpoint is")
+    line = _refused(r, "non-finite", "iteration", "last good checkpoint is", str(ck / "step1" / "run" / "last.pth"),
+                    "previous outputs", "unchanged")
     it = int(line.split("iteration ")[1].split(";")[0].split(" ")[0])
-    last = load_checkpoint(str(ck / "step1" / "last.pth"))
+    last = load_checkpoint(str(ck / "step1" / "run" / "last.pth"))
     assert last["iteration"] == it - 1                                  # the checkpoint before the bad step
     assert all(torch.isfinite(v.float()).all() for v in last["model"].values())
-    assert not [f for f in os.listdir(ck / "step1") if f.startswith(".tmp")]
+    assert {k: v for k, v in _digest(ck).items() if not k.startswith("step1/run")} == published
+    assert not [f for f in os.listdir(ck / "step1" / "run") if f.startswith(".tmp")]

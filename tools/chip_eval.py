@@ -29,7 +29,8 @@ _CHECK_DEFAULT = "<from chip model>"
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("chip_model", nargs="?", default=None,
                    help="chip-model file or its folder (default <model_root>/chip_model.json)")
@@ -41,7 +42,7 @@ def parse_args(argv):
                                                 "model in memory)")
     p.add_argument("--check", nargs="?", const=_CHECK_DEFAULT, default=None, metavar="CHECKPOINT",
                    help="compare with the step-4 checkpoint (default: the one the chip model was converted from)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--threads", type=int, default=0, help="torch / onnxruntime threads (0 = the config's 'threads', "
                                                           "else the library default)")
     args, rest = p.parse_known_args(argv)

@@ -23,7 +23,8 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="step-4 checkpoint (default <checkpoint_root>/step4/best.pth from the config)")
@@ -32,7 +33,7 @@ def parse_args(argv):
     p.add_argument("--name", default="chip_model", help="base name of the chip-model and ONNX files (default chip_model)")
     p.add_argument("--classes", default=None, help="comma-separated class names (default: the checkpoint's VOC_CLASSES)")
     p.add_argument("--no-onnx", action="store_true", help="do not write the ONNX model")
-    p.add_argument("--check-images", type=int, default=0, metavar="N",
+    p.add_argument("--check-images", type=at_least(0), default=0, metavar="N",
                    help="self-check: run N random 8-bit images through the step-4 model and the emulator, compare "
                         "every layer (the real check on a dataset is tools/chip_eval.py --check)")
     return p.parse_args(argv)
@@ -43,10 +44,11 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import fail, user_errors
     try:
+        from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, text_writer
         from gnetmdk.config import load_config
         from gnetmdk.gti.chip import ChipEmulator, check_bit_exact, convert_checkpoint
         from gnetmdk.gti.chip.model_file import FLOAT32_EXACT_LIMIT
-        from gnetmdk.gti.export import write_gti_files
+        from gnetmdk.gti.export import gti_file_names, gti_file_texts
         cfg = None
         if args.checkpoint is None or args.out is None:
             cfg = load_config(args.config)
@@ -55,12 +57,26 @@ def main(argv=None) -> int:
         names = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
         cm, model = convert_checkpoint(ckpt, names, cap_file=os.path.join(out, "relu_cap.txt"))
         os.makedirs(out, exist_ok=True)
-        cm_path = cm.save(os.path.join(out, args.name + ".json"))
-        paths = write_gti_files(cm, out, data_file=os.path.basename(cm_path))
-        onnx_path = None
+        cm_path = os.path.join(out, args.name + ".json")
+        onnx_path = os.path.join(out, args.name + ".onnx")
+        # every file of the conversion is made in memory first, then written as one set: a full disk or a
+        # failure on the way leaves the previous conversion's files as they were (never a mix of the two)
+        writers = {cm_path: text_writer(cm.to_json(cm_path))}
+        gti = gti_file_texts(cm, out, data_file=os.path.basename(cm_path))
+        writers.update({p: text_writer(t) for p, t in gti.items()})
         if not args.no_onnx:
-            from gnetmdk.gti.chip.onnx_export import save_onnx
-            onnx_path = save_onnx(cm, os.path.join(out, args.name + ".onnx"))
+            from gnetmdk.gti.chip.onnx_export import onnx_bytes
+            data = onnx_bytes(cm)
+            writers[onnx_path] = lambda fh: fh.write(data)
+        try:
+            # an ONNX file of an earlier conversion would not match this one: removed with --no-onnx
+            atomic_write_set(writers, remove=[onnx_path] if args.no_onnx else [])
+        except OSError as exc:
+            raise CheckpointError(f"cannot write the chip files to '{out}' ({exc.strerror or exc}): free disk space "
+                                  "or pass another --out; the previous files there are unchanged") from None
+        paths = {k: os.path.join(out, v) for k, v in gti_file_names(cm).items()}
+        if args.no_onnx:
+            onnx_path = None
     except user_errors() as exc:
         return fail(str(exc))
     print(f"converted {ckpt} ({cm.source.get('stage')}, best mAP {cm.source.get('best_map')}) for chip {cm.chip}, "

@@ -24,12 +24,14 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", help="a gnetmdk checkpoint (.pth) of any stage")
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
-    p.add_argument("--batch-size", type=int, default=0, help="images per batch (default the config's batch_size)")
+    p.add_argument("--batch-size", type=at_least(0), default=0,
+                   help="images per batch (default 0: the config's batch_size)")
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
 

@@ -11,7 +11,8 @@ INPUT: an image, a folder of images, or a video file. Every image goes through t
 preprocessing (gnetmdk.dataset.dataset.preprocess_image, then the chip's 5-bit codes); boxes are drawn
 on the original image with class name and score. Writes into --out: the drawn images (same names),
 for a video <stem>_pred.mp4, and detections.json (schema in docs/chip.md).
-Exit status: 0 ok, 2 a user error (one line on stderr).
+Exit status: 0 ok, 1 some images of a folder could not be read (skipped, listed), 2 a user error
+(one line on stderr).
 """
 from __future__ import annotations
 
@@ -28,16 +29,18 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    from gnetmdk.gti.chip.cli_util import Parser, at_least, fraction
+    p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("model", help="checkpoint .pth, chip model .json (or folder) or .onnx")
     p.add_argument("input", help="image, folder of images or video file")
     p.add_argument("--out", default="predictions", help="output folder (default ./predictions)")
-    p.add_argument("--thresh", type=float, default=None,
+    p.add_argument("--thresh", type=fraction(), default=None,
                    help="score threshold (conf x class score; default the model's predict_thresh)")
-    p.add_argument("--nms", type=float, default=None, help="NMS IoU threshold (default the model's nms_thresh)")
+    p.add_argument("--nms", type=fraction(low_open=True), default=None,
+                   help="NMS IoU threshold in (0, 1] (default the model's nms_thresh)")
     p.add_argument("--backend", choices=["emulator", "onnx"], default="emulator", help="for a chip model .json")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=at_least(1), default=8)
     p.add_argument("--threads", type=int, default=0, help="torch / onnxruntime threads (0 = library default)")
     p.add_argument("--no-draw", action="store_true", help="only write detections.json")
     return p.parse_args(argv)
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
         thresh = pred.predict_thresh if args.thresh is None else args.thresh
         nms = pred.nms_thresh if args.nms is None else args.nms
         os.makedirs(args.out, exist_ok=True)
-        results = []
+        results, skipped = [], []
         t0 = time.time()
         n_frames = 0
         size = pred.image_size
@@ -91,8 +94,18 @@ def main(argv=None) -> int:
                 raise ImageReadError(f"video '{src}' has no readable frame")
         else:
             for start in range(0, len(files), args.batch_size):
-                chunk = files[start:start + args.batch_size]
-                imgs = [decode_image(f) for f in chunk]
+                chunk, imgs = [], []
+                for f in files[start:start + args.batch_size]:
+                    try:
+                        imgs.append(decode_image(f, fix="replace it, or remove it from the input"))
+                        chunk.append(f)
+                    except ImageReadError as exc:
+                        if kind == "image":
+                            raise
+                        skipped.append({"source": f, "reason": str(exc)})     # the others go on
+                        print(f"skipped: {exc}", file=sys.stderr, flush=True)
+                if not chunk:
+                    continue
                 dets = pred.detect(np.stack([preprocess_image(im, size) for im in imgs]),
                                    [(im.shape[1], im.shape[0]) for im in imgs], thresh, nms)
                 for f, im, d in zip(chunk, imgs, dets):
@@ -106,7 +119,7 @@ def main(argv=None) -> int:
                 n_frames += len(chunk)
         doc = {"model": args.model, "model_kind": pred.kind, "backend": args.backend if pred.kind == "chip" else None,
                "classes": pred.class_names, "image_size": size, "score_thresh": thresh, "nms_thresh": nms,
-               "box_format": "xyxy pixels of the original image", "results": results}
+               "box_format": "xyxy pixels of the original image", "results": results, "skipped": skipped}
         json_path = os.path.join(args.out, "detections.json")
         atomic_write_text(json_path, json.dumps(doc, indent=1) + "\n")
     except user_errors() as exc:
@@ -114,6 +127,10 @@ def main(argv=None) -> int:
     n_det = sum(len(r["detections"]) for r in results)
     print(f"{pred.kind} model {args.model}: {n_frames} {'frames' if kind == 'video' else 'images'}, {n_det} detections "
           f"(score > {thresh:g}) in {time.time() - t0:.1f}s -> {args.out}/ and {json_path}")
+    if skipped:
+        print(f"error: {len(skipped)} of {len(files)} images could not be read and were skipped (listed above and "
+              f"under 'skipped' in {json_path}): replace or remove them", file=sys.stderr)
+        return 1
     return 0
 
 

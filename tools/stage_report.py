@@ -27,7 +27,8 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
@@ -36,7 +37,7 @@ def parse_args(argv):
     p.add_argument("--chip", default=None, help="chip model (default <model_root>/chip_model.json, else converted "
                                                 "from the step-4 checkpoint)")
     p.add_argument("--no-chip", action="store_true", help="leave out the chip row")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=at_least(1), default=16)
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
 

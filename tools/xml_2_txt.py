@@ -139,6 +139,8 @@ def main(argv=None) -> int:
 
     for _path, reason in report["skipped"]:
         print(f"skipped: {reason}", file=sys.stderr)
+    for warning in report.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     if report["skipped"]:
         print(f"{len(report['skipped'])} file(s) skipped", file=sys.stderr)
     print_summary(report)

@@ -98,6 +98,36 @@ def list_iterations(folder: str) -> Dict[int, Dict[int, str]]:
     return out
 
 
+#: what every iteration file must hold
+NPZ_FIELDS = ("images", "targets", "indices", "epoch")
+
+
+def read_npz(path: str) -> Dict[str, np.ndarray]:
+    """All arrays of one recorded iteration file, read without unpickling anything.
+
+    Raises:
+        AlignmentError: naming the file: not a readable .npz (truncated, corrupted), an array of Python
+            objects (never unpickled: a recording holds numbers only), or a missing field.
+    """
+    import zipfile
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            out = {k: z[k] for k in z.files}
+    except ValueError as exc:
+        if "pickle" in str(exc).lower() or "object" in str(exc).lower():
+            raise AlignmentError(f"recording file '{path}' holds an array of Python objects, which is never "
+                                 "unpickled (a gnetmdk recording holds numbers only): record again with --save-npz") from None
+        raise AlignmentError(f"recording file '{path}' cannot be read ({exc}): record again with --save-npz") from None
+    except (OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+        raise AlignmentError(f"recording file '{path}' cannot be read ({type(exc).__name__}: truncated or not an "
+                             ".npz): record again with --save-npz") from None
+    missing = [k for k in NPZ_FIELDS if k not in out]
+    if missing:
+        raise AlignmentError(f"recording file '{path}' lacks {', '.join(missing)}: not a gnetmdk recording; "
+                             "record again with --save-npz")
+    return out
+
+
 def load_iteration(files: Dict[int, str], world: int) -> Dict[str, object]:
     """Concatenate one iteration's per-rank files (rank order) into the global batch.
 
@@ -105,7 +135,7 @@ def load_iteration(files: Dict[int, str], world: int) -> Dict[str, object]:
         {"images" (B,3,S,S) float32, "targets" (B,G,G,10+C) float32, "indices" (B,) int64,
          "epoch" int, "losses" {term: mean over ranks}}.
     Raises:
-        AlignmentError: a rank's file is missing.
+        AlignmentError: a rank's file is missing or unreadable (read_npz).
     """
     missing = [r for r in range(world) if r not in files]
     if missing:
@@ -113,15 +143,14 @@ def load_iteration(files: Dict[int, str], world: int) -> Dict[str, object]:
                              f"({sorted(files.values())[0] if files else '?'})")
     images, targets, indices, losses, epochs = [], [], [], {}, []
     for r in range(world):
-        with np.load(files[r]) as z:
-            img = z["images"]
-            images.append(torch.from_numpy(img.astype(np.float32)))
-            targets.append(torch.from_numpy(z["targets"].astype(np.float32)))
-            indices.append(torch.from_numpy(z["indices"].astype(np.int64)))
-            epochs.append(int(z["epoch"]))
-            for k in z.files:
-                if k.startswith("loss_"):
-                    losses.setdefault(k[5:], []).append(float(z[k]))
+        z = read_npz(files[r])
+        images.append(torch.from_numpy(z["images"].astype(np.float32)))
+        targets.append(torch.from_numpy(z["targets"].astype(np.float32)))
+        indices.append(torch.from_numpy(z["indices"].astype(np.int64)))
+        epochs.append(int(z["epoch"]))
+        for k, v in z.items():
+            if k.startswith("loss_"):
+                losses.setdefault(k[5:], []).append(float(v))
     return {"images": torch.cat(images), "targets": torch.cat(targets), "indices": torch.cat(indices),
             "epoch": epochs[0], "losses": {k: float(np.mean(v)) for k, v in losses.items()}}
 
@@ -148,8 +177,7 @@ class ReplayLoader:
         self.recorded: Dict[int, Dict[str, float]] = {}
         self._epochs: Dict[int, int] = {}
         for it in self.iterations:
-            with np.load(self.files[it][min(self.files[it])]) as z:
-                self._epochs[it] = int(z["epoch"])
+            self._epochs[it] = int(read_npz(self.files[it][min(self.files[it])])["epoch"])
 
     @property
     def last_iteration(self) -> int:
@@ -326,8 +354,8 @@ class AlignmentHook:
         path = trainer.save("last.pth", epoch, trainer.iteration, full=True)
         why = "max_iters" if not (self.replay is not None and trainer.iteration >= self.replay.last_iteration) \
             else "end of the recording"
-        trainer.log(f"[{trainer.stage.name}] stopped after {trainer.iteration} iterations ({why}): wrote "
-                    f"{os.path.join(trainer.out_dir, 'last.pth')}")
+        trainer.log(f"[{trainer.stage.name}] stopped after {trainer.iteration} iterations ({why}): "
+                    f"last.pth goes to {trainer.out_dir} with the run's other files")
         if trainer.best_map is not None and trainer.best_map < 0:
             trainer.best_map = None          # nothing was evaluated: the summary says n/a, not -1
         self.write_report(trainer)
@@ -337,7 +365,7 @@ class AlignmentHook:
         if self.replay is None or not is_main_process():
             return
         worst = max((r["max_abs_diff"] for r in self.report), default=0.0)
-        path = os.path.join(trainer.out_dir, "replay_report.json")
+        path = trainer.outputs.staged("replay_report.json")      # published with the run's checkpoints
         atomic_write_text(path, json.dumps({"recording": self.replay_dir, "recorded_world_size": self.replay.rec_world,
                                             "world_size": get_world_size(), "iterations": self.report,
                                             "max_abs_loss_diff": worst}, indent=2) + "\n")

@@ -13,7 +13,8 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Dict, Optional
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -25,11 +26,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable or does not fit the run; the message names the file and the fix."""
 
 
-def atomic_write_bytes(path: str, write_fn) -> None:
-    """Write a file through ``write_fn(fileobj)`` to a temporary file in the same folder, fsync, rename.
-
-    A crash at any point leaves either the old file or the new one, never a partial file.
-    """
+def _write_temp(path: str, write_fn) -> str:
+    """Write ``write_fn(fileobj)`` into a new temporary file beside ``path`` (flushed, fsynced, with the
+    permissions a plain ``open`` would give); returns its name. Removes it on any failure."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=folder)
@@ -41,16 +40,64 @@ def atomic_write_bytes(path: str, write_fn) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)      # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
+        return tmp
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
 
+def atomic_write_bytes(path: str, write_fn) -> None:
+    """Write a file through ``write_fn(fileobj)`` to a temporary file in the same folder, fsync, rename.
+
+    A crash at any point leaves either the old file or the new one, never a partial file.
+    """
+    atomic_write_set({path: write_fn})
+
+
 def atomic_write_text(path: str, text: str) -> None:
     """Atomically write a text file (UTF-8)."""
     atomic_write_bytes(path, lambda fh: fh.write(text.encode("utf-8")))
+
+
+def text_writer(text: str):
+    """A ``write_fn`` for :func:`atomic_write_set` writing ``text`` as UTF-8."""
+    data = text.encode("utf-8")
+    return lambda fh: fh.write(data)
+
+
+def atomic_write_set(writers: Dict[str, Any], remove: Sequence[str] = ()) -> List[str]:
+    """Write several files as one set: each first to a temporary file beside its destination (written,
+    flushed, fsynced), and only when every one of them is complete are they renamed into place;
+    then the files of ``remove`` (a previous set's members this one no longer has) are deleted.
+
+    A failure while writing (a full disk, a read-only folder, an exception in a writer) or a kill
+    before the renames leaves every destination as it was and no temporary file behind; the renames
+    themselves only replace directory entries. Used for the stages' outputs, the chip-model files and
+    the meta files, so that no set is ever half new.
+
+    Args:
+        writers: {destination path: write_fn(binary file object)} (see :func:`text_writer`).
+        remove: paths to delete after the renames (missing ones are ignored).
+    Returns:
+        the destination paths, in the order given.
+    Raises:
+        OSError (and whatever a writer raises): nothing was replaced.
+    """
+    temps: Dict[str, str] = {}
+    try:
+        for path, fn in writers.items():
+            temps[path] = _write_temp(path, fn)
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in temps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    for path in remove:
+        if path not in writers and os.path.lexists(path):
+            os.unlink(path)
+    return list(writers)
 
 
 def save_checkpoint(path: str, state: Dict[str, Any]) -> None:
@@ -75,16 +122,38 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
     Raises:
         CheckpointError: missing, unreadable, or not a gnetmdk checkpoint.
     """
+    if os.path.isdir(path):
+        raise CheckpointError(f"'{path}' is a folder, not a checkpoint file: pass the .pth inside it "
+                              f"(e.g. {os.path.join(path, 'best.pth')})")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint '{path}' does not exist" + (f": {hint}" if hint else ""))
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")        # torch's notes on pickle protocols: the refusal says enough
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint '{path}' cannot be read ({type(exc).__name__}: {exc}); "
-                              "it may be truncated or not a gnetmdk checkpoint") from None
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {_read_failure(exc)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a gnetmdk checkpoint (no format tag '{FORMAT}')")
     return ckpt
+
+
+def _read_failure(exc: Exception) -> str:
+    """Why torch.load failed, in one line of this project's words (torch's own text runs over many
+    lines and advises ``weights_only=False``, which would execute whatever the file asks: never)."""
+    text = str(exc)
+    low = text.lower()
+    if isinstance(exc, PermissionError):
+        return "permission denied: fix the file's permissions"
+    if isinstance(exc, OSError) and not isinstance(exc, EOFError):
+        return exc.strerror or (text.splitlines()[0] if text else type(exc).__name__)
+    if "weights only load failed" in low or "unsupported global" in low or "weights_only" in low:
+        return ("it holds objects other than tensors and plain data (a pickle of classes or code), which are "
+                "never unpickled here; a gnetmdk checkpoint holds only tensors, numbers, strings, lists and dicts")
+    if isinstance(exc, EOFError) or "eof" in low or "truncat" in low or "central directory" in low or \
+            "failed finding central directory" in low:
+        return "the file is truncated or empty (a copy or a write that did not finish): use another checkpoint"
+    return "not a checkpoint torch can read (truncated, corrupted, or another format): use another checkpoint"
 
 
 #: stages whose weights were fine-tuned under a weight scale rule
@@ -171,7 +240,8 @@ def _config_mask_bits(cfg, meta: Dict[str, Any]):
 
 
 def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
-    """Refuse a checkpoint whose model differs from the config (model, class count, input size, width, chip).
+    """Refuse a checkpoint whose model differs from the config (model, class count, input size, width, chip)
+    or whose class names differ from the config's VOC_CLASSES (names or order).
 
     Raises:
         CheckpointError: naming each difference and the fix.
@@ -180,6 +250,11 @@ def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
     want = {"name": cfg.model_name, "num_classes": cfg.num_classes, "image_size": cfg.image_size, "width_mult": float(cfg.width_mult),
             "chip": str(cfg.chip)}
     diffs = [f"{k}: checkpoint {meta.get(k)!r} vs config {v!r}" for k, v in want.items() if meta.get(k) != v]
+    names = (ckpt.get("config") or {}).get("VOC_CLASSES")
+    if not diffs and names is not None and list(names) != list(cfg.VOC_CLASSES):
+        # the same count in another order (or other names) would train and report AP under wrong names
+        diffs.append(f"VOC_CLASSES: checkpoint {list(names)} vs config {list(cfg.VOC_CLASSES)} (class i is output "
+                     "channel 10 + i: the names must be the same, in the same order)")
     if diffs:
         raise CheckpointError(f"checkpoint '{path}' does not fit this config ({'; '.join(diffs)}): set the "
                               "config to match, or start from another checkpoint with 'load PATH'")

@@ -111,6 +111,7 @@ class BaseConfig:
     cal: bool = False                       # calibration pass (runs on the step-2 model)
     load: str = ""                          # checkpoint to start from; "" = previous step's best
     resume: bool = False                    # continue from this step's last.pth
+    resume_changes: List[str] = []          # settings a resume may change (schedule, world_size; docs/training.md)
     eval_before: bool = True                # evaluate the loaded model before training
     eval_interval: int = 1                  # evaluate every N epochs (and always after the last)
     per_step: Dict[int, dict] = {}          # {step: {field: value}} applied before command-line overrides

@@ -221,6 +221,17 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("num_epochs", "must be >= 0")
     if cfg.num_workers < 0:
         bad("num_workers", "must be >= 0")
+    if cfg.threads < 0:
+        bad("threads", "must be >= 0 (0 leaves torch's default number of threads)")
+    if cfg.eval_interval < 1:
+        bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
+    if not cfg.dist_timeout > 0:
+        bad("dist_timeout", "must be a positive number of seconds")
+    from gnetmdk.engine.resume import RESUME_CHANGEABLE
+    wrong = [k for k in cfg.resume_changes if k not in RESUME_CHANGEABLE]
+    if wrong:
+        bad("resume_changes", f"{', '.join(map(repr, wrong))} cannot change on a resume; these can: "
+            f"{', '.join(RESUME_CHANGEABLE)}")
     if not 0 < cfg.cap_percentile <= 100:
         bad("cap_percentile", "must be in (0, 100]")
     if cfg.cap_method not in ("percentile", "mse"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import tempfile
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -236,6 +235,30 @@ def _find_image(image_dir: str, filename: str, stem: str) -> str | None:
     return None
 
 
+def _check_image(path: str, ann: dict, xml_path: str) -> None:
+    """Decode the image of an annotation and compare its size with ``<size>``.
+
+    Raises:
+        VOCFormatError: naming the XML and the image: truncated or undecodable (see
+            gnetmdk.dataset.dataset.decode_image), or a decoded size other than the annotation's
+            (the image was resized, or is turned by its EXIF orientation, after it was annotated:
+            the boxes would point elsewhere).
+    """
+    from .dataset import ImageReadError, decode_image
+    try:
+        img = decode_image(path, fix="replace the image or drop the annotation")
+    except ImageReadError as exc:
+        raise VOCFormatError(f"{xml_path}: {exc}", xml_path) from None
+    h, w = img.shape[:2]
+    if (w, h) != (ann["width"], ann["height"]):
+        raise VOCFormatError(
+            f"{xml_path}: <size> says {ann['width']}x{ann['height']} but {path} decodes to {w}x{h} pixels (resized, "
+            f"or turned by its EXIF orientation, after it was annotated): the boxes would be wrong. Re-annotate the "
+            f"image, or restore the annotated one.",
+            xml_path,
+        )
+
+
 def _split_ids(dataset_dir: str, ann_dir: str, val_fraction: float, seed: int):
     sets = os.path.join(dataset_dir, "ImageSets", "Main")
     train_list, val_list = os.path.join(sets, "train.txt"), os.path.join(sets, "val.txt")
@@ -273,25 +296,10 @@ def format_meta_line(image_name: str, boxes: Iterable[Sequence[int]], labels: It
 
 
 def _atomic_write_many(contents: dict[str, str]) -> None:
-    """Write every {path: text} to a temp file first, then rename all into place."""
-    tmps = {}
-    try:
-        for path, text in contents.items():
-            folder = os.path.dirname(os.path.abspath(path))
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                                       dir=folder)
-            tmps[path] = tmp
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-        for path, tmp in tmps.items():
-            os.replace(tmp, path)
-    finally:
-        for tmp in tmps.values():
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    """Write every {path: text} as one set (gnetmdk.checkpoint.io.atomic_write_set): nothing replaced
+    unless all are written."""
+    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
+    atomic_write_set({str(p): text_writer(t) for p, t in contents.items()})
 
 
 def write_meta(path: str, entries: Iterable[tuple[str, Sequence[Sequence[int]], Sequence[int]]]) -> None:
@@ -311,6 +319,7 @@ def convert_voc_to_meta(
     seed: int = 0,
     image_dir: str = "JPEGImages",
     ann_dir: str = "Annotations",
+    check_images: bool = True,
 ) -> dict:
     """Convert a VOC-layout dataset into the two meta files.
 
@@ -330,9 +339,11 @@ def convert_voc_to_meta(
         skip_bad: skip bad annotations/images (listed in the report) instead of failing.
         val_fraction, seed: used only for the random split.
         image_dir, ann_dir: sub-folders of ``dataset_dir``.
+        check_images: decode every image (a truncated or undecodable file, or one whose size differs
+            from the annotation's ``<size>``, is a bad file; see :func:`_check_image`).
 
     Returns:
-        ``{"dataset_dir", "split_source", "classes", "skipped": [(path, reason), ...],
+        ``{"dataset_dir", "split_source", "classes", "skipped": [(path, reason), ...], "warnings": [...],
         "splits": {"train"|"valid": {"file", "ids", "images", "boxes", "per_class": {name: n},
         "no_objects": [xml paths], "dropped_difficult": n}}}``.
 
@@ -340,8 +351,11 @@ def convert_voc_to_meta(
         FileNotFoundError: ``dataset_dir``, its image folder or its annotation folder is missing.
         VOCFormatError: (unless ``skip_bad``) the first bad file: malformed annotation (see
             :func:`parse_voc_xml`), id listed without an annotation, missing image (names the XML
-            and the expected image path), image name with whitespace. Also, regardless of
-            ``skip_bad``, an id in both train.txt and val.txt. Nothing is written when it is raised.
+            and the expected image path), image name with whitespace, an image that is truncated,
+            cannot be decoded or has another size than ``<size>``. Also, regardless of
+            ``skip_bad``, an id in both train.txt and val.txt, and a train split left without any
+            image with objects (an empty valid split is written with a warning). Nothing is written
+            when it is raised.
     """
     dataset_dir = str(dataset_dir)
     if not os.path.isdir(dataset_dir):
@@ -397,6 +411,8 @@ def convert_voc_to_meta(
                         f"space-separated meta format cannot hold. Rename the image.",
                         xml_path,
                     )
+                if check_images:
+                    _check_image(os.path.join(img_root, image_name), ann, xml_path)
             except VOCFormatError as exc:
                 if not skip_bad:
                     raise
@@ -415,6 +431,16 @@ def convert_voc_to_meta(
         splits[split] = stats
         lines[split] = split_lines
 
+    warnings = []
+    for split, source in (("train", "train.txt"), ("valid", "val.txt")):
+        if not lines[split]:
+            why = (f"split {split!r} has no image with objects ({splits[split]['ids']} ids, "
+                   f"{len(splits[split]['no_objects'])} without objects, {len(skipped)} skipped as bad)")
+            if split == "train":        # an empty dataset: nothing to write
+                raise VOCFormatError(f"{dataset_dir}: {why}: nothing was written. Check {ann_dir}/ and "
+                                     f"ImageSets/Main/{source}, or the random split's val_fraction.", dataset_dir)
+            warnings.append(f"{why}: the trainer evaluates every stage on it and will refuse an empty one; "
+                            f"check ImageSets/Main/{source} or set val_fraction")
     _atomic_write_many({
         str(out_train): "".join(l + "\n" for l in lines["train"]),
         str(out_valid): "".join(l + "\n" for l in lines["valid"]),
@@ -425,6 +451,7 @@ def convert_voc_to_meta(
         "classes": class_names,
         "skipped": skipped,
         "splits": splits,
+        "warnings": warnings,
     }
 
 

@@ -190,9 +190,32 @@ def _join_error(exc: Exception, url: str, world: int, rank: int, timeout: float)
     return LaunchError(f"rank {rank}: could not join the process group at {url}: {text.strip().splitlines()[0]}")
 
 
+def wait_for_rendezvous(host: str, port: int, timeout: float, poll: float = 0.25) -> bool:
+    """Whether a TCP connection to machine 0's rendezvous ``host:port`` opens within ``timeout`` seconds
+    (retried every ``poll`` seconds). torch's store client retries its own connection with the whole
+    time-out per attempt, so a lone rank used to wait about twice ``--dist-timeout`` before giving up;
+    waiting here first bounds the wait by one time-out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+                return True
+        except OSError:
+            if time.monotonic() + poll >= deadline:
+                return False
+            time.sleep(poll)
+
+
 def init_group(backend: str, url: str, world: int, rank: int, timeout: float) -> None:
     """init_process_group with a time-out, translating failures to LaunchError (port in use, peers
-    that never join, machine 0 not reachable)."""
+    that never join, machine 0 not reachable). A rank other than 0 first waits for machine 0's
+    rendezvous to accept connections (wait_for_rendezvous), at most ``timeout`` seconds. The wait
+    starts when this worker starts: a launcher that spawns workers adds their start-up before it."""
+    if rank != 0:
+        host, port = split_url(url)
+        if not wait_for_rendezvous(host, port, timeout):
+            raise _join_error(TimeoutError(f"connect to {host}:{port} timed out"), url, world, rank, timeout)
     try:
         dist.init_process_group(backend, init_method=url, world_size=world, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout))
@@ -304,8 +327,11 @@ class _Terminated(Exception):
     pass
 
 
-def _failure(procs, err_dir: str, spec: DistSpec) -> WorkerFailed:
-    """The error of the worker that failed first (earliest error record; else a non-zero exit code)."""
+def _failure(procs, err_dir: str, spec: DistSpec, first=None) -> WorkerFailed:
+    """The error of the worker that failed first: the earliest error record a worker wrote, else the
+    exit of ``first`` (the process the supervisor saw end first, before it stopped the others; a
+    worker killed from outside writes no record, and the others then die of the launcher's own
+    SIGTERM, which must not be reported as the cause), else the first non-zero exit code."""
     records = []
     for name in os.listdir(err_dir):
         if name.endswith(".json"):
@@ -326,7 +352,10 @@ def _failure(procs, err_dir: str, spec: DistSpec) -> WorkerFailed:
         above = " (traceback above)" if r["code"] == 1 and "lost the connection" not in r["message"] else ""
         return WorkerFailed(f"rank {r['rank']} (pid {r['pid']}) failed: {r['message']}{above}{stopped}",
                             r["code"] or 1, r["rank"])
-    for i, p in enumerate(procs):
+    order = list(enumerate(procs))
+    if first is not None and first in procs:
+        order.sort(key=lambda ip: ip[1] is not first)
+    for i, p in order:
         if p.exitcode not in (0, None):
             rank = spec.global_rank(i)
             if p.exitcode < 0:
@@ -365,7 +394,7 @@ def _spawn_and_supervise(fn: Callable, spec: DistSpec, url: str, args: tuple, us
                 live.remove(p)
                 if p.exitcode != 0:
                     _stop(procs)
-                    raise _failure(procs, err_dir, spec)
+                    raise _failure(procs, err_dir, spec, first=p)
     except (KeyboardInterrupt, _Terminated) as exc:
         _stop(procs, grace=2.0)
         print(f"interrupted: stopped {len(procs)} worker process(es)", file=sys.stderr, flush=True)
@@ -436,13 +465,7 @@ def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = 
         finally:
             _destroy()
         return
-    if spec.gpus < 1 or spec.world_size < 1:
-        raise LaunchError(f"--gpus ({spec.gpus}) and --world-size ({spec.world_size}) must be at least 1")
-    if not 0 <= spec.rank < spec.world_size:
-        raise LaunchError(f"--rank {spec.rank} must be in 0..{spec.world_size - 1} (this machine's index, from 0; "
-                          f"--world-size is the number of machines)")
-    if spec.timeout <= 0:
-        raise LaunchError(f"--dist-timeout {spec.timeout:g} must be a positive number of seconds")
+    check_spec(spec)
     if spec.use_cuda and spec.gpus > torch.cuda.device_count():
         raise LaunchError(f"--gpus {spec.gpus} but only {torch.cuda.device_count()} GPU(s) are visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower --gpus "
@@ -495,5 +518,22 @@ def spec_from_args(args, cfg) -> DistSpec:
     spec = DistSpec(gpus=getattr(args, "gpus", 1), world_size=getattr(args, "world_size", 1),
                     rank=getattr(args, "rank", 0), dist_url=getattr(args, "dist_url", "") or "",
                     timeout=float(cfg.dist_timeout if timeout is None else timeout), use_cuda=use_cuda)
+    check_spec(spec)
     check_batch_split(cfg.batch_size, spec)
     return spec
+
+
+def check_spec(spec: DistSpec) -> None:
+    """Refuse process counts, ranks and time-outs that cannot work, before anything starts.
+
+    Raises:
+        LaunchError: naming the option, its value and the valid range.
+    """
+    if spec.gpus < 1 or spec.world_size < 1:
+        raise LaunchError(f"--gpus ({spec.gpus}) and --world-size ({spec.world_size}) must be at least 1 "
+                          "(--gpus: processes on this machine; --world-size: the number of machines)")
+    if not 0 <= spec.rank < spec.world_size:
+        raise LaunchError(f"--rank {spec.rank} must be in 0..{spec.world_size - 1} (this machine's index, from 0; "
+                          f"--world-size is the number of machines)")
+    if not spec.timeout > 0:
+        raise LaunchError(f"--dist-timeout {spec.timeout:g} must be a positive number of seconds")

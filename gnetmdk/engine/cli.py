@@ -20,7 +20,8 @@ from gnetmdk.config import ConfigError, build_config, load_config_class
 
 def build_parser(distributed: bool) -> argparse.ArgumentParser:
     prog = "train-dist.py" if distributed else "train.py"
-    p = argparse.ArgumentParser(
+    from gnetmdk.gti.chip.cli_util import Parser
+    p = Parser(
         prog=prog, description="Train one stage of the gnetmdk pipeline (step1 -> step2 -> cal -> step3 -> step4).",
         epilog="Config overrides follow the options: KEY VALUE or KEY=VALUE, e.g. 'batch-size 32 learning-rate=3e-5'.")
     p.add_argument("--config", default=None, help="configs.py defining 'class Config(BaseConfig)' (default ./configs.py)")
@@ -43,6 +44,9 @@ def parse(argv: Sequence[str], distributed: bool):
     """(args, cfg): parsed options and the resolved config. Raises ConfigError / SystemExit."""
     parser = build_parser(distributed)
     args, rest = parser.parse_known_args(list(argv))
+    if args.cal and args.step is not None:
+        raise ConfigError(f"--cal calibrates the step-2 model (checkpoint/step2/best.pth) and takes no --step: drop "
+                     f"--step {args.step}, or --cal to train step {args.step}")
     unknown_opts = [t for t in rest if t.startswith("--") and "=" not in t and t[2:].replace("-", "_") not in
                     load_config_class(args.config).field_types()]
     if unknown_opts:

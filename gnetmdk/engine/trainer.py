@@ -18,8 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, check_compatible,
-                                   load_checkpoint, load_matching, save_checkpoint, save_config_json,
-                                   atomic_write_text)
+                                   load_checkpoint, load_matching)
+from gnetmdk.checkpoint.outputs import StageOutputs, check_writable
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
 from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
@@ -30,6 +30,7 @@ from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.layers.registry import model_from_config
+from .resume import RESUME_CHECKED, RESUME_FIXED, same as _same
 from .schedule import build_optimizer, build_scheduler
 from . import recipe as R
 from .ema import ModelEMA
@@ -38,7 +39,6 @@ from .stages import Stage, apply_stage, get_stage, source_path
 #: learned caps (step 3, cap_lr) are kept at least this large after every optimizer step (value units;
 #: a cap divides the gains, so it must stay positive)
 CAP_FLOOR = 1e-3
-
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (non-finite loss, ...); the message names the iteration and the last good checkpoint."""
@@ -89,6 +89,7 @@ class Trainer:
         if self.device.type == "cpu" and cfg.cpu_keep_memory:
             self.parallel_notes.append(R.keep_freed_memory())
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
+        self.outputs = StageOutputs(self.out_dir, self.stage.name, self.main)   # run/ until the run finishes
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.writer = None
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
@@ -150,7 +151,7 @@ class Trainer:
         self.resume_state = None
         self.source_stage = None
         set_seed(cfg.seed)
-        last = os.path.join(self.out_dir, "last.pth")
+        last = self.outputs.resume_path()
         if cfg.resume:
             if stage.name == "cal":
                 raise CheckpointError("--resume does not apply to calibration (one pass): run --cal again")
@@ -164,7 +165,7 @@ class Trainer:
             self.log(f"[{stage.name}] resuming from {last} (epoch {ckpt['epoch']}, iteration {ckpt['iteration']})")
         else:
             path = source_path(cfg, stage)
-            if path and os.path.isfile(path):
+            if path and os.path.exists(path):      # a folder is refused by load_checkpoint, by name
                 ckpt = load_checkpoint(path)
                 self.source_stage = ckpt.get("stage")
                 if stage.name == "step1" and not cfg.load:
@@ -249,9 +250,15 @@ class Trainer:
         return st
 
     def save(self, name: str, epoch: int, iteration: int, full: bool = False) -> Optional[str]:
+        """Write checkpoint ``name`` of this run (into checkpoint/step<N>/run/, published when the run
+        finishes; gnetmdk.checkpoint.outputs), with the resolved config beside it.
+
+        Raises:
+            TrainingError: non-finite weights (the file is not written).
+            CheckpointError: the disk is full or the folder not writable.
+        """
         if not self.main:
             return None
-        path = os.path.join(self.out_dir, name)
         state = self.state(epoch, iteration, full)
         bad = [k for k, v in state["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:   # a diverged model (e.g. BatchNorm statistics overflowed) never replaces a good checkpoint
@@ -259,25 +266,19 @@ class Trainer:
                 f"non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} after "
                 f"iteration {iteration}; {name} not written; {self.last_good_checkpoint()}: lower learning_rate "
                 "or check the data")
-        save_checkpoint(path, state)
-        save_config_json(self.out_dir, self.cfg.to_dict())
-        if name == "best.pth" and getattr(self, "learned_caps", None):
-            self.write_caps(state["caps"])         # the chip files' caps are the learned ones now
+        path = self.outputs.save(name, state, iteration, config=self.cfg.to_dict())
+        if name == "best.pth":
+            self.best_caps = state["caps"]          # learned caps: model/relu_cap.txt follows best.pth
         return path
 
     def check_output_dir(self) -> None:
-        """Fail before training if checkpoints cannot be written."""
+        """Fail before any work if an output folder (checkpoints, tensorboard log, model files) cannot
+        be written; nothing is written then."""
         if not self.main:
             return
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            probe = os.path.join(self.out_dir, ".write-test")
-            with open(probe, "wb") as fh:
-                fh.write(b"0" * 1024)
-            os.unlink(probe)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoints to '{self.out_dir}' ({exc.strerror}): fix its "
-                                  "permissions or free disk space, or set checkpoint_root") from None
+        check_writable(self.out_dir, "checkpoints", "checkpoint_root")
+        check_writable(self.cfg.log_dir, "the tensorboard log", "log_root")
+        check_writable(self.cfg.model_root, "model files (relu_cap.txt)", "model_root")
 
     def check_disk_space(self) -> None:
         """Fail before training if the checkpoints this run writes would not fit on the disk."""
@@ -343,11 +344,13 @@ class Trainer:
         model.train()
         return caps.tolist()
 
-    def write_caps(self, caps: List[float]) -> str:
-        path = os.path.join(self.cfg.model_root, "relu_cap.txt")
-        if self.main:
-            atomic_write_text(path, "".join(f"{c:.8g}\n" for c in caps))
-        return path
+    def caps_file(self) -> str:
+        """model/relu_cap.txt: one cap per conv (the chip files' caps)."""
+        return os.path.join(self.cfg.model_root, "relu_cap.txt")
+
+    @staticmethod
+    def caps_text(caps: List[float]) -> str:
+        return "".join(f"{c:.8g}\n" for c in caps)
 
     # ------------------------------------------------------------------ loop
     def _progress(self, iterable, desc: str):
@@ -497,6 +500,59 @@ class Trainer:
             if hasattr(self._bar, "set_postfix"):
                 self._bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
 
+    def check_resume(self, st: Dict[str, object]) -> List[str]:
+        """Compare the settings of the checkpoint being resumed with this run's; returns the changed
+        settings the config accepts (``resume_changes``).
+
+        Raises:
+            ConfigError: a changed setting that fixes the position in the run or the optimizer's state
+                (batch_size, accumulate, optimizer, cap_lr: never), or another one of RESUME_CHECKED not
+                listed in ``resume_changes``; the message names each with both values and the fix.
+        """
+        from gnetmdk.config import ConfigError
+        saved = dict(st.get("config") or {})
+        saved["world_size"] = int(st.get("world_size", 1) or 1)
+        now = {k: getattr(self.cfg, k) for k in RESUME_CHECKED if k != "world_size"}
+        now["world_size"] = self.world_size
+        if "accumulate" in st:
+            saved["accumulate"] = st["accumulate"]
+        diffs = {k: (saved[k], now[k]) for k in RESUME_CHECKED if k in saved and not _same(saved[k], now[k])}
+        where = f"cannot resume from '{self.outputs.resume_path()}'"
+        fixed = [k for k in diffs if k in RESUME_FIXED]
+        if fixed:
+            raise ConfigError(f"{where}: " + "; ".join(f"{k} {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now"
+                                                      for k in fixed) +
+                              f" ({'these fix' if len(fixed) > 1 else 'this fixes'} the position in the run or the "
+                              "optimizer's state): resume with the checkpoint's values, or start a new run without --resume")
+        refused = [k for k in diffs if k not in self.cfg.resume_changes]
+        if refused:
+            raise ConfigError(f"{where}: " + "; ".join(f"{k} {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now"
+                                                      for k in refused) +
+                              f": resume with the checkpoint's values, or accept the new ones with resume_changes "
+                              f"{','.join(refused)} (the schedule is rebuilt for them at the checkpoint's iteration; "
+                              "docs/training.md)")
+        for k in diffs:
+            self.log(f"[{self.stage.name}] resume: {k} {diffs[k][0]!r} -> {diffs[k][1]!r} (resume_changes)")
+        return list(diffs)
+
+    def apply_resume_changes(self, changed: List[str], iteration: int) -> None:
+        """Resume with accepted changes: the optimizer groups take this config's hyperparameters (the
+        checkpoint's moments are kept), and a schedule built from this config is advanced to
+        ``iteration``, so the learning rate is the new schedule's at that point."""
+        import warnings
+        cfg = self.cfg
+        fresh = build_optimizer(self.model, cfg, self.learned_caps)
+        for group, new in zip(self.optimizer.param_groups, fresh.param_groups):
+            for key in ("lr", "weight_decay", "momentum"):
+                if key in new:
+                    group[key] = new[key]
+            group["initial_lr"] = new["lr"]
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")        # stepping a schedule without optimizer steps, on purpose
+            for _ in range(iteration):
+                self.scheduler.step()
+
     def setup_optimizer(self) -> None:
         cfg = self.cfg
         n_layers = len(getattr(self.model, "layers", []))
@@ -555,10 +611,8 @@ class Trainer:
             self.ddp_model = self.wrap_model(self.model)   # DDP registers the trainable parameters at wrap time
 
     def last_good_checkpoint(self) -> str:
-        path = os.path.join(self.out_dir, "last.pth")
-        if self.main and os.path.isfile(path):
-            return f"the last good checkpoint is {path}"
-        return f"no checkpoint was written in this run yet ({path} does not exist)"
+        """The checkpoint to go back to after a failure now (this run's run/last.pth, or none)."""
+        return self.outputs.last_good()
 
     def wrap_model(self, model):
         """Data-parallel wrapper (DistributedDataParallel when world size > 1)."""
@@ -598,18 +652,20 @@ class Trainer:
                  f"device {self.device}, model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}")
         if stage.name == "cal":
             return self._run_cal(t_start)
+        stale = self.outputs.interrupted() if not cfg.resume and self.main else None
+        if stale is not None:
+            self.log(f"[{stage.name}] note: {self.outputs.run_dir} holds an interrupted run (iteration {stale}); this "
+                     "run starts over and replaces it (--resume would continue it instead)")
+        self.outputs.start()
         self.setup_optimizer()
         if self.resume_state is not None:
             st = self.resume_state
-            saved_groups = len(st["optimizer"].get("param_groups", []))
-            if saved_groups != len(self.optimizer.param_groups):
-                from gnetmdk.config import ConfigError
-                saved_lr = (st.get("config") or {}).get("cap_lr", 0.0)
-                raise ConfigError(f"cannot resume: the checkpoint's optimizer has {saved_groups} parameter groups, "
-                                  f"this config gives {len(self.optimizer.param_groups)} (cap_lr {cfg.cap_lr:g} here, "
-                                  f"{saved_lr:g} in the checkpoint): resume with cap_lr {saved_lr:g}")
+            changed = self.check_resume(st)
             self.optimizer.load_state_dict(st["optimizer"])
-            self.scheduler.load_state_dict(st["scheduler"])
+            if changed:      # accepted with resume_changes: the new values, at the checkpoint's iteration
+                self.apply_resume_changes(changed, int(st["iteration"]))
+            else:
+                self.scheduler.load_state_dict(st["scheduler"])
             set_rng_state(st["rng"])
             self.precision.load_state_dict(st.get("scaler"))
             if self.ema is not None:
@@ -638,6 +694,8 @@ class Trainer:
             self.best_map = res["map"]
             self.save_best(0, 0, t_start)
         if cfg.num_epochs == 0 and self.resume_state is None:
+            self.log(f"[{stage.name}] num_epochs 0: nothing to train; the entry model becomes this stage's "
+                     f"best.pth and last.pth in {self.out_dir}")
             if not cfg.eval_before:
                 self.save_best(0, 0, t_start)
             self.save("last.pth", 0, 0, full=True)
@@ -670,6 +728,9 @@ class Trainer:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        # the run finished: its files become the stage's outputs together (learned caps: relu_cap.txt too)
+        learned = getattr(self, "best_caps", None) if self.learned_caps else None
+        self.outputs.publish({self.caps_file(): self.caps_text(learned)} if learned else None)
         self.summary.update(best_map=self.best_map, final_map=self.last_map, seconds=time.time() - t_start,
                             best_path=os.path.join(self.out_dir, "best.pth"), best_epoch=self.best_epoch,
                             best_seconds=self.best_seconds)
@@ -692,8 +753,11 @@ class Trainer:
         res = self.evaluate("cal")
         self.best_map = self.last_map = res["map"]
         self.log(f"[cal] mAP with 5-bit activations and these caps (step 3 before training): {res['map']:.4f}")
-        path = self.save("cal.pth", 0, 0)
-        cap_file = self.write_caps(caps)
+        # cal.pth and model/relu_cap.txt as one set: both new, or (on any failure) both as they were
+        path, cap_file = os.path.join(self.out_dir, "cal.pth"), self.caps_file()
+        if self.main:
+            state = self.state(0, 0, False)
+            self.outputs.save_set({"cal.pth": state}, {cap_file: self.caps_text(caps)})
         barrier()
         self.summary.update(best_map=res["map"], final_map=res["map"], caps=caps, seconds=time.time() - t_start,
                             best_path=path, cap_file=cap_file)

@@ -20,7 +20,6 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from gnetmdk.checkpoint.io import atomic_write_text
 from gnetmdk.gti.quantize import ACT_MAX
 from gnetmdk.gti.chip.model_file import ChipModel
 
@@ -71,35 +70,45 @@ def gti_file_names(chip_model: ChipModel) -> Dict[str, str]:
             "dat": f"{tag}_dat_{chip_model.input_size}.json", "model": f"{tag}_model_{chip_model.input_size}.json"}
 
 
-def write_gti_files(chip_model: ChipModel, out_dir: str, data_file: str = "") -> Dict[str, str]:
-    """Write filter.txt, bias.txt, relu_cap.txt and the dat / model JSON files into ``out_dir``.
+def gti_file_texts(chip_model: ChipModel, out_dir: str, data_file: str = "") -> Dict[str, str]:
+    """The contents of filter.txt, bias.txt, relu_cap.txt and the dat / model JSON files, by path in
+    ``out_dir`` (nothing is written; :func:`write_gti_files` writes them as one set).
 
     relu_cap.txt holds the calibrated (pre-gain-edit) caps when the chip model knows them; otherwise
-    an existing relu_cap.txt in ``out_dir`` with one cap per conv whose last equals cap_last is left as
-    it is (calibration wrote it), and only otherwise the chip's effective caps are written (31 for every conv: after gain
-    editing the codes are the activations).
+    an existing relu_cap.txt in ``out_dir`` with one cap per conv whose last equals cap_last is kept
+    (left out of the result: calibration wrote it), and only otherwise the chip's effective caps
+    (31 for every conv: after gain editing the codes are the activations).
+    """
+    names = gti_file_names(chip_model)
+    paths = {k: os.path.join(out_dir, v) for k, v in names.items()}
+    w, b = quantized_values(chip_model)
+    texts = {paths["filter"]: "".join(f"{v:.16e}\n" for v in w.tolist()),
+             paths["bias"]: "".join(f"{v:.16e}\n" for v in b.tolist())}
+    caps: Optional[List[float]] = chip_model.calibrated_caps()
+    if caps is not None:
+        texts[paths["relu_cap"]] = "".join(f"{c:.8g}\n" for c in caps)
+    elif not _cap_file_matches(paths["relu_cap"], len(chip_model.layers), chip_model.cap_last):
+        texts[paths["relu_cap"]] = "".join(f"{float(ACT_MAX):.8g}\n" for _ in chip_model.layers)
+    texts[paths["dat"]] = json.dumps(dat_json(chip_model), indent=4, sort_keys=True) + "\n"
+    texts[paths["model"]] = json.dumps(model_json(chip_model, data_file), indent=4, sort_keys=True) + "\n"
+    return texts
+
+
+def write_gti_files(chip_model: ChipModel, out_dir: str, data_file: str = "") -> Dict[str, str]:
+    """Write filter.txt, bias.txt, relu_cap.txt and the dat / model JSON files into ``out_dir`` as one set
+    (gnetmdk.checkpoint.io.atomic_write_set; relu_cap.txt as :func:`gti_file_texts` says).
 
     Args:
         chip_model: the converted model.
         out_dir: output folder (created).
         data_file: value of the model JSON's "data file" (GTI put its chip.dat path there).
     Returns:
-        name -> path of every file written (relu_cap included even when kept).
+        name -> path of every file (relu_cap included even when kept).
     """
+    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
     os.makedirs(out_dir, exist_ok=True)
-    names = gti_file_names(chip_model)
-    paths = {k: os.path.join(out_dir, v) for k, v in names.items()}
-    w, b = quantized_values(chip_model)
-    atomic_write_text(paths["filter"], "".join(f"{v:.16e}\n" for v in w.tolist()))
-    atomic_write_text(paths["bias"], "".join(f"{v:.16e}\n" for v in b.tolist()))
-    caps: Optional[List[float]] = chip_model.calibrated_caps()
-    if caps is not None:
-        atomic_write_text(paths["relu_cap"], "".join(f"{c:.8g}\n" for c in caps))
-    elif not _cap_file_matches(paths["relu_cap"], len(chip_model.layers), chip_model.cap_last):
-        atomic_write_text(paths["relu_cap"], "".join(f"{float(ACT_MAX):.8g}\n" for _ in chip_model.layers))
-    atomic_write_text(paths["dat"], json.dumps(dat_json(chip_model), indent=4, sort_keys=True) + "\n")
-    atomic_write_text(paths["model"], json.dumps(model_json(chip_model, data_file), indent=4, sort_keys=True) + "\n")
-    return paths
+    atomic_write_set({p: text_writer(t) for p, t in gti_file_texts(chip_model, out_dir, data_file).items()})
+    return {k: os.path.join(out_dir, v) for k, v in gti_file_names(chip_model).items()}
 
 
 def _cap_file_matches(path: str, n: int, cap_last: float) -> bool:

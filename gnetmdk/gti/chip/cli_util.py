@@ -2,10 +2,46 @@
 eval_voc.py, stage_report.py): which errors are the user's, and how models are loaded for evaluation."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with this project's one-line refusals: a bad option prints ``error: ...`` (naming the
+    option, the value and the fix) and exits with status 2, without the usage block."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        print(f"error: {message} ({self.prog} --help lists the options)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def at_least(low: int):
+    """argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+    return parse
+
+
+def fraction(low_open: bool = False):
+    """argparse type: a number in [0, 1] (``low_open``: in (0, 1]), e.g. a score or IoU threshold."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((0 < v if low_open else 0 <= v) and v <= 1):
+            raise argparse.ArgumentTypeError(f"must be in {'(0' if low_open else '[0'}, 1], got {v:g}")
+        return v
+    return parse
 
 
 def parse_with_overrides(parser, argv):

@@ -235,6 +235,15 @@ class ChipModel:
         } for i, l in enumerate(self.layers)]
         return d
 
+    def to_json(self, where: str = "chip model") -> str:
+        """Validate, then the file's text (what :meth:`save` writes).
+
+        Raises:
+            ChipModelError: the model is inconsistent (see :meth:`validate`).
+        """
+        self.validate(where)
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def save(self, path: str) -> str:
         """Validate, then write the file atomically; returns ``path``.
 
@@ -242,8 +251,7 @@ class ChipModel:
             ChipModelError: the model is inconsistent (see :meth:`validate`).
         """
         from gnetmdk.checkpoint.io import atomic_write_text
-        self.validate(path)
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        atomic_write_text(path, self.to_json(path))
         return path
 
     # -------------------------------------------------------------- checks
@@ -347,7 +355,42 @@ def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipMo
                    score_scale=float(dec.get("score_scale", 1.0)),
                    source=dict(d.get("source", {})))
     cm.validate(where)
+    _check_structure(d, cm, where)
     return cm
+
+
+def _check_structure(d: Dict[str, Any], cm: ChipModel, where: str) -> None:
+    """The layers against themselves and against the file's ``major_layers`` summary, which the
+    converter writes from the same layers: a sublayer deleted, added or moved in one place and not in
+    the other (a hand edit, a bad merge) is refused rather than run.
+
+    Raises:
+        ChipModelError: naming the layer or major layer and the field that disagrees.
+    """
+    expect_major, expect_sub = 0, 0
+    for i, l in enumerate(cm.layers):
+        if l.major == expect_major + 1 and i > 0:
+            expect_major, expect_sub = expect_major + 1, 0
+        if l.major != expect_major or l.index_in_major != expect_sub:
+            raise ChipModelError(f"{where}: layers[{i}] (conv{i + 1}) is sublayer {l.index_in_major + 1} of major layer "
+                                 f"{l.major + 1}; expected sublayer {expect_sub + 1} of major layer {expect_major + 1} "
+                                 "(a sublayer was deleted, added or moved): convert the checkpoint again")
+        expect_sub += 1
+    summary = d.get("major_layers")
+    if not isinstance(summary, list):
+        raise ChipModelError(f"{where}: missing field 'major_layers' (the per-major-layer summary): convert again")
+    have = cm.header()["major_layers"]
+    if len(summary) != len(have):
+        raise ChipModelError(f"{where}: major_layers lists {len(summary)} major layers, the layers make {len(have)}: "
+                             "a major layer was deleted or added; convert the checkpoint again")
+    for m, (a, b) in enumerate(zip(summary, have)):
+        for key in ("sublayer_number", "scaling", "coef_bits", "pooling", "image_size", "input_channels",
+                    "output_channels"):
+            if not isinstance(a, dict) or a.get(key) != b[key]:
+                got = a.get(key) if isinstance(a, dict) else a
+                raise ChipModelError(f"{where}: major layer {m + 1}: major_layers says {key} {got!r}, the layers give "
+                                     f"{b[key]!r} (a sublayer was deleted, added or edited): convert the checkpoint "
+                                     "again")
 
 
 def load_chip_model(path: str) -> ChipModel:

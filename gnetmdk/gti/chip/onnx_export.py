@@ -145,11 +145,15 @@ def build_onnx(chip_model: ChipModel, all_layers: bool = False):
     return model
 
 
+def onnx_bytes(chip_model: ChipModel, all_layers: bool = False) -> bytes:
+    """The serialised ONNX model (build_onnx), nothing written."""
+    return build_onnx(chip_model, all_layers).SerializeToString()
+
+
 def save_onnx(chip_model: ChipModel, path: str, all_layers: bool = False) -> str:
     """Build and write the ONNX model atomically; returns ``path``."""
     from gnetmdk.checkpoint.io import atomic_write_bytes
-    model = build_onnx(chip_model, all_layers)
-    data = model.SerializeToString()
+    data = onnx_bytes(chip_model, all_layers)
     atomic_write_bytes(path, lambda fh: fh.write(data))
     return path
 
