@@ -58,7 +58,7 @@ def build_models(args, images):
     from gnetmdk.gti.chip import chip_model_from_gnetdet, convert_checkpoint
     from gnetmdk.gti.quantize import image_to_codes
     from gnetmdk.gti.transforms import gain_edit
-    from gnetmdk.layers.gnetdet import GNetDet
+    from gnetmdk.models.gnetdet.model import GNetDet
     if args.checkpoint:
         chip, step4 = convert_checkpoint(args.checkpoint)
         from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
@@ -74,11 +74,8 @@ def build_models(args, images):
                 conv.bias.copy_(torch.randn(conv.bias.shape, generator=g) * 0.1)
             step4.convs()[0].weight.mul_(1 / 16)
         x = image_to_codes(torch.from_numpy(images)).permute(0, 3, 1, 2).float()
-        apply_stage(step4, STAGES["cal"], calibrating=True)
-        step4.eval()
-        with torch.no_grad():
-            step4(x)
-        apply_stage(step4, STAGES["step3"])
+        from gnetmdk.engine.calibration import calibrate_caps
+        calibrate_caps(step4, lambda: [x])
         flt = GNetDet(num_classes=len(CARD_CLASSES), image_size=args.size, width_mult=args.width, use_bn=False,
                       chip="5801")
         flt.load_state_dict(step4.state_dict())

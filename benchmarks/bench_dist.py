@@ -37,7 +37,7 @@ def _model(width: float, image_size: int):
     from gnetmdk.dist.parallel import freeze_biases_before_bn
     from gnetmdk.dist.syncbn import convert_sync_batchnorm
     from gnetmdk.engine.stages import STAGES, apply_stage
-    from gnetmdk.layers.gnetdet import GNetDet
+    from gnetmdk.models.gnetdet.model import GNetDet
     torch.manual_seed(0)
     m = GNetDet(3, image_size, width, channels_last=True).to(memory_format=torch.channels_last)
     convert_sync_batchnorm(m)

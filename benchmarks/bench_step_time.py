@@ -37,10 +37,11 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gnetmdk.config import build_config, load_config_class  # noqa: E402
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
+from gnetmdk.engine.calibration import calibrate_caps  # noqa: E402
 from gnetmdk.engine.device import configure_backends, resolve_device  # noqa: E402
 from gnetmdk.engine.recipe import keep_freed_memory  # noqa: E402
 from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
-from gnetmdk.layers.registry import model_from_config  # noqa: E402
+from gnetmdk.models import model_from_config  # noqa: E402
 
 
 #: autocast dtype of the timed steps (None: float32); set by main for the bf16 comparison
@@ -237,18 +238,15 @@ def main():
     quant_model = model_from_config(cfg, use_bn=False).to(device)
     quant_model.load_state_dict(float_model.state_dict())
     # caps from a calibration forward so step 3 runs with realistic clipping
-    apply_stage(quant_model, STAGES["cal"], calibrating=True)
-    with torch.no_grad():
-        quant_model(images)
-    apply_stage(quant_model, STAGES["step3"])
+    calibrate_caps(quant_model, lambda: [images])
 
     rounds = max(1, min(args.rounds, args.iters))
     r1, r3 = time_interleaved([float_model, quant_model], batch, args.iters, rounds)
     t1, t3, ratio, low, high = summarize_rounds(r1, r3)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, threads {torch.get_num_threads()}"
     print(f"device {where}, torch {torch.__version__}")
-    print(f"model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}, batch {cfg.batch_size}, "
-          f"weight_scale {cfg.weight_scale}, channels_last {cfg.channels_last}; "
+    print(f"model {cfg.model_name} {cfg.image_size}px x{cfg.gnetdet.width_mult}, batch {cfg.batch_size}, "
+          f"weight_scale {cfg.gnetdet.weight_scale}, channels_last {cfg.channels_last}; "
           f"{rounds} rounds of {max(1, args.iters // rounds)} steps per model, alternating")
     print(f"step 1 (float)      {t1 * 1000:8.1f} ms/step  {cfg.batch_size / t1:7.1f} img/s  (median of rounds)")
     print(f"step 3 (quantized)  {t3 * 1000:8.1f} ms/step  {cfg.batch_size / t3:7.1f} img/s  (median of rounds)")
@@ -285,7 +283,7 @@ def main():
           f"from the loader as the trainer draws them)")
     print(f"ratio loop/step     {t1 / t_loop:8.2f}   (1: loading costs the training loop nothing)")
     if args.trainer or device.type == "cuda":
-        if cfg.use_bn:        # the trainer's step 1 has BatchNorm: its own bare step is the reference
+        if cfg.gnetdet.use_bn:   # the trainer's step 1 has BatchNorm: its own bare step is the reference
             torch.manual_seed(0)
             bn_model = model_from_config(cfg).to(device)
             apply_stage(bn_model, STAGES["step1"])
@@ -294,7 +292,7 @@ def main():
             tb = t1
         rate = time_trainer(cfg, overrides, args.iters)
         print(f"trainer (step 1)    {rate:8.1f} img/s (train_one_epoch, after a warm-up epoch; BatchNorm "
-              f"{'on' if cfg.use_bn else 'off'})")
+              f"{'on' if cfg.gnetdet.use_bn else 'off'})")
         print(f"ratio trainer/step  {rate / (cfg.batch_size / tb):8.2f}   (against the bare step of the same model; "
               "goal >= 0.9 on a GPU)")
     if args.batchnorm:

@@ -82,20 +82,17 @@ def build_step4_model(num_classes: int, calib_images: np.ndarray, seed: int = 0,
     """A step-4 GNetDet-224 without training: init, calibrate caps on ``calib_images`` (uint8 NHWC),
     gain-edit, step-4 switches, eval mode; ``model_kw`` go to GNetDet (e.g. score_head). Returns
     (model, pre-edit caps)."""
+    from gnetmdk.engine.calibration import calibrate_caps
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.gti.quantize import image_to_codes
     from gnetmdk.gti.transforms import gain_edit
-    from gnetmdk.layers.gnetdet import GNetDet
+    from gnetmdk.models.gnetdet.model import GNetDet
     torch.manual_seed(seed)
     model = GNetDet(num_classes=num_classes, image_size=224, width_mult=width_mult, use_bn=False, chip=chip,
                     mask_bits=list(mask_bits), **model_kw)
     _init(model, seed)
     x = image_to_codes(torch.from_numpy(calib_images)).permute(0, 3, 1, 2).float()
-    apply_stage(model, STAGES["cal"], calibrating=True)
-    model.eval()
-    with torch.no_grad():
-        model(x)
-    apply_stage(model, STAGES["step3"])
+    calibrate_caps(model, lambda: [x])                    # the cal stage on one batch (percentile 99)
     caps = gain_edit(model)
     apply_stage(model, STAGES["step4"])
     model.eval()

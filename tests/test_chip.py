@@ -566,7 +566,7 @@ def test_predict_writes_images_video_and_json(raccoon, tmp_path, capsys):
 # ------------------------------------------------------------------ stage report
 @needs_data
 def test_stage_report_step1_to_chip(raccoon, tmp_path, capsys):
-    from gnetmdk.layers.gnetdet import GNetDet
+    from gnetmdk.models.gnetdet.model import GNetDet
     s = raccoon
     folder = tmp_path / "run"
     cfg_file = write_config(str(folder), "raccoon", max_val_images=12)

@@ -234,7 +234,7 @@ def test_out_of_range_refused(override, field):
 
 def test_in_range_values_accepted():
     cfg = build_config(Config, ["chip", "2803", "mask_bits", "5,5,5,5,5,12", "cap_percentile", "100"])
-    assert cfg.chip == "2803" and cfg.mask_bits == [5, 5, 5, 5, 5, 12]
+    assert cfg.gnetdet.chip == "2803" and cfg.gnetdet.mask_bits == [5, 5, 5, 5, 5, 12]
     assert build_config(Config, ["image_size", "320"]).image_size == 320     # 5801 takes 320
 
 
@@ -328,8 +328,9 @@ def test_grid_size(size, grid):
 def test_to_dict_round_trip():
     cfg = build_config(Config, ["batch_size", "5", "mask_bits", "3,3,3,3,3,8", "augment", "no"], step=2)
     d = cfg.to_dict()
-    assert set(d) == set(FIELDS)
-    assert d["batch_size"] == 5 and d["mask_bits"] == [3, 3, 3, 3, 3, 8] and d["augment"] is False
+    assert set(d) == set(FIELDS) | set(BaseConfig.section_types())       # the families' sections nested
+    assert d["batch_size"] == 5 and d["gnetdet"]["mask_bits"] == [3, 3, 3, 3, 3, 8] and d["augment"] is False
+    assert set(d["gnetdet"]) == set(BaseConfig.section_types()["gnetdet"])
     back = config_from_dict(d, Config)
     assert isinstance(back, Config)
     assert back.to_dict() == d
@@ -338,3 +339,40 @@ def test_to_dict_round_trip():
     partial = config_from_dict({"batch_size": 9, "gone_field": 1}, Config)
     assert partial.batch_size == 9 and partial.DS_NAME == "toy"
     assert not hasattr(partial, "gone_field")
+
+
+# ------------------------------------------------------------------ family sections
+def test_sections_short_and_dotted_names_and_configs_dict():
+    """A family's fields live in its section (cfg.gnetdet); configs.py sets them with a dict or by their
+    own names, the command line as gnetdet.field or field; the later source wins as for top-level fields."""
+    class WithSection(BaseConfig):
+        gnetdet = dict(l_coord=3.0, box_slots=1)
+        score_head = "logit"                         # an older configs.py: a section field by its own name
+        per_step = {3: {"gnetdet.cap_lr": 1e-3}, 2: {"l_noobj": 0.5}}
+    cfg = build_config(WithSection, ["gnetdet.l_coord", "4", "score-offset", "0.5"], step=3)
+    g = cfg.gnetdet
+    assert (g.l_coord, g.box_slots, g.score_head, g.score_offset, g.cap_lr) == (4.0, 1, "logit", 0.5, 1e-3)
+    assert build_config(WithSection, step=2).gnetdet.l_noobj == 0.5
+    assert not hasattr(cfg, "l_coord")                # not everyone's field any more
+    with pytest.raises(ConfigError, match="gnetdet.l_cord.*did you mean gnetdet.l_coord"):
+        build_config(BaseConfig, ["gnetdet.l_cord", "1"])
+
+    class BadSection(BaseConfig):
+        gnetdet = dict(l_cord=1.0)
+    with pytest.raises(ConfigError, match="l_cord"):
+        build_config(BadSection)
+
+    class NotADict(BaseConfig):
+        gnetdet = 3
+    with pytest.raises(ConfigError, match="must be a dict of gnetdet fields"):
+        build_config(NotADict)
+
+
+def test_config_saved_before_sections_reads_into_them():
+    """A checkpoint's config written when every field was top-level: the section fields are found."""
+    flat = {"batch_size": 4, "l_coord": 2.5, "mask_bits": [8, 3, 3, 3, 3, 8], "model_name": "gnetdet"}
+    cfg = config_from_dict(flat)
+    assert cfg.batch_size == 4 and cfg.gnetdet.l_coord == 2.5 and cfg.gnetdet.mask_bits == [8, 3, 3, 3, 3, 8]
+    from gnetmdk.config import config_value
+    assert config_value(cfg, "l_coord") == 2.5 and config_value(cfg, "gnetdet.l_coord") == 2.5
+    assert config_value(cfg, "batch_size") == 4 and config_value(cfg, "no_such") is None

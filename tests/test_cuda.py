@@ -111,7 +111,7 @@ def test_mixed_precision_on_the_gpu(lane, amp_dtype):
     layers compute in float32 under autocast, so step 2/3 outputs do not change with it."""
     from gnetmdk.engine import recipe as R
     from gnetmdk.engine.stages import STAGES, apply_stage
-    from gnetmdk.layers.registry import model_from_config
+    from gnetmdk.models import model_from_config
     root, path = lane
     cfg = _cfg(path, root, DEV, f"amp-{amp_dtype}", step=1, extra=["amp", "true", "amp_dtype", amp_dtype,
                                                                    "eval_before", "false"])
@@ -206,7 +206,7 @@ def test_quantized_training_step_never_waits_for_the_gpu(lane):
         pytest.skip("sync debug mode exists on CUDA only")
     from gnetmdk.engine import recipe as R
     from gnetmdk.engine.stages import STAGES, apply_stage
-    from gnetmdk.layers.gnetdet import GNetDet
+    from gnetmdk.models.gnetdet.model import GNetDet
     torch.manual_seed(0)
     for method in ("gti", "mse"):
         m = GNetDet(3, 224, 0.0625, use_bn=False, weight_scale=method, gain_aware=True).cuda()

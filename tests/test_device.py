@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gnetmdk.engine import recipe as R
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.gti import quantize as Q
-from gnetmdk.layers.gnetdet import GNetDet
+from gnetmdk.models.gnetdet.model import GNetDet
 
 torch.set_num_threads(1)
 

@@ -16,8 +16,8 @@ from dist_helpers import (TRAIN_DIST, finish, free_port, leftover_processes, mak
 CRASH_MODEL = '''
 
 import os as _os
-from gnetmdk.layers.gnetdet import GNetDet as _GNetDet
-from gnetmdk.layers.registry import register_model as _register
+from gnetmdk.models.gnetdet.model import GNetDet as _GNetDet
+from gnetmdk.models import register_model as _register
 
 
 class _CrashyGNetDet(_GNetDet):

@@ -7,13 +7,14 @@ import copy
 import pytest
 import torch
 
+from gnetmdk.layers.observers import batch_percentile
+
 from dist_helpers import ROOT, free_port, run
 from gnetmdk.dist.comm import global_percentile, kth_smallest
 from gnetmdk.dist.launch import (DistSpec, LaunchError, _classify, check_batch_split, explain_error,
                                  normalise_url)
 from gnetmdk.dist.sampler import GlobalBatchSampler, ShardSampler
 from gnetmdk.dist.syncbn import DistBatchNorm2d, _SyncBNFunction, convert_sync_batchnorm
-from gnetmdk.layers.quant import QReLU
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +30,7 @@ SYNCBN_SCRIPT = r'''
 import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from gnetmdk.dist.syncbn import convert_sync_batchnorm
 from gnetmdk.dist.comm import global_percentile
-from gnetmdk.layers.quant import QReLU
+from gnetmdk.layers.observers import batch_percentile
 
 N, C = 8, 5
 
@@ -79,7 +80,7 @@ def work(rank, world, port, out):
     scale = torch.tensor([0.5] * (N // 2) + [1.0] * (N // 2)).view(N, 1, 1, 1)
     v = ((x - 20.5) * scale)[sl]                               # calibration percentile of the global batch
     p_global = global_percentile(v, 99.0)
-    p_local = QReLU.batch_percentile(v, 99.0)
+    p_local = batch_percentile(v, 99.0)
     dist.all_reduce(p_local, op=dist.ReduceOp.MAX)
     if rank == 0:
         torch.save({"y": torch.cat(outs), "gx": torch.cat(gx) / world, "grads": grads,
@@ -137,7 +138,7 @@ def test_syncbn_two_processes_equal_batchnorm_on_the_global_batch(tmp_path):
     assert (r["gx_bf16"].double() - xb.grad).abs().max() < 0.02 * float(xb.grad.abs().max())
     assert (r["bf16_running_mean"].double() - bn_b.running_mean).abs().max() < 1e-4 * 20
     scale = torch.tensor([0.5] * 4 + [1.0] * 4).view(8, 1, 1, 1)
-    ref = QReLU.batch_percentile((x - 20.5) * scale, 99.0)
+    ref = batch_percentile((x - 20.5) * scale, 99.0)
     assert float(r["p_global"]) == float(ref)                  # exact, bit for bit
     assert float(r["p_local_max"]) != float(ref)               # why calibration needs the global percentile
 
@@ -190,7 +191,7 @@ def test_syncbn_bf16_input_in_one_process_is_torch_batchnorm():
 
 def test_converted_model_keeps_keys_folds_and_evaluates_like_batchnorm():
     from gnetmdk.gti.transforms import fold_bn
-    from gnetmdk.layers.gnetdet import GNetDet
+    from gnetmdk.models.gnetdet.model import GNetDet
     torch.manual_seed(0)
     plain = GNetDet(3, 224, 0.0625)
     conv = convert_sync_batchnorm(copy.deepcopy(plain))
@@ -225,7 +226,7 @@ def test_distributed_kth_value_is_exact(seed):
         k = int(torch.randint(1, n + 1, (1,), generator=g))
         assert float(kth_smallest(x, k, ident, ident, ident)) == float(x.kthvalue(k).values)
         p = min(100.0, float(torch.rand(1, generator=g)) * 100 + 1e-3)
-        assert float(global_percentile(x, p)) == float(QReLU.batch_percentile(x, p))
+        assert float(global_percentile(x, p)) == float(batch_percentile(x, p))
     neg = -torch.rand(50, generator=g)                          # no positive value: the largest is used
     assert float(global_percentile(neg, 99.0)) == float(neg.max())
 

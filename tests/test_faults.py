@@ -245,8 +245,8 @@ def test_kill_during_a_checkpoint_write_leaves_no_checkpoint_half_written(ws, tm
 SUICIDE_MODEL = '''
 import os as _os
 import signal as _signal
-from gnetmdk.layers.gnetdet import GNetDet as _GNetDet
-from gnetmdk.layers.registry import register_model as _register
+from gnetmdk.models.gnetdet.model import GNetDet as _GNetDet
+from gnetmdk.models import register_model as _register
 
 
 class _KilledGNetDet(_GNetDet):

@@ -4,8 +4,9 @@ import torch
 
 from gnetmdk.config import ConfigError
 from gnetmdk.dataset.dataset import encode_targets
-from gnetmdk.layers import ChipLimitError, GNetDet, create_model, gnetdet_layers
-from gnetmdk.layers.decode import decode_gnetdet
+from gnetmdk.models import create_model
+from gnetmdk.models.gnetdet import ChipLimitError, GNetDet, gnetdet_layers
+from gnetmdk.models.gnetdet.decode import decode_gnetdet
 
 
 def test_layer_lists_follow_gti_structure():
@@ -41,7 +42,7 @@ def test_chip_limits_refused_with_layer_and_limit(kwargs, needle):
 
 def test_hidden_channels_must_be_power_of_two_in_chip_range():
     from gnetmdk.gti.spec import get_chip_spec
-    from gnetmdk.layers.gnetdet import check_chip_limits
+    from gnetmdk.models.gnetdet.model import check_chip_limits
     layers = gnetdet_layers(224, 3, 1.0, "2801")
     layers[2].out_channels = 96
     with pytest.raises(ChipLimitError) as e:
@@ -120,7 +121,7 @@ def test_box_slots_reaches_the_loss_from_config_and_checkpoint():
     # checkpoint alike, and it leaves the model's structure and meta (what a checkpoint stores) alone
     from gnetmdk.checkpoint.io import build_model_from_checkpoint
     from gnetmdk.config import BaseConfig, build_config
-    from gnetmdk.layers.registry import model_from_config
+    from gnetmdk.models import model_from_config
     cfg = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625", "box_slots", "1"])
     m = model_from_config(cfg)
     assert m.loss_weights["box_slots"] == 1

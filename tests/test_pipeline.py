@@ -388,7 +388,7 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
         cfg = _cfg(path, *over, cal=True) if name == "cal" else _cfg(path, *over, step=int(name[-1]))
         run_stage(cfg)
     cal = load_checkpoint(os.path.join(root, "checkpoint/step2/cal.pth"))
-    assert cal["config"]["cap_method"] == "mse" and all(c > 0 for c in cal["caps"])
+    assert cal["config"]["gnetdet"]["cap_method"] == "mse" and all(c > 0 for c in cal["caps"])
     s4 = load_checkpoint(os.path.join(root, "checkpoint/step4/best.pth"))
     meta = s4["model_meta"]
     assert (meta["score_head"], meta["score_offset"], meta["score_scale"], meta["weight_scale"]) == \

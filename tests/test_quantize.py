@@ -642,19 +642,32 @@ def test_mse_cap_refusals():
         Q.mse_cap_from_histogram(torch.ones(2, 2, dtype=torch.float64), 1.0)
 
 
-def test_qrelu_calibration_statistics():
+def test_calibration_observers_statistics():
+    """The observers watch a QReLU's input (a plain ReLU while calibrating) and keep the running max,
+    the running max of the batch percentiles, and torch.histc's counts (device cpu)."""
+    from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver, batch_percentile,
+                                          observe_inputs)
     from gnetmdk.layers.quant import QReLU
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(2, 3, 5, 5, generator=g) * 2 for _ in range(3)]
     r = QReLU()
-    r.calibrating, r.cal_stat = True, "max"
-    for b in batches:
-        assert torch.equal(r(b), torch.relu(b))          # a plain ReLU while measuring
-    assert float(r.cap) == float(torch.cat([b.reshape(-1) for b in batches]).max())
-    r.cal_stat, r.cal_range = "hist", float(r.cap)
-    for b in batches:
-        r(b)
+    r.calibrating = True
+    obs = [MaxObserver(), PercentileObserver(99.0)]
+    with observe_inputs([r, r], obs):
+        for b in batches:
+            assert torch.equal(r(b), torch.relu(b))          # a plain ReLU while observed
     allv = torch.cat([b.reshape(-1) for b in batches])
-    ref = torch.histc(allv[allv > 0], bins=QReLU.HIST_BINS, min=0.0, max=float(r.cap)).double()
-    assert r.cal_hist.dtype == torch.float64 and torch.equal(r.cal_hist, ref)
-    assert float(r.cal_hist.sum()) == float((allv > 0).sum())
+    assert float(obs[0].value) == float(allv.max())
+    assert float(obs[1].value) == max(float(batch_percentile(b, 99.0)) for b in batches)
+    hist = HistogramObserver(float(allv.max()))
+    with observe_inputs([r], [hist]):
+        for b in batches:
+            r(b)
+    ref = torch.histc(allv[allv > 0], bins=4096, min=0.0, max=float(allv.max())).double()
+    assert hist.value.dtype == torch.float64 and torch.equal(hist.value, ref)
+    assert float(hist.value.sum()) == float((allv > 0).sum())
+    r(batches[0])                                            # hooks removed: nothing observed any more
+    assert float(hist.value.sum()) == float((allv > 0).sum())
+    # the nearest-rank percentile, and the largest value when the percentile is not positive
+    assert float(batch_percentile(torch.arange(1.0, 101.0), 99.0)) == 99.0
+    assert float(batch_percentile(torch.tensor([-3.0, -1.0, 0.0, 2.0]), 50.0)) == 2.0

@@ -13,8 +13,8 @@ from gnetmdk.dataset.dataset import encode_targets
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.gti.quantize import activation_codes
 from gnetmdk.gti.transforms import fold_bn, gain_edit
-from gnetmdk.layers.gnetdet import GNetDet
-from gnetmdk.layers.loss import gnetdet_loss, safe_sqrt
+from gnetmdk.models.gnetdet.model import GNetDet
+from gnetmdk.models.gnetdet.loss import gnetdet_loss, safe_sqrt
 
 TINY = dict(num_classes=2, image_size=224, width_mult=0.0625, chip="5801")
 
@@ -122,8 +122,9 @@ def calibrated():
     apply_stage(model, STAGES["cal"], calibrating=True)
     for conv in model.convs():
         conv.quant_weight = False
-    with torch.no_grad():
-        model(_codes_input(1, 20))
+    from gnetmdk.engine.calibration import measure_caps
+    for relu, c in zip(model.relus(), measure_caps(model, lambda: [_codes_input(1, 20)])):
+        relu.cap.fill_(c)
     caps = [float(r.cap) for r in model.relus()]
     assert all(c > 0 for c in caps), caps
     assert len(set(caps)) == len(caps)                     # distinct caps: the gain edit does something
@@ -534,8 +535,8 @@ def test_loss_size_gradient_is_bounded_at_zero():
 
 
 def test_logit_head_scores_and_clipped_cross_entropy():
-    from gnetmdk.layers.decode import output_scores
-    from gnetmdk.layers.loss import LOGIT_MAX, logit_bce
+    from gnetmdk.models.gnetdet.decode import output_scores
+    from gnetmdk.models.gnetdet.loss import LOGIT_MAX, logit_bce
     y = torch.tensor([0.0, 0.5, 1.0, 2.0])
     conf, cls = output_scores(y, y, "logit", score_offset=0.5, score_scale=10.0)
     expect = torch.sigmoid(torch.tensor([-5.0, 0.0, 5.0, 15.0]))
@@ -561,7 +562,7 @@ def test_logit_head_scores_and_clipped_cross_entropy():
 
 
 def test_range_term_bounds_untrained_outputs():
-    from gnetmdk.layers.loss import LOGIT_MAX
+    from gnetmdk.models.gnetdet.loss import LOGIT_MAX
     target = _one_object_target(2, 0.3, 0.3)
     pred = torch.zeros(2, GRID, GRID, 10 + C)
     y_max = 0.5 + LOGIT_MAX / 10.0                       # 1.1

@@ -14,7 +14,7 @@ from gnetmdk.engine import recipe as R
 from gnetmdk.engine.cli import run_stage
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.engine.trainer import Trainer
-from gnetmdk.layers.registry import model_from_config
+from gnetmdk.models import model_from_config
 
 from test_pipeline import make_cards_workdir
 

@@ -38,6 +38,7 @@ import torch
 from gnetmdk.checkpoint.io import atomic_write_bytes, atomic_write_text, save_checkpoint
 from gnetmdk.config.base import ConfigError
 from gnetmdk.dist.comm import get_rank, get_world_size, is_dist, is_main_process
+from gnetmdk.engine.hooks import HookBase
 
 RECORD_FORMAT = "gnetmdk-npz-record"
 _NAME = re.compile(r"iter_(\d{6,})_rank(\d+)\.npz$")
@@ -211,12 +212,14 @@ def _npz_bytes(arrays: Dict[str, np.ndarray]):
     return write
 
 
-class AlignmentHook:
-    """The trainer's alignment hook: record (save_npz), replay (replay_npz), stop (max_iters).
+class AlignmentHook(HookBase):
+    """The trainer's alignment hook (gnetmdk.engine.hooks): record (save_npz), replay (replay_npz),
+    stop (max_iters).
 
-    Every method is a no-op when none of the three is set. Methods are called by Trainer:
-    ``before_train`` once before the first iteration, ``after_step`` after every optimizer step,
-    ``should_stop`` to leave the epoch, ``finish`` when stopped early.
+    Every method is a no-op when none of the three is set: ``before_train`` starts the recording or the
+    replay, ``after_iteration`` records an iteration or compares it with the recording,
+    ``should_stop`` ends training early, ``finish`` (called by the trainer then) saves last.pth and
+    the replay report.
     """
 
     def __init__(self, cfg):
@@ -240,11 +243,11 @@ class AlignmentHook:
         return bool(self.save_dir or self.replay_dir or self.max_iters)
 
     # ---------------------------------------------------------------- start
-    def before_train(self, trainer) -> None:
+    def before_train(self) -> None:
         if self.replay_dir:
-            self._start_replay(trainer)
+            self._start_replay(self.trainer)
         if self.save_dir:
-            self._start_record(trainer)
+            self._start_record(self.trainer)
 
     def _start_record(self, trainer) -> None:
         cfg = trainer.cfg
@@ -273,9 +276,14 @@ class AlignmentHook:
         if meta.get("stage") != trainer.stage.name:
             raise AlignmentError(f"'{self.replay_dir}' records stage {meta.get('stage')}, this run is "
                                  f"{trainer.stage.name}: use the same --step / --cal")
-        rec_cfg = meta.get("config", {})
-        diffs = [f"{k}: recorded {rec_cfg[k]!r}, now {getattr(cfg, k)!r}" for k in _RELEVANT
-                 if k in rec_cfg and _norm(rec_cfg[k]) != _norm(getattr(cfg, k, None))]
+        from gnetmdk.config import config_from_dict, config_value
+        raw = meta.get("config", {})
+        rec_cfg = config_from_dict(raw) if raw else None
+        diffs = []
+        for k in _RELEVANT if rec_cfg is not None else ():
+            was, now = config_value(rec_cfg, k), config_value(cfg, k)
+            if was is not None and now is not None and _norm(was) != _norm(now):
+                diffs.append(f"{k}: recorded {was!r}, now {now!r}")
         if int(meta.get("iters_per_epoch", trainer.iters_per_epoch)) != trainer.iters_per_epoch:
             diffs.append(f"iterations per epoch: recorded {meta['iters_per_epoch']}, now {trainer.iters_per_epoch} "
                          "(the learning-rate schedule differs: use the same training set)")
@@ -288,33 +296,35 @@ class AlignmentHook:
                     f"({get_world_size()} x {cfg.batch_size // get_world_size()})")
 
     # ---------------------------------------------------------------- every iteration
-    def after_step(self, trainer, images: torch.Tensor, targets: torch.Tensor, indices: torch.Tensor,
-                   terms: Dict[str, torch.Tensor], reduced: Dict[str, float], epoch: int) -> None:
+    def after_iteration(self, it: Dict[str, object]) -> None:
         """Record this iteration (save_npz) and compare its losses with the recording (replay_npz).
 
-        Args:
-            images, targets, indices: this rank's batch as fed to the model.
-            terms: this rank's loss terms (0-d tensors); reduced: their mean over ranks.
+        ``it``: the trainer's iteration record: "batch" (this rank's images, targets, indices as fed to
+        the model), "terms" (this rank's loss terms, 0-d tensors), "values" (their mean over ranks),
+        "epoch", "iteration".
         """
+        trainer, iteration = self.trainer, int(it["iteration"])
+        images, targets, indices = it["batch"]
+        reduced = it["values"]
         if self.save_dir:
-            self._record(trainer, images, targets, indices, terms, epoch)
+            self._record(trainer, images, targets, indices, it["terms"], it["epoch"], iteration)
         if self.replay is not None:
-            rec = self.replay.recorded.pop(trainer.iteration, None)
+            rec = self.replay.recorded.pop(iteration, None)
             if rec is not None:
                 diff = {k: reduced[k] - rec[k] for k in rec if k in reduced}
-                row = {"iteration": trainer.iteration, "loss": reduced.get("total"), "recorded": rec.get("total"),
+                row = {"iteration": iteration, "loss": reduced.get("total"), "recorded": rec.get("total"),
                        "diff": diff, "max_abs_diff": max((abs(v) for v in diff.values()), default=0.0)}
                 self.report.append(row)
                 worst = max(diff, key=lambda k: abs(diff[k])) if diff else "total"
-                trainer.log(f"[replay] iteration {trainer.iteration}: loss {reduced.get('total', float('nan')):.8g} "
+                trainer.log(f"[replay] iteration {iteration}: loss {reduced.get('total', float('nan')):.8g} "
                             f"recorded {rec.get('total', float('nan')):.8g} diff {diff.get('total', 0.0):+.3e} "
                             f"(largest term diff {diff.get(worst, 0.0):+.3e}, {worst})")
-        if self.max_iters and trainer.iteration >= self.max_iters:
+        if self.max_iters and iteration >= self.max_iters:
             self.stopped = True
-        if self.replay is not None and trainer.iteration >= self.replay.last_iteration:
+        if self.replay is not None and iteration >= self.replay.last_iteration:
             self.stopped = True
 
-    def _record(self, trainer, images, targets, indices, terms, epoch) -> None:
+    def _record(self, trainer, images, targets, indices, terms, epoch, iteration) -> None:
         keys = sorted(terms)
         loss = torch.tensor([float(terms[k].detach()) for k in keys], dtype=torch.float64)
         parts = [images.detach().cpu().float().contiguous(), targets.detach().cpu().float().contiguous(),
@@ -338,19 +348,20 @@ class AlignmentHook:
             arrays = {"images": img.numpy().astype(np.uint8) if exact else img.numpy(),
                       "images_float": np.array(not exact), "targets": gathered[1][r].numpy(),
                       "indices": gathered[2][r].numpy(), "epoch": np.array(epoch, dtype=np.int64),
-                      "iteration": np.array(trainer.iteration, dtype=np.int64), "rank": np.array(r, dtype=np.int64),
+                      "iteration": np.array(iteration, dtype=np.int64), "rank": np.array(r, dtype=np.int64),
                       "world_size": np.array(world, dtype=np.int64), "lr": np.array(lr, dtype=np.float64)}
             for k, v in zip(keys, gathered[3][r].tolist()):
                 arrays[f"loss_{k}"] = np.array(v, dtype=np.float64)
-            path = os.path.join(self.save_dir, f"iter_{trainer.iteration:06d}_rank{r}.npz")
+            path = os.path.join(self.save_dir, f"iter_{iteration:06d}_rank{r}.npz")
             atomic_write_bytes(path, _npz_bytes(arrays))
 
     def should_stop(self) -> bool:
         return self.stopped
 
     # ---------------------------------------------------------------- end
-    def finish(self, trainer, epoch: int) -> Optional[str]:
+    def finish(self, epoch: int) -> Optional[str]:
         """After an early stop: save last.pth (full, resumable) and the replay report; returns last.pth's path."""
+        trainer = self.trainer
         path = trainer.save("last.pth", epoch, trainer.iteration, full=True)
         why = "max_iters" if not (self.replay is not None and trainer.iteration >= self.replay.last_iteration) \
             else "end of the recording"

@@ -156,65 +156,25 @@ def _read_failure(exc: Exception) -> str:
     return "not a checkpoint torch can read (truncated, corrupted, or another format): use another checkpoint"
 
 
-#: stages whose weights were fine-tuned under a weight scale rule
-QUANTIZED_STAGES = ("step2", "cal", "step3", "step4")
-
-
 def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):
-    """Rebuild the model a checkpoint describes and load its weights (strict).
+    """Rebuild the model a checkpoint describes (through its family: gnetmdk.models) and load its
+    weights (strict).
 
-    Loss weights, channels_last and the calibration percentiles come from ``cfg`` when given; so do
-    the weight scale rule (weight_scale) and the weight schemes (mask_bits) for a step-1 checkpoint,
-    while a checkpoint of a quantized stage (step2, cal, step3, step4) keeps those it was trained with
-    (a note on stderr when the config differs), and a step-3 checkpoint keeps its ``gain_aware`` setting.
-    ``weights``: "eval" loads the weights the checkpoint was evaluated with, the EMA
-    (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] == "ema"`` (a run with ``ema true``), else
-    the raw weights; "model" always loads the raw weights (resume).
+    The architecture comes from ``ckpt["model_meta"]``; with ``cfg`` the run's training settings apply
+    as the family decides (DetectorFamily.rebuild: e.g. GNetDet's loss weights from the config, its
+    weight schemes from the checkpoint once quantized). ``weights``: "eval" loads the weights the
+    checkpoint was evaluated with, the EMA (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] ==
+    "ema"`` (a run with ``ema true``), else the raw weights; "model" always loads the raw weights (resume).
+
     Raises:
         CheckpointError: the checkpoint's model cannot be rebuilt or its tensors do not fit.
     """
-    from gnetmdk.layers.registry import create_model
-    meta = dict(ckpt["model_meta"])
-    name = meta.pop("name")
-    extra = {}
-    if cfg is not None:
-        extra = dict(cap_percentile=cfg.cap_percentile, l_coord=cfg.l_coord, l_noobj=cfg.l_noobj,
-                     l_class=cfg.l_class, score_loss=cfg.score_loss, l_range=cfg.l_range, box_slots=cfg.box_slots,
-                     output_cap_percentile=cfg.output_cap_percentile, channels_last=cfg.channels_last)
-        # the per-kernel scale rule: the run's config decides for a float (step-1) model; weights
-        # already fine-tuned under one rule keep it (the other rule would re-quantize them blindly:
-        # on cards an MSE-trained step-4 model scores 0.0 under GTI's rule)
-        trained = meta.get("weight_scale", cfg.weight_scale)
-        if ckpt.get("stage") in QUANTIZED_STAGES and trained != cfg.weight_scale:
-            print(f"note: checkpoint '{path}' ({ckpt.get('stage')}) was trained with weight_scale "
-                  f"{trained!r}; keeping it (the config's {cfg.weight_scale!r} applies to step-1 models)",
-                  file=sys.stderr)
-        else:
-            meta["weight_scale"] = cfg.weight_scale
-        # the weight schemes (mask_bits) likewise: a float model takes the config's (its weights do not
-        # depend on them; set after step 1, they must not be dropped), a quantized one keeps its own
-        recorded = [int(b) for b in meta.get("mask_bits", [])]
-        wanted = _config_mask_bits(cfg, ckpt["model_meta"])
-        quantized = ckpt.get("stage") in QUANTIZED_STAGES
-        if wanted is not None and recorded and wanted != recorded:
-            print(f"note: checkpoint '{path}' ({ckpt.get('stage')}" + (
-                  f") was trained with mask_bits {recorded}; keeping them (the config's {wanted} apply to "
-                  f"step-1 models)" if quantized else
-                  f", float) recorded mask_bits {recorded}; the config's {wanted} apply"), file=sys.stderr)
-        if not quantized:
-            meta["mask_bits"] = [int(b) for b in cfg.mask_bits]      # [] = the chip's default
-        # gain-aware quantization acts in step 3 only: a step-3 model is evaluated as it was trained
-        # (a step-3 checkpoint from before the option: GTI's flow), any other takes the config's
-        if ckpt.get("stage") == "step3":
-            meta.setdefault("gain_aware", False)
-            if meta["gain_aware"] != cfg.gain_aware:
-                print(f"note: checkpoint '{path}' (step3) was trained with gain_aware {meta['gain_aware']}; "
-                      f"keeping it (the config's {cfg.gain_aware} applies from a cal checkpoint on)",
-                      file=sys.stderr)
-        else:
-            meta["gain_aware"] = cfg.gain_aware
+    from gnetmdk.models import get_family
+    meta = dict(ckpt.get("model_meta") or {})
+    name = meta.get("name", "?")
     try:
-        model = create_model(name, **meta, **extra)
+        family = get_family(name)
+        model = family.rebuild(meta, cfg, ckpt.get("stage"), path)
         use_ema = weights == "eval" and ckpt.get("eval_weights") == "ema" and isinstance(ckpt.get("ema"), dict)
         model.load_state_dict(ckpt["ema"]["model"] if use_ema else ckpt["model"], strict=True)
     except Exception as exc:
@@ -224,37 +184,24 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
     return model
 
 
-def _config_mask_bits(cfg, meta: Dict[str, Any]):
-    """The schemes per major layer the config asks for, the chip's default filled in for ``[]``
-    (GNetDet); None when that cannot be worked out (another model, a size the table lacks)."""
-    if cfg.mask_bits:
-        return [int(b) for b in cfg.mask_bits]
-    if meta.get("name") != "gnetdet":
-        return None
-    from gnetmdk.layers.gnetdet import gnetdet_layers, major_schemes
-    try:
-        return major_schemes(gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]),
-                                            float(meta["width_mult"]), str(meta["chip"]), ()))
-    except Exception:
-        return None
-
-
 def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
-    """Refuse a checkpoint whose model differs from the config (model, class count, input size, width, chip)
-    or whose class names differ from the config's VOC_CLASSES (names or order).
+    """Refuse a checkpoint whose model differs from the config (model family, class count, and what the
+    family names: GNetDet's input size, width and chip) or whose class names differ from the config's
+    VOC_CLASSES (names or order).
 
     Raises:
         CheckpointError: naming each difference and the fix.
     """
+    from gnetmdk.models import get_family
     meta = ckpt.get("model_meta", {})
-    want = {"name": cfg.model_name, "num_classes": cfg.num_classes, "image_size": cfg.image_size, "width_mult": float(cfg.width_mult),
-            "chip": str(cfg.chip)}
+    family = get_family(cfg.model_name)
+    want = {"name": family.name, "num_classes": cfg.num_classes, **family.compat_fields(cfg)}
     diffs = [f"{k}: checkpoint {meta.get(k)!r} vs config {v!r}" for k, v in want.items() if meta.get(k) != v]
     names = (ckpt.get("config") or {}).get("VOC_CLASSES")
     if not diffs and names is not None and list(names) != list(cfg.VOC_CLASSES):
         # the same count in another order (or other names) would train and report AP under wrong names
-        diffs.append(f"VOC_CLASSES: checkpoint {list(names)} vs config {list(cfg.VOC_CLASSES)} (class i is output "
-                     "channel 10 + i: the names must be the same, in the same order)")
+        diffs.append(f"VOC_CLASSES: checkpoint {list(names)} vs config {list(cfg.VOC_CLASSES)} (label i of the "
+                     "model is the name at i: the names must be the same, in the same order)")
     if diffs:
         raise CheckpointError(f"checkpoint '{path}' does not fit this config ({'; '.join(diffs)}): set the "
                               "config to match, or start from another checkpoint with 'load PATH'")

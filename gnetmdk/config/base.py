@@ -19,6 +19,59 @@ class ConfigError(ValueError):
     """A configuration value or override that cannot be used; the message names the field and the fix."""
 
 
+def _annotated_fields(klass) -> Dict[str, Any]:
+    """Every annotated field name of ``klass`` and its bases, mapped to its declared type."""
+    types: Dict[str, Any] = {}
+    for k in reversed(klass.__mro__):
+        if k is object:
+            continue
+        try:
+            hints = typing.get_type_hints(k)
+        except Exception:  # pragma: no cover - annotations that cannot be evaluated
+            hints = getattr(k, "__annotations__", {})
+        types.update({n: t for n, t in hints.items() if not n.startswith("_")})
+    return types
+
+
+class ConfigSection:
+    """The fields of one model family, resolved as ``cfg.<family>`` (e.g. ``cfg.gnetdet.l_coord``).
+
+    A family declares its section as a subclass with typed class attributes (the defaults) and
+    registers it with :func:`register_section`; gnetmdk.config.overrides resolves it like the
+    top-level fields (configs.py dict < per_step < command line). Instances hold the resolved values.
+    """
+
+    @classmethod
+    def field_types(cls) -> Dict[str, Any]:
+        """Every field name mapped to its declared type."""
+        return _annotated_fields(cls)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The resolved values as plain Python types."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in
+                ((k, getattr(self, k)) for k in self.field_types())}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+
+#: section name (a model family's) -> its ConfigSection subclass
+SECTIONS: Dict[str, type] = {}
+
+
+def register_section(name: str, klass: type) -> type:
+    """Register a family's config section; every config then has ``cfg.<name>``."""
+    SECTIONS[name] = klass
+    return klass
+
+
+def ensure_sections() -> Dict[str, type]:
+    """The registered sections, after importing the model families that register them."""
+    if not SECTIONS:
+        import gnetmdk.models  # noqa: F401  (each family registers its section)
+    return SECTIONS
+
+
 class BaseConfig:
     """Defaults of every field. Subclass it in configs.py; never edit it for one dataset.
 
@@ -35,40 +88,15 @@ class BaseConfig:
     max_train_images: int = 0               # 0 = all; >0 keeps the first N (tests, smoke runs)
     max_val_images: int = 0
     cache_images: bool = True               # decode every image once (downscaled) and keep it in memory
-    augment: bool = True                    # training augmentation (flip, scale, shift, HSV, blur)
-    hsv_gain: List[float] = [0.015, 0.5, 0.3]
-    scale_range: List[float] = [0.75, 1.25]
-    shift_fraction: float = 0.15
-    flip_prob: float = 0.5
-    blur_prob: float = 0.1
-    mosaic_prob: float = 0.0                # probability of a 4-image mosaic sample (objects keep their scale)
-    rotate_prob: float = 0.0                # probability of a 90/180/270-degree turn (data seen from above)
+    augment: bool = True                    # training augmentation (the family's own: cfg.<family> section)
 
-    # ---------------------------------------------------------------- model and chip
-    model_name: str = "gnetdet"
-    image_size: int = 448                   # 224 or 448 (5801 also 320, 640)
-    width_mult: float = 1.0                 # channel multiplier; widths rounded to powers of 2
-    use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
-    chip: str = "5801"                      # 2801, 2803 or 5801
-    mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (gti-chip.md)
-    weight_scale: str = "gti"               # "gti": d = mean|w|/4 (GTI rule); "mse": MSE-best d per kernel
-    cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
-    output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
-    cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
-    gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
-    cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
+    # ---------------------------------------------------------------- model
+    model_name: str = "gnetdet"             # the model family (gnetmdk.models): gnetdet | ppyolo
+    image_size: int = 448                   # input side in pixels (GNetDet: 224 or 448; 5801 also 320, 640)
     channels_last: bool = True              # NHWC memory format (faster convolutions on CPU)
-
-    # ---------------------------------------------------------------- loss (gti-chip.md, GNetDet)
-    l_coord: float = 5.0
-    l_noobj: float = 0.005
-    l_class: float = 1.0
-    score_loss: str = "smooth_l1"           # smooth_l1 (GTI) | bce (cross-entropy on the scores)
-    score_head: str = "linear"              # linear (GTI: scores = outputs) | logit (scores = sigmoid(out - offset))
-    score_offset: float = 4.0               # logit head: score = sigmoid(score_scale * (output - score_offset))
-    score_scale: float = 1.0                # logit head: logits per unit of output (keeps outputs near box range)
-    l_range: float = 0.0                    # hinge on untrained outputs (empty cells, free slot) above the trained range
-    box_slots: int = 2                      # box slots trained per cell: 2 (YOLOv1: the better-IoU slot) | 1 (slot 1 only)
+    # each family's own fields are a section of the config: cfg.gnetdet (gnetmdk/models/gnetdet/config.py),
+    # cfg.ppyolo (gnetmdk/models/ppyolo/config.py); set them in configs.py as a dict (gnetdet = dict(...))
+    # or by their own names, and on the command line as gnetdet.l_coord 3 or l_coord 3
 
     # ---------------------------------------------------------------- optimisation
     batch_size: int = 16                    # global batch: split over world_size x gpus processes
@@ -97,9 +125,6 @@ class BaseConfig:
     ema: bool = False                       # keep an EMA of the weights; evaluated and used for best.pth
     ema_decay: float = 0.999
     ema_ramp: float = 200.0                 # optimizer steps over which the EMA decay ramps up
-    finetune: int = 0                       # freeze the first freeze_convs sublayers for this many epochs
-    freeze_convs: int = 1                   # ... how many leading sublayers finetune freezes
-    freeze_at: int = 0                      # leading sublayers frozen for the whole run (not optimized)
     checkpoint_interval: int = 0            # also save last.pth every N optimizer steps (0 = epoch ends only)
     disk_reserve_mb: float = 0.0            # free disk required beyond the estimated checkpoint size
     device: str = "auto"                    # auto | cpu | cuda
@@ -181,20 +206,25 @@ class BaseConfig:
     # ================================================================= field access
     @classmethod
     def field_types(cls) -> Dict[str, Any]:
-        """Every field name mapped to its declared type, collected over the class hierarchy."""
-        types: Dict[str, Any] = {}
-        for klass in reversed(cls.__mro__):
-            if klass is object:
-                continue
-            try:
-                hints = typing.get_type_hints(klass)
-            except Exception:  # pragma: no cover - annotations that cannot be evaluated
-                hints = getattr(klass, "__annotations__", {})
-            types.update({k: v for k, v in hints.items() if not k.startswith("_")})
-        return types
+        """Every top-level field name mapped to its declared type, collected over the class hierarchy
+        (the families' sections: :meth:`section_types`)."""
+        return _annotated_fields(cls)
+
+    @classmethod
+    def section_types(cls) -> Dict[str, Dict[str, Any]]:
+        """{section name: {field: type}} of every registered family section."""
+        return {name: klass.field_types() for name, klass in ensure_sections().items()}
+
+    def section(self, name: str | None = None) -> "ConfigSection":
+        """The section of family ``name`` (default: the run's model family, ``model_name``)."""
+        if name is None:
+            from gnetmdk.models import get_family
+            name = get_family(self.model_name).name
+        return getattr(self, name)
 
     def to_dict(self) -> Dict[str, Any]:
-        """Resolved values of every field (plain Python types: safe to store in a checkpoint)."""
+        """Resolved values of every field (plain Python types: safe to store in a checkpoint); each
+        family section as a nested dict under its name."""
         out = {}
         for name in self.field_types():
             value = getattr(self, name)
@@ -203,6 +233,10 @@ class BaseConfig:
             if isinstance(value, dict):   # per_step: keys 1..4 and "cal" -> strings (JSON, sorting)
                 value = {str(k): dict(v) if isinstance(v, dict) else v for k, v in value.items()}
             out[name] = value
+        for name in ensure_sections():
+            sec = getattr(self, name, None)
+            if isinstance(sec, ConfigSection):
+                out[name] = sec.to_dict()
         return out
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ import sys
 import typing
 from typing import Any, Dict, List, Sequence, Tuple, Type
 
-from .base import BaseConfig, ConfigError
+from .base import BaseConfig, ConfigError, ConfigSection, ensure_sections
 
 _TRUE = {"1", "true", "yes", "y", "on"}
 _FALSE = {"0", "false", "no", "n", "off"}
@@ -68,18 +68,13 @@ def convert_value(name: str, raw: Any, typ: Any) -> Any:
     return raw
 
 
-def parse_overrides(tokens: Sequence[str], known: Dict[str, Any]) -> Dict[str, Any]:
-    """Parse ``key value`` / ``key=value`` tokens into ``{field: converted value}``.
-
-    Args:
-        tokens: the command-line words after the ``--`` options.
-        known: field name -> declared type (``BaseConfig.field_types()``).
+def split_overrides(tokens: Sequence[str]) -> List[Tuple[str, str]]:
+    """``key value`` / ``key=value`` words -> [(key, raw value)], keys with ``-`` read as ``_``.
 
     Raises:
-        ConfigError: a key that is not a field (with the closest known names), a key without a
-        value, or a value that does not convert.
+        ConfigError: a key without a value.
     """
-    out: Dict[str, Any] = {}
+    out: List[Tuple[str, str]] = []
     i = 0
     tokens = list(tokens)
     while i < len(tokens):
@@ -93,18 +88,77 @@ def parse_overrides(tokens: Sequence[str], known: Dict[str, Any]) -> Dict[str, A
                 raise ConfigError(f"override '{tok}' has no value: write '{tok} VALUE' or '{tok}=VALUE'")
             value = tokens[i + 1]
             i += 2
-        key = key.lstrip("-").replace("-", "_")
-        if key not in known:
-            lower = {k.lower(): k for k in known}
-            if key.lower() in lower:
-                key = lower[key.lower()]
-            else:
-                close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.5)
-                hint = f"; did you mean {', '.join(close)}?" if close else ""
-                raise ConfigError(f"unknown config field '{key}'{hint} (fields are declared in "
-                                  "gnetmdk/config/base.py and configs.py)")
+        out.append((key.lstrip("-").replace("-", "_"), value))
+    return out
+
+
+def _resolve_key(key: str, known: Dict[str, Any]) -> str:
+    """``key`` itself, or its case-insensitive match among ``known``.
+
+    Raises:
+        ConfigError: unknown key, with the closest known names.
+    """
+    if key in known:
+        return key
+    lower = {k.lower(): k for k in known}
+    if key.lower() in lower:
+        return lower[key.lower()]
+    close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown config field '{key}'{hint} (fields are declared in gnetmdk/config/base.py, the "
+                      "families' sections in gnetmdk/models/<family>/config.py, and configs.py)")
+
+
+def parse_overrides(tokens: Sequence[str], known: Dict[str, Any]) -> Dict[str, Any]:
+    """Parse ``key value`` / ``key=value`` tokens into ``{field: converted value}``.
+
+    Args:
+        tokens: the command-line words after the ``--`` options.
+        known: field name -> declared type (``BaseConfig.field_types()``, or :func:`known_fields`).
+
+    Raises:
+        ConfigError: a key that is not a field (with the closest known names), a key without a
+        value, or a value that does not convert.
+    """
+    out: Dict[str, Any] = {}
+    for key, value in split_overrides(tokens):
+        key = _resolve_key(key, known)
         out[key] = convert_value(key, value, known[key])
     return out
+
+
+def known_fields(klass: Type[BaseConfig], family: str | None) -> Dict[str, Any]:
+    """Every name a config value may be given under, mapped to its type: the top-level fields, each
+    section's fields as ``section.field``, and the fields of ``family``'s section by their own names
+    (where no top-level field has that name)."""
+    known = dict(klass.field_types())
+    sections = klass.section_types()
+    for name, fields in sections.items():
+        known.update({f"{name}.{f}": t for f, t in fields.items()})
+    if family in sections:
+        for f, t in sections[family].items():
+            known.setdefault(f, t)
+    return known
+
+
+def _place(cfg: BaseConfig, key: str, value: Any, family: str, where: str) -> None:
+    """Set a resolved value: a top-level field, ``section.field``, or a short name of the family's section."""
+    top = type(cfg).field_types()
+    if key in top:
+        setattr(cfg, key, value)
+        return
+    if "." in key:
+        sec, field = key.split(".", 1)
+    else:
+        sec, field = family, key
+    section = getattr(cfg, sec, None)
+    if not isinstance(section, ConfigSection) or field not in section.field_types():
+        raise ConfigError(f"{where}: '{key}' is not a field of this config")
+    setattr(section, field, value)
+
+
+def _section_owner(field: str, sections: Dict[str, Dict[str, Any]]) -> List[str]:
+    return [name for name, fields in sections.items() if field in fields]
 
 
 def load_config_class(config_file: str | None) -> Type[BaseConfig]:
@@ -138,7 +192,10 @@ def load_config_class(config_file: str | None) -> Type[BaseConfig]:
 
 def _check_class_fields(klass: Type[BaseConfig]) -> None:
     """Refuse attributes in a Config subclass that look like misspelt fields."""
-    known = BaseConfig.field_types()
+    known = dict(BaseConfig.field_types())
+    for name, fields in BaseConfig.section_types().items():
+        known[name] = dict
+        known.update(fields)
     for k in klass.__dict__:
         if k.startswith("_") or k in known or k == "DEFAULT_STEP":
             continue
@@ -168,46 +225,95 @@ def build_config(klass: Type[BaseConfig], overrides: Sequence[str] = (), step: i
         ConfigError: unknown keys, bad values, values out of range.
     """
     _check_class_fields(klass)
-    known = klass.field_types()
-    cli = parse_overrides(overrides, known)
+    top = klass.field_types()
+    sections = klass.section_types()
+    pairs = split_overrides(overrides)
     cfg = klass()
     # the instance starts with the class values; copy mutable defaults so edits stay per instance
-    for name in known:
+    for name in top:
         value = getattr(klass, name)
         setattr(cfg, name, list(value) if isinstance(value, (list, tuple)) else
                 dict(value) if isinstance(value, dict) else value)
     default_step = getattr(klass, "DEFAULT_STEP", None)
     if default_step is not None:
         cfg.step = int(default_step)
-    if "step" in cli:
-        cfg.step = cli["step"]
+    # the stage first (per_step depends on it), then the model family (short names depend on it)
+    early = parse_overrides([w for k, v in pairs if k in ("step", "cal", "model_name") for w in (k, v)],
+                            {k: top[k] for k in ("step", "cal", "model_name")})
+    if "step" in early:
+        cfg.step = early["step"]
     if step is not None:
         cfg.step = int(step)
-    if cal or cli.get("cal"):
+    if cal or early.get("cal"):
         cfg.cal = True
         cfg.step = 2
     key = "cal" if cfg.cal else cfg.step
     stage_values = dict(cfg.per_step.get(key, {}) or cfg.per_step.get(str(key), {}) or {})
+    if "model_name" in stage_values:
+        cfg.model_name = stage_values["model_name"]
+    if "model_name" in early:
+        cfg.model_name = early["model_name"]
+    from gnetmdk.models import get_family
+    family = get_family(cfg.model_name).name
+    known = known_fields(klass, family)
+    # the sections: defaults, then configs.py (a dict per section, or a section field by its own name)
+    for name, sklass in ensure_sections().items():
+        sec = sklass()
+        for f in sklass.field_types():
+            value = getattr(sklass, f)
+            setattr(sec, f, list(value) if isinstance(value, (list, tuple)) else value)
+        setattr(cfg, name, sec)
+    for name in sections:
+        given = getattr(klass, name, None)
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise ConfigError(f"{klass.__name__}.{name} must be a dict of {name} fields (e.g. {name} = "
+                              f"dict({next(iter(sections[name]))}=...)), not {type(given).__name__}")
+        for f, value in given.items():
+            if f not in sections[name]:
+                _resolve_key(f"{name}.{f}", known)              # refused with the closest names
+            setattr(getattr(cfg, name), f, convert_value(f"{name}.{f}", value, sections[name][f]))
+    for f in _class_section_fields(klass, top, sections):
+        owners = _section_owner(f, sections)
+        if family not in owners:
+            raise ConfigError(f"{klass.__name__}.{f} is a field of the {' / '.join(owners)} section, but this "
+                              f"config trains {cfg.model_name}: remove it, or write "
+                              f"{owners[0]} = dict({f}=...) to keep it for that family")
+        setattr(getattr(cfg, family), f, convert_value(f, getattr(klass, f), sections[family][f]))
     for name, value in stage_values.items():
-        if name not in known:
+        rkey = _resolve_key(str(name), known) if str(name) in known else None
+        if rkey is None:
             raise ConfigError(f"per_step[{key!r}] sets unknown field '{name}'")
-        setattr(cfg, name, convert_value(name, value, known[name]))
+        _place(cfg, rkey, convert_value(rkey, value, known[rkey]), family, f"per_step[{key!r}]")
+    cli = parse_overrides([w for k, v in pairs for w in (k, v)], known)
     for name, value in cli.items():
         if name in ("step", "cal"):
             continue
-        setattr(cfg, name, value)
+        _place(cfg, name, value, family, "command line")
     validate_config(cfg)
     return cfg
 
 
+def _class_section_fields(klass, top, sections) -> List[str]:
+    """Names set on the user's Config (or a base between it and BaseConfig) that are section fields
+    given by their own names (configs.py written before the sections: ``score_head = "logit"``)."""
+    names = set()
+    for k in klass.__mro__:
+        if k is BaseConfig or not issubclass(k, BaseConfig):
+            continue
+        names.update(n for n in vars(k) if not n.startswith("_") and n not in top and n not in sections)
+    every = {f for fields in sections.values() for f in fields}
+    return sorted(n for n in names if n in every)
+
+
 def validate_config(cfg: BaseConfig) -> None:
-    """Refuse values out of range at start-up, naming the field and the allowed values.
+    """Refuse values out of range at start-up, naming the field and the allowed values; then the
+    model family's own checks of its section (DetectorFamily.check_config).
 
     Raises:
         ConfigError
     """
-    from gnetmdk.gti.spec import get_chip_spec  # late import: the chip table lives with the chip
-
     def bad(field: str, msg: str) -> None:
         raise ConfigError(f"config field '{field}' = {getattr(cfg, field)!r}: {msg}")
 
@@ -232,33 +338,6 @@ def validate_config(cfg: BaseConfig) -> None:
     if wrong:
         bad("resume_changes", f"{', '.join(map(repr, wrong))} cannot change on a resume; these can: "
             f"{', '.join(RESUME_CHANGEABLE)}")
-    if not 0 < cfg.cap_percentile <= 100:
-        bad("cap_percentile", "must be in (0, 100]")
-    if cfg.cap_method not in ("percentile", "mse"):
-        bad("cap_method", "must be 'percentile' (GTI) or 'mse'")
-    if not (math.isfinite(cfg.cap_lr) and cfg.cap_lr >= 0):
-        bad("cap_lr", "must be a finite number >= 0 (0: the calibrated caps stay fixed in step 3)")
-    if cfg.cap_lr > 0 and not cfg.gain_aware:
-        bad("cap_lr", "learned caps need gain_aware true (the caps reach the loss through the gains); "
-                      "set cap_lr 0 or gain_aware true")
-    if cfg.weight_scale not in ("gti", "mse"):
-        bad("weight_scale", "must be 'gti' or 'mse'")
-    if cfg.score_head not in ("linear", "logit"):
-        bad("score_head", "must be linear or logit")
-    if not (math.isfinite(cfg.score_scale) and cfg.score_scale > 0):
-        bad("score_scale", "must be a positive number (the logit head's sigmoid(score_scale * (output - score_offset)))")
-    if cfg.box_slots not in (1, 2):
-        bad("box_slots", "must be 1 (slot 1 always responsible) or 2 (YOLOv1: the slot with the better IoU)")
-    for name in ("l_coord", "l_noobj", "l_class", "l_range"):
-        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
-            bad(name, "a loss weight must be a finite number >= 0")
-    for name in ("flip_prob", "blur_prob", "mosaic_prob", "rotate_prob"):
-        if not 0 <= getattr(cfg, name) <= 1:
-            bad(name, "a probability must be in [0, 1]")
-    if not 0 < cfg.output_cap_percentile <= 100:
-        bad("output_cap_percentile", "must be in (0, 100]")
-    if cfg.score_loss not in ("smooth_l1", "bce"):
-        bad("score_loss", "must be smooth_l1 or bce")
     if cfg.optimizer not in ("adamw", "adam", "sgd"):
         bad("optimizer", "must be adamw, adam or sgd")
     if cfg.lr_scheduler not in ("cosine", "cosine_restarts", "step", "multistep", "constant"):
@@ -268,8 +347,8 @@ def validate_config(cfg: BaseConfig) -> None:
             "warmup_epochs must be >= 0 and warmup_factor in (0, 1]")
     if cfg.device not in ("auto", "cpu", "cuda"):
         bad("device", "must be auto, cpu or cuda")
-    if cfg.width_mult <= 0:
-        bad("width_mult", "must be positive")
+    if cfg.image_size < 32 or cfg.image_size % 32:
+        bad("image_size", "must be a multiple of 32, at least 32 (pixels)")
     if len(cfg.VOC_CLASSES) == 0:
         bad("VOC_CLASSES", "needs at least one class name")
     if len(set(cfg.VOC_CLASSES)) != len(cfg.VOC_CLASSES):
@@ -291,24 +370,16 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("nms_thresh", "must be in (0, 1]: the IoU above which NMS drops the lower-scored box")
     if cfg.max_detections < 1:
         bad("max_detections", "must be at least 1 (boxes kept per image)")
-    for name in ("finetune", "freeze_convs", "freeze_at", "checkpoint_interval"):
-        if getattr(cfg, name) < 0:
-            bad(name, "must be >= 0")
+    if cfg.checkpoint_interval < 0:
+        bad("checkpoint_interval", "must be >= 0")
     if cfg.disk_reserve_mb < 0:
         bad("disk_reserve_mb", "must be >= 0")
-    spec = get_chip_spec(str(cfg.chip))  # raises ChipSpecError (a ConfigError) for unknown chips
-    if cfg.image_size not in spec.input_sizes:
-        bad("image_size", f"chip {cfg.chip} accepts input sizes {list(spec.input_sizes)}")
-    for i, bits in enumerate(cfg.mask_bits):
-        if bits not in spec.schemes:
-            bad("mask_bits", f"major layer {i + 1} asks for scheme {bits}, chip {cfg.chip} has "
-                f"{sorted(spec.schemes)}")
-    if cfg.mask_bits and cfg.model_name == "gnetdet" and cfg.image_size in (224, 448):
-        from gnetmdk.layers.gnetdet import GNETDET_224, GNETDET_448
-        majors = len(GNETDET_224 if cfg.image_size == 224 else GNETDET_448)
-        if len(cfg.mask_bits) != majors:
-            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one scheme per "
-                f"major layer, or [] for the chip's default")
+    from gnetmdk.models import get_family
+    family = get_family(cfg.model_name)
+    if cfg.stage_name not in family.stages:
+        bad("step" if not cfg.cal else "cal", f"the {family.name} family runs the stages {', '.join(family.stages)}; "
+            f"{cfg.stage_name} is not one of them")
+    family.check_config(cfg)
 
 
 def load_config(config_file: str | None = None, overrides: Sequence[str] = (), step: int | None = None,
@@ -318,15 +389,37 @@ def load_config(config_file: str | None = None, overrides: Sequence[str] = (), s
 
 
 def config_from_dict(values: Dict[str, Any], klass: Type[BaseConfig] = BaseConfig) -> BaseConfig:
-    """Rebuild a config from ``to_dict()`` output (e.g. the one stored in a checkpoint).
+    """Rebuild a config from ``to_dict()`` output (e.g. the one stored in a checkpoint), unchecked.
 
-    Unknown keys are ignored (an older checkpoint may carry fields this version dropped).
+    Unknown keys are ignored (an older checkpoint may carry fields this version dropped). A config
+    saved before the families' sections existed holds their fields at the top level: those are read
+    into the sections that have them.
     """
     cfg = klass()
     known = klass.field_types()
     for name in known:
         setattr(cfg, name, values.get(name, getattr(klass, name)))
+    for name, sklass in ensure_sections().items():
+        sec = sklass()
+        nested = values.get(name) if isinstance(values.get(name), dict) else {}
+        for f in sklass.field_types():
+            setattr(sec, f, nested.get(f, values.get(f, getattr(sklass, f))))
+        setattr(cfg, name, sec)
     return cfg
+
+
+def config_value(cfg: BaseConfig, name: str) -> Any:
+    """A resolved value by name: a top-level field, ``section.field``, or a field of the config's own
+    family section by its own name; None when the config has no such setting."""
+    if "." in name:
+        sec, field = name.split(".", 1)
+        return getattr(getattr(cfg, sec, None), field, None)
+    if name in type(cfg).field_types():
+        return getattr(cfg, name)
+    try:
+        return getattr(cfg.section(), name, None)
+    except ConfigError:
+        return None
 
 
 def die(msg: str, code: int = 2) -> "typing.NoReturn":

@@ -386,10 +386,11 @@ def seed_worker(worker_id: int) -> None:
 def build_dataset(cfg, split: str) -> DetectionDataset:
     """DetectionDataset of ``split`` ("train" or "valid") from a resolved config."""
     train = split == "train"
+    g = cfg.gnetdet                     # GNetDet's augmentation settings
     return DetectionDataset(
         cfg.train_meta if train else cfg.valid_meta, os.path.join(cfg.dataset_dir, cfg.image_dir),
         cfg.num_classes, cfg.image_size, cfg.grid_size, train=train, augment=cfg.augment, cache=cfg.cache_images,
         max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,
-        hsv_gain=cfg.hsv_gain, scale_range=cfg.scale_range, shift_fraction=cfg.shift_fraction,
-        flip_prob=cfg.flip_prob, blur_prob=cfg.blur_prob, mosaic_prob=cfg.mosaic_prob,
-        rotate_prob=cfg.rotate_prob)
+        hsv_gain=g.hsv_gain, scale_range=g.scale_range, shift_fraction=g.shift_fraction,
+        flip_prob=g.flip_prob, blur_prob=g.blur_prob, mosaic_prob=g.mosaic_prob,
+        rotate_prob=g.rotate_prob)

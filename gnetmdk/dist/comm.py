@@ -128,9 +128,9 @@ def _collective(op):
 
 def global_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
     """The ``percentile``-th percentile (nearest rank) of the values of x over ALL ranks: exactly what
-    ``QReLU.batch_percentile`` returns in one process for the global batch (same rank formula, same
+    ``gnetmdk.layers.observers.batch_percentile`` returns in one process for the global batch (same rank formula, same
     fallback to the largest value when the percentile is not positive). A collective: every rank calls
-    it with its share of the batch. Installed as ``QReLU.percentile_fn`` for distributed calibration.
+    it with its share of the batch. The percentile observers' function under data parallelism.
 
     Args:
         x: this rank's pre-ReLU values, any shape, float.

@@ -3,9 +3,6 @@
 Called by the trainer once the model is built:
   - BatchNorm -> synchronised BatchNorm (``cfg.sync_bn``; torch.nn.SyncBatchNorm on CUDA when world
     size > 1, our DistBatchNorm2d on CPU for every world size): statistics of the global batch.
-  - every QReLU gets ``percentile_fn = global_percentile``: in calibration the per-batch percentile
-    is that of the global batch (exact distributed selection, no gathering of activations), so the
-    running maximum, and after the final all-reduce MAX the caps, equal one process's.
   - conv biases that feed a BatchNorm are frozen (their gradient is round-off only; see
     :func:`freeze_biases_before_bn`), in every run.
 Gradient averaging is DistributedDataParallel's (Trainer.wrap_model).
@@ -20,7 +17,7 @@ from typing import List
 
 import torch
 
-from .comm import get_world_size, global_percentile
+from .comm import get_world_size
 from .syncbn import convert_sync_batchnorm, count_sync_batchnorm
 
 
@@ -30,8 +27,8 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     BatchNorm (``cfg.sync_bn``): on CPU every run, a single process included, uses DistBatchNorm2d,
     so that 1 and N processes share one arithmetic (float64 statistics; torch's CPU BatchNorm
     accumulates channels-last statistics in float32 and would differ from N processes by ~1e-4);
-    on CUDA, world size > 1 converts to torch.nn.SyncBatchNorm. Calibration percentiles of the global
-    batch when world size > 1.
+    on CUDA, world size > 1 converts to torch.nn.SyncBatchNorm. (Calibration takes the global batch's
+    percentiles itself: gnetmdk.engine.calibration.)
     """
     notes: List[str] = []
     world = get_world_size()
@@ -44,9 +41,6 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     frozen = freeze_biases_before_bn(model)
     if frozen:
         notes.append(f"froze the bias of {frozen} convs followed by BatchNorm (zero gradient in exact arithmetic)")
-    if world > 1:
-        for r in (m for m in model.modules() if hasattr(m, "percentile_fn")):
-            r.percentile_fn = global_percentile
     return notes
 
 

@@ -1,5 +1,3 @@
-"""Trainer, stage table and schedules."""
-from .stages import STAGES, Stage, apply_stage, get_stage
-from .trainer import Trainer, TrainingError
-
-__all__ = ["STAGES", "Stage", "apply_stage", "get_stage", "Trainer", "TrainingError"]
+"""Trainer, its hooks, the stage table, schedules, calibration (import the submodules you need:
+gnetmdk.engine.trainer.Trainer, gnetmdk.engine.stages.STAGES, ...; nothing is imported here, so that
+the hooks can be imported by modules the trainer itself imports)."""

@@ -12,12 +12,12 @@ import torch
 from torch.optim import lr_scheduler as S
 
 
-def build_optimizer(model: torch.nn.Module, cfg, caps=()) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg, caps=(), cap_lr: float = 0.0) -> torch.optim.Optimizer:
     """AdamW / Adam / SGD over the trainable parameters; weight decay on conv weights only
     (biases and BatchNorm parameters get none). Frozen parameters are left out entirely.
 
-    ``caps``: learned activation caps (step 3 with ``cfg.cap_lr`` > 0; 0-d float32 tensors that
-    require grad), a third group at learning rate ``cfg.cap_lr`` without weight decay; the schedule
+    ``caps``: learned activation caps (step 3 with ``cap_lr`` > 0, GNetDet's ``gnetdet.cap_lr``; 0-d
+    float32 tensors that require grad), a third group at learning rate ``cap_lr`` without weight decay; the schedule
     shapes its rate like the others'."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -26,7 +26,7 @@ def build_optimizer(model: torch.nn.Module, cfg, caps=()) -> torch.optim.Optimiz
         (decay if p.dim() > 1 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if caps:
-        groups.append({"params": list(caps), "weight_decay": 0.0, "lr": cfg.cap_lr})
+        groups.append({"params": list(caps), "weight_decay": 0.0, "lr": cap_lr})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=cfg.momentum, nesterov=True)
     if cfg.optimizer == "adam":

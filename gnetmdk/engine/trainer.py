@@ -1,8 +1,13 @@
 """The one trainer behind train.py and train-dist.py (a single process is world size 1).
 
-A run of one stage: load the stage's starting checkpoint, run its entry hooks, evaluate it (so the
-cost of each quantization step is visible), train for ``num_epochs`` (or, for cal, measure the
-caps), keep best.pth (by val mAP) and last.pth in checkpoint/step<N>, log to tensorboard.
+A run of one stage: load the stage's starting checkpoint, run the stage's entry edits, evaluate it (so
+the cost of each quantization step is visible), train for ``num_epochs`` (or, for cal, measure the
+caps), keep best.pth (by val mAP) and last.pth, and make them the stage's outputs in
+checkpoint/step<N> when the run finishes. The trainer owns the loop (data, forward, loss, backward,
+optimizer step, one read-back per iteration); what happens beside it is one hook per concern
+(gnetmdk.engine.hooks: EMA, evaluation, checkpoints, tensorboard, the log line; record and replay in
+gnetmdk.align.record), and calibration is gnetmdk.engine.calibration. The model is known only through
+its family (gnetmdk.models).
 """
 from __future__ import annotations
 
@@ -24,16 +29,17 @@ from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
 from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
                                reduce_mean_dict)
+from .calibration import calibrate_caps
+from .hooks import CheckpointHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import prepare_model, wrap_ddp
 from .device import configure_backends, resolve_device
 from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
-from gnetmdk.layers.registry import model_from_config
+from gnetmdk.models import get_family, model_from_config
 from .resume import RESUME_CHECKED, RESUME_FIXED, same as _same
 from .schedule import build_optimizer, build_scheduler
 from . import recipe as R
-from .ema import ModelEMA
 from .stages import Stage, apply_stage, get_stage, source_path
 
 #: learned caps (step 3, cap_lr) are kept at least this large after every optimizer step (value units;
@@ -79,6 +85,7 @@ class Trainer:
     def __init__(self, cfg, device: Optional[torch.device] = None):
         self.cfg = cfg
         self.stage: Stage = get_stage(cfg)
+        self.family = get_family(cfg.model_name)   # what the trainer knows of the model (gnetmdk.models)
         self.rank = get_rank()
         self.world_size = get_world_size()
         self.main = is_main_process()
@@ -91,25 +98,36 @@ class Trainer:
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.outputs = StageOutputs(self.out_dir, self.stage.name, self.main)   # run/ until the run finishes
         self.summary: Dict[str, object] = {"stage": self.stage.name}
-        self.writer = None
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
         self.align = AlignmentHook(cfg)                     # record / replay / max_iters (gnetmdk.align)
+        self.tensorboard = TensorboardHook()
+        self.ema_hook = EMAHook() if cfg.ema else None
+        # in call order: the EMA is updated before anything reads it; the evaluation writes best.pth
+        # before last.pth; the log line comes last
+        self.hooks = []
+        for hook in (self.ema_hook, self.align, EvalHook(), CheckpointHook(), self.tensorboard, LoggerHook()):
+            if hook is not None:
+                self.register(hook)
+
+    def register(self, hook) -> None:
+        """Add a hook (gnetmdk.engine.hooks.HookBase) after those already registered."""
+        hook.trainer = self
+        self.hooks.append(hook)
 
     # ------------------------------------------------------------------ logging
     def log(self, msg: str) -> None:
         if self.main:
             print(msg, flush=True)
 
-    def _tb(self):
-        if self.writer is None and self.main:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(self.cfg.log_dir)
-        return self.writer
+    @property
+    def writer(self):
+        """The tensorboard writer (None until the first scalar, and after the run)."""
+        return self.tensorboard.writer
 
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        w = self._tb()
-        if w is not None:
-            w.add_scalar(tag, value, step)
+    @property
+    def ema(self):
+        """The EMA of the weights (gnetmdk.engine.ema.ModelEMA) when ``ema`` is on, else None."""
+        return self.ema_hook.ema if self.ema_hook is not None else None
 
     # ------------------------------------------------------------------ data
     def build_data(self) -> None:
@@ -219,7 +237,7 @@ class Trainer:
     @property
     def eval_model(self):
         """The weights evaluated (and so chosen for best.pth): the EMA when ``ema`` is on."""
-        ema = getattr(self, "ema", None)
+        ema = self.ema
         return ema.module if ema is not None else self.model
 
     # ------------------------------------------------------------------ checkpoints
@@ -227,7 +245,8 @@ class Trainer:
         m = self.model
         st = {"stage": self.stage.name, "step": self.stage.step, "model_meta": m.meta(),
               "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
-              "caps": [float(r.cap.detach()) for r in self.eval_model.relus()], "config": self.cfg.to_dict(),
+              "caps": [float(r.cap.detach()) for r in self.eval_model.relus()] if hasattr(m, "relus") else [],
+              "config": self.cfg.to_dict(),
               "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
               "best_epoch": getattr(self, "best_epoch", None), "best_seconds": getattr(self, "best_seconds", None),
               "elapsed": time.time() - self.t_start if getattr(self, "t_start", None) is not None else None,
@@ -235,10 +254,9 @@ class Trainer:
               "world_size": self.world_size}
         if getattr(m, "calibrated_caps", None):
             st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
-        ema = getattr(self, "ema", None)
-        st["eval_weights"] = "ema" if ema is not None else "model"
-        if ema is not None:
-            st["ema"] = ema.state_dict()            # beside the raw weights, never in their place
+        st["eval_weights"] = "ema" if self.ema is not None else "model"
+        for hook in self.hooks:                     # the EMA beside the raw weights, never in their place
+            st.update(hook.checkpoint_state(full))
         if full:
             st["optimizer"] = self.optimizer.state_dict()
             st["scheduler"] = self.scheduler.state_dict()
@@ -295,54 +313,16 @@ class Trainer:
                 "free disk space or set checkpoint_root to another disk")
 
     # ------------------------------------------------------------------ calibration
-    @torch.no_grad()
     def calibrate(self) -> List[float]:
-        """Measure every ReLU cap over the training data, forward only (gti-chip.md, "cal").
+        """Measure and set every cap over the training data (gnetmdk.engine.calibration: the family
+        section's ``cap_method``); returns the caps."""
+        sec = self.cfg.section()
 
-        ``cap_method percentile`` (GTI): one pass; each cap is the running max over batches of the
-        batch's ``cap_percentile`` (the output layer's ``output_cap_percentile``). ``cap_method mse``:
-        two passes; the first finds each layer's largest value, the second histograms the positive
-        values over [0, largest], and each cap minimises the 5-bit quantization error over that histogram
-        (gnetmdk.gti.quantize.mse_cap_from_histogram). Over N processes the maxima are all-reduced (MAX)
-        and the histograms (SUM, exact counts), so the caps equal one process's.
-        """
-        model = self.model
-        relus = list(model.relus())
-        for relu in relus:
-            relu.cap.zero_()
-        apply_stage(model, self.stage, calibrating=True)
-        model.eval()
-        mse = self.cfg.cap_method == "mse"
-
-        def one_pass(stat: str, desc: str) -> None:
-            for relu in relus:
-                relu.cal_stat = stat
+        def batches():
             self.train_sampler.set_epoch(0)
-            for images, _, _, _ in self._progress(self.train_loader, desc):
-                model(images.to(self.device, non_blocking=True).float())
+            return (images for images, _, _, _ in self.train_loader)
 
-        one_pass("max" if mse else "percentile", "cal (max)" if mse else "cal")
-        caps = torch.stack([r.cap for r in relus]).float()
-        all_reduce(caps, "max")
-        if mse:
-            from gnetmdk.gti.quantize import mse_cap_from_histogram
-            for relu, c in zip(relus, caps):
-                relu.cal_range, relu.cal_hist = float(c), None
-            one_pass("hist", "cal (histogram)")
-            hists = torch.stack([r.cal_hist if r.cal_hist is not None else
-                                 torch.zeros(relus[0].HIST_BINS, dtype=torch.float64, device=self.device)
-                                 for r in relus])
-            all_reduce(hists, "sum")
-            caps = torch.tensor([mse_cap_from_histogram(h, float(c)) if c > 0 else 0.0
-                                 for h, c in zip(hists, caps)], dtype=torch.float32)
-            for relu in relus:
-                relu.cal_hist, relu.cal_stat = None, "percentile"
-        for relu, c in zip(model.relus(), caps):
-            relu.cap.fill_(float(c))
-        from .stages import STAGES
-        apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start
-        model.train()
-        return caps.tolist()
+        return calibrate_caps(self.model, batches, sec.cap_method, self.device, self._progress)
 
     def caps_file(self) -> str:
         """model/relu_cap.txt: one cap per conv (the chip files' caps)."""
@@ -421,8 +401,8 @@ class Trainer:
                         c.clamp_(min=CAP_FLOOR)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-            if self.ema is not None:
-                self.ema.update(model)
+            for hook in self.hooks:                 # the EMA's update
+                hook.after_step()
             self.iteration += 1
             self.batch_in_epoch += 1
             keys = sorted(terms)
@@ -442,7 +422,7 @@ class Trainer:
                     self._finish_step(pending)
                     pending = None
                 self.save("last.pth", epoch, self.iteration, full=True)   # mid-epoch: resumable here
-            if self.align.should_stop():
+            if self.should_stop():
                 break
         if pending is not None:
             self._finish_step(pending)
@@ -482,23 +462,19 @@ class Trainer:
                 f"stops before these weights are written; {self.last_good_checkpoint()}: lower learning_rate "
                 "or check the data")
         values = reduce_mean_dict(local)          # mean over ranks (one small collective)
-        images, targets, indices = step["batch"]
-        # the hook reads the iteration of the step it is given
-        current, self.iteration = self.iteration, iteration
-        try:
-            self.align.after_step(self, images, targets, indices, step["terms"], values, epoch)
-        finally:
-            self.iteration = current
         for k, v in values.items():
             self._sums[k] = self._sums.get(k, 0.0) + v
         self._count += 1
-        if self.main:
-            lr = step["lr"]
-            for k, v in values.items():
-                self.scalar(f"{self.stage.name}/loss_{k}", v, iteration)
-            self.scalar(f"{self.stage.name}/lr", lr, iteration)
-            if hasattr(self._bar, "set_postfix"):
-                self._bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{lr:.2e}")
+        it = {"epoch": epoch, "iteration": iteration, "values": values, "terms": step["terms"],
+              "batch": step["batch"], "lr": step["lr"]}
+        for hook in self.hooks:                     # record / replay, tensorboard
+            hook.after_iteration(it)
+        if self.main and hasattr(self._bar, "set_postfix"):
+            self._bar.set_postfix(loss=f"{values['total']:.4f}", lr=f"{step['lr']:.2e}")
+
+    def should_stop(self) -> bool:
+        """A hook asks to stop early (max_iters reached, the replayed recording ended)."""
+        return any(hook.should_stop() for hook in self.hooks)
 
     def check_resume(self, st: Dict[str, object]) -> List[str]:
         """Compare the settings of the checkpoint being resumed with this run's; returns the changed
@@ -509,11 +485,17 @@ class Trainer:
                 (batch_size, accumulate, optimizer, cap_lr: never), or another one of RESUME_CHECKED not
                 listed in ``resume_changes``; the message names each with both values and the fix.
         """
-        from gnetmdk.config import ConfigError
-        saved = dict(st.get("config") or {})
-        saved["world_size"] = int(st.get("world_size", 1) or 1)
-        now = {k: getattr(self.cfg, k) for k in RESUME_CHECKED if k != "world_size"}
-        now["world_size"] = self.world_size
+        from gnetmdk.config import ConfigError, config_from_dict, config_value
+        raw = dict(st.get("config") or {})
+        old_cfg = config_from_dict(raw)
+        saved, now = {}, {}
+        for k in RESUME_CHECKED:
+            if k == "world_size":
+                saved[k], now[k] = int(st.get("world_size", 1) or 1), self.world_size
+                continue
+            a, b = config_value(old_cfg, k), config_value(self.cfg, k)
+            if a is not None and b is not None and (k in raw or k in (raw.get(self.family.name) or {})):
+                saved[k], now[k] = a, b
         if "accumulate" in st:
             saved["accumulate"] = st["accumulate"]
         diffs = {k: (saved[k], now[k]) for k in RESUME_CHECKED if k in saved and not _same(saved[k], now[k])}
@@ -541,7 +523,7 @@ class Trainer:
         ``iteration``, so the learning rate is the new schedule's at that point."""
         import warnings
         cfg = self.cfg
-        fresh = build_optimizer(self.model, cfg, self.learned_caps)
+        fresh = build_optimizer(self.model, cfg, self.learned_caps, getattr(cfg.section(), "cap_lr", 0.0))
         for group, new in zip(self.optimizer.param_groups, fresh.param_groups):
             for key in ("lr", "weight_decay", "momentum"):
                 if key in new:
@@ -555,36 +537,38 @@ class Trainer:
 
     def setup_optimizer(self) -> None:
         cfg = self.cfg
+        sec = cfg.section()
         n_layers = len(getattr(self.model, "layers", []))
-        for name in ("freeze_at",) + (("freeze_convs",) if cfg.finetune else ()):
-            if getattr(cfg, name) > n_layers:
-                from gnetmdk.config import ConfigError
-                raise ConfigError(f"config field '{name}' = {getattr(cfg, name)}: the model has {n_layers} sublayers")
-        # freeze_at: leading sublayers frozen for the whole run, left out of the optimizer entirely
-        self.frozen_at = R.freeze(R.leading_parameters(self.model, cfg.freeze_at))
+        finetune, freeze_at = getattr(sec, "finetune", 0), getattr(sec, "freeze_at", 0)
+        if self.family.leading_parameters(self.model, 1):      # a family with leading units to freeze
+            for name in ("freeze_at",) + (("freeze_convs",) if finetune else ()):
+                if getattr(sec, name) > n_layers:
+                    from gnetmdk.config import ConfigError
+                    raise ConfigError(f"config field '{self.family.name}.{name}' = {getattr(sec, name)}: the model "
+                                      f"has {n_layers} sublayers")
+            # freeze_at: leading sublayers frozen for the whole run, left out of the optimizer entirely
+            self.frozen_at = R.freeze(self.family.leading_parameters(self.model, freeze_at))
+        else:
+            self.frozen_at = []
         if self.frozen_at:
-            self.log(f"[{self.stage.name}] freeze_at {cfg.freeze_at}: {len(self.frozen_at)} parameters of the first "
-                     f"{cfg.freeze_at} sublayers frozen (not optimized)")
+            self.log(f"[{self.stage.name}] freeze_at {freeze_at}: {len(self.frozen_at)} parameters of the first "
+                     f"{freeze_at} sublayers frozen (not optimized)")
         self.finetune_frozen: List[torch.nn.Parameter] = []
         # step 3 with cap_lr > 0: the calibrated caps train too (LSQ-like gradients through the gains)
         self.learned_caps: List[torch.Tensor] = []
-        if self.stage.name == "step3" and cfg.cap_lr > 0:
+        cap_lr = getattr(sec, "cap_lr", 0.0)
+        if self.stage.name == "step3" and cap_lr > 0:
             self.learned_caps = [r.cap for r in self.model.relus()]
             for c in self.learned_caps:
                 c.requires_grad_(True)
             self.log(f"[{self.stage.name}] learning the {len(self.learned_caps)} activation caps (cap_lr "
-                     f"{cfg.cap_lr:g}, no weight decay, at least {CAP_FLOOR:g}); model/relu_cap.txt follows best.pth")
-        self.optimizer = build_optimizer(self.model, cfg, self.learned_caps)
+                     f"{cap_lr:g}, no weight decay, at least {CAP_FLOOR:g}); model/relu_cap.txt follows best.pth")
+        self.optimizer = build_optimizer(self.model, cfg, self.learned_caps, cap_lr)
         self.iters_per_epoch = len(self.train_set) // cfg.batch_size
         self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
         self.precision = R.Precision(cfg, self.device)
         for note in self.precision.notes:
             self.log(f"[{self.stage.name}] {note}")
-        self.ema = ModelEMA(self.model, cfg.ema_decay, cfg.ema_ramp) if cfg.ema else None
-        if self.ema is not None:
-            self.ema.sync_switches(self.model)
-            self.log(f"[{self.stage.name}] EMA of the weights (decay {cfg.ema_decay}, ramp {cfg.ema_ramp:g} steps): "
-                     "evaluated and used for best.pth; raw weights kept in 'model'")
         if cfg.accumulate > 1:
             self.log(f"[{self.stage.name}] gradient accumulation: {cfg.accumulate} micro-batches of "
                      f"{self.micro_batch} per process and optimizer step")
@@ -593,14 +577,15 @@ class Trainer:
     def apply_finetune(self, epoch: int) -> None:
         """``finetune N``: the first ``freeze_convs`` sublayers are frozen during epochs 0..N-1 (their
         parameters get no gradient, so the optimizer keeps no state for them), trainable after."""
-        cfg = self.cfg
-        want = epoch < cfg.finetune
+        sec = self.cfg.section()
+        finetune = getattr(sec, "finetune", 0)
+        want = epoch < finetune
         if want == bool(self.finetune_frozen):
             return
         if want:
-            self.finetune_frozen = R.freeze(R.leading_parameters(self.model, cfg.freeze_convs))
-            self.log(f"[{self.stage.name}] finetune: first {cfg.freeze_convs} sublayers frozen until epoch "
-                     f"{cfg.finetune}")
+            self.finetune_frozen = R.freeze(self.family.leading_parameters(self.model, sec.freeze_convs))
+            self.log(f"[{self.stage.name}] finetune: first {sec.freeze_convs} sublayers frozen until epoch "
+                     f"{finetune}")
             if not self.finetune_frozen:
                 return
         else:
@@ -620,9 +605,9 @@ class Trainer:
             return model
         return wrap_ddp(model, self.device)
 
-    def save_best(self, epoch: int, iteration: int, t_start: float) -> None:
+    def save_best(self, epoch: int, iteration: int) -> None:
         """Write best.pth for ``epoch``, recording that epoch and the stage seconds so far in it."""
-        self.best_epoch, self.best_seconds = epoch, time.time() - t_start
+        self.best_epoch, self.best_seconds = epoch, time.time() - self.t_start
         self.save("best.pth", epoch, iteration)
 
     def run(self) -> Dict[str, object]:
@@ -649,7 +634,7 @@ class Trainer:
         self.check_disk_space()
         self.log(f"[{stage.name}] {len(self.train_set)} train / {len(self.val_set)} val images, "
                  f"batch {cfg.batch_size} ({self.world_size} x {cfg.batch_size // self.world_size}), "
-                 f"device {self.device}, model {cfg.model_name} {cfg.image_size}px x{cfg.width_mult}")
+                 f"device {self.device}, model {cfg.model_name} {self.family.describe(cfg)}")
         if stage.name == "cal":
             return self._run_cal(t_start)
         stale = self.outputs.interrupted() if not cfg.resume and self.main else None
@@ -668,12 +653,6 @@ class Trainer:
                 self.scheduler.load_state_dict(st["scheduler"])
             set_rng_state(st["rng"])
             self.precision.load_state_dict(st.get("scaler"))
-            if self.ema is not None:
-                if isinstance(st.get("ema"), dict):
-                    self.ema.load_state_dict(st["ema"])
-                else:
-                    self.ema = ModelEMA(self.model, cfg.ema_decay, cfg.ema_ramp)   # started from the raw weights
-                    self.log(f"[{stage.name}] the resumed checkpoint has no EMA: starting one from its weights")
             self.iteration = int(st["iteration"])
             self.start_epoch = int(st["epoch"])
             self.start_batch = self.iteration - self.start_epoch * self.iters_per_epoch
@@ -684,53 +663,24 @@ class Trainer:
             # the stage's clock goes on from where the interrupted run's last checkpoint left it
             t_start = self.t_start = t_start - float(st.get("elapsed") or 0.0)
             self.summary["entry_map"] = st.get("entry_map")
-        elif cfg.eval_before:
-            res = self.evaluate("entry")
-            self.summary["entry_map"] = res["map"]
-            self.last_map = res["map"]
-            self.log(f"[{stage.name}] entry mAP {res['map']:.4f} (before training, {res['seconds']:.1f}s)")
-            self.scalar(f"{stage.name}/mAP", res["map"], 0)
-            # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
-            self.best_map = res["map"]
-            self.save_best(0, 0, t_start)
+        for hook in self.hooks:          # the EMA, the recording / replay, the entry evaluation
+            hook.before_train()
         if cfg.num_epochs == 0 and self.resume_state is None:
             self.log(f"[{stage.name}] num_epochs 0: nothing to train; the entry model becomes this stage's "
                      f"best.pth and last.pth in {self.out_dir}")
             if not cfg.eval_before:
-                self.save_best(0, 0, t_start)
+                self.save_best(0, 0)
             self.save("last.pth", 0, 0, full=True)
-        self.align.before_train(self)
         for epoch in range(self.start_epoch, cfg.num_epochs):
-            tr = self.train_one_epoch(epoch)
-            if self.align.should_stop():   # max_iters reached or the replayed recording ended
-                self.align.finish(self, epoch)
+            result = {"train": self.train_one_epoch(epoch)}
+            if self.should_stop():      # max_iters reached or the replayed recording ended
+                self.align.finish(epoch)
                 break
-            do_eval = (epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs
-            msg = (f"[{stage.name}] epoch {epoch + 1}/{cfg.num_epochs} loss {tr['total']:.4f} "
-                   f"(loc {tr['loc']:.3f} conf {tr['conf']:.3f} noresp {tr['noresp']:.3f} noobj {tr['noobj']:.3f} "
-                   f"cls {tr['cls']:.3f}{' range %.3f' % tr['range'] if 'range' in tr else ''}) "
-                   f"lr {self.optimizer.param_groups[0]['lr']:.2e} "
-                   f"{tr['images_per_s']:.1f} img/s")
-            if do_eval:
-                res = self.evaluate(f"epoch{epoch + 1}")
-                self.last_map = res["map"]
-                better = res["map"] > self.best_map
-                msg += f" | val mAP {res['map']:.4f} loss {res['loss'].get('total', float('nan')):.4f}"
-                self.scalar(f"{stage.name}/mAP", res["map"], epoch + 1)
-                self.scalar(f"{stage.name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
-                if better:
-                    self.best_map = res["map"]
-                    self.save_best(epoch + 1, self.iteration, t_start)
-                    msg += " *best*"
-            self.save("last.pth", epoch + 1, self.iteration, full=True)
-            self.log(f"{msg} ({(time.time() - t_start) / 60:.1f} min)")
+            for hook in self.hooks:     # evaluation and best.pth, last.pth, tensorboard, the epoch line
+                hook.after_epoch(epoch, result)
         barrier()
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-        # the run finished: its files become the stage's outputs together (learned caps: relu_cap.txt too)
-        learned = getattr(self, "best_caps", None) if self.learned_caps else None
-        self.outputs.publish({self.caps_file(): self.caps_text(learned)} if learned else None)
+        for hook in self.hooks:         # tensorboard closed; the run's files become the stage's outputs
+            hook.after_train()
         self.summary.update(best_map=self.best_map, final_map=self.last_map, seconds=time.time() - t_start,
                             best_path=os.path.join(self.out_dir, "best.pth"), best_epoch=self.best_epoch,
                             best_seconds=self.best_seconds)
@@ -747,8 +697,9 @@ class Trainer:
             self.summary["entry_map"] = res["map"]
             self.log(f"[cal] step-2 model mAP {res['map']:.4f}")
         caps = self.calibrate()
-        how = (f"MSE-best for 5-bit codes over a histogram of {len(self.train_loader)} batches" if cfg.cap_method == "mse"
-               else f"{cfg.cap_percentile:g}th percentile, running max over {len(self.train_loader)} batches")
+        sec = cfg.section()
+        how = (f"MSE-best for 5-bit codes over a histogram of {len(self.train_loader)} batches" if sec.cap_method == "mse"
+               else f"{sec.cap_percentile:g}th percentile, running max over {len(self.train_loader)} batches")
         self.log(f"[cal] caps ({how}): " + " ".join(f"{c:.3g}" for c in caps))
         res = self.evaluate("cal")
         self.best_map = self.last_map = res["map"]

@@ -5,7 +5,7 @@ table (gnetmdk.engine.stages) sets; the math itself is in gnetmdk.gti.quantize.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -121,7 +121,13 @@ class QConv2d(nn.Conv2d):
 
 
 class QReLU(nn.Module):
-    """ReLU with a calibrated cap and 5-bit activation quantization.
+    """ReLU with a calibrated cap and 5-bit activation quantization (the fake quantizer of the
+    activations; its calibration statistics are observers': gnetmdk.layers.observers,
+    gnetmdk.engine.calibration).
+
+    Args:
+        percentile: the percentile this layer's calibration observer takes of each batch (``cap_method
+            percentile``); GNetDet gives its output layer ``output_cap_percentile``.
 
     Buffers:
         cap: 0-d float32, the clip value (0 until calibrated; 31 in step 4).
@@ -133,11 +139,7 @@ class QReLU(nn.Module):
         code_domain: gain-aware step 3 (set by GNetDet.set_gains with the convs' gains): the input is
             the pre-activation in codes (QConv2d.gain) and the output is the codes 0..31, as with
             ``integer`` in step 4, while ``cap`` keeps the calibrated value.
-        calibrating: measure the pre-ReLU values (gti-chip.md, "cal"); output is a plain ReLU meanwhile.
-            What is measured is ``cal_stat``: "percentile" (default): the running max over batches of
-            the batch's ``percentile`` into ``cap``; "max": the running max into ``cap``; "hist": a
-            histogram of the positive values over [0, ``cal_range``] added into ``cal_hist``
-            ((HIST_BINS,) float64; the two passes of ``cap_method mse``, see the trainer's calibrate).
+        calibrating: the calibration pass: a plain ReLU while observers watch the input.
 
     Input and output: any shape, float.
     """
@@ -153,41 +155,9 @@ class QReLU(nn.Module):
         self.calibrating = False
         #: output layer only: let gradients revive units stuck outside (0, cap) (capped_relu's ``revive``)
         self.revive = False
-        #: optional hook (tensor) -> 0-d tensor computing the batch percentile; the distributed
-        #: trainer replaces it with one that sees the whole global batch
-        self.percentile_fn: Optional[Callable[[torch.Tensor, float], torch.Tensor]] = None
-        self.cal_stat = "percentile"
-        self.cal_range = 0.0
-        self.cal_hist: Optional[torch.Tensor] = None
-
-    HIST_BINS = 4096
-
-    @staticmethod
-    def batch_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
-        """The ``percentile``-th percentile (nearest rank) of all elements of x, as a 0-d float32 tensor.
-
-        If it is not positive (fewer than (100 - p)% positive values) the largest value is used,
-        so that a cap is never 0 or negative while some output is positive.
-        """
-        flat = x.detach().float().reshape(-1)
-        k = max(1, min(flat.numel(), int(-(-percentile * flat.numel() // 100))))
-        value = flat.kthvalue(k).values
-        if value <= 0:
-            value = flat.max()
-        return value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
-            if self.cal_stat == "max":
-                value = x.detach().float().max().to(self.cap)
-            elif self.cal_stat == "hist":
-                h = Q.value_histogram(x, self.HIST_BINS, self.cal_range)
-                self.cal_hist = h if self.cal_hist is None else self.cal_hist + h
-                return F.relu(x)
-            else:
-                fn = self.percentile_fn or self.batch_percentile
-                value = fn(x, self.percentile).to(self.cap)
-            self.cap.copy_(torch.maximum(self.cap, value))
             return F.relu(x)
         if not self.use_cap:
             if self.revive and torch.is_grad_enabled():

@@ -1,1 +1,92 @@
-"""Model families (architecture.md, "models/<family>/"): one sub-package per family behind one protocol."""
+"""Model families (architecture.md, "models/<family>/"): one sub-package per family behind one protocol
+(gnetmdk.models.base.DetectorFamily), and the registry that maps names to families and builders.
+
+    family = get_family(cfg.model_name)        # the family object
+    model = model_from_config(cfg)             # a fresh model of the config's family
+    model = create_model(meta["name"], **kw)   # by registered builder name (checkpoints, tests)
+
+The trainer, evaluator, dataset and checkpoint code use these and know no family by name.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Dict
+
+import torch.nn as nn
+
+from gnetmdk.config.base import ConfigError
+from .base import ALL_STAGES, DetectorFamily
+
+FAMILIES: Dict[str, DetectorFamily] = {}
+#: builder name -> (builder(**kwargs) -> nn.Module, family name)
+MODELS: Dict[str, tuple] = {}
+
+
+def register_family(family: DetectorFamily) -> DetectorFamily:
+    """Register ``family`` under ``family.name`` (its default builder is ``family.rebuild``)."""
+    FAMILIES[family.name] = family
+    return family
+
+
+def register_model(name: str, family: str = "gnetdet"):
+    """Decorator: register a builder ``fn(**kwargs) -> nn.Module`` under ``name``, as a model of the
+    registered ``family`` (a variant of its architecture, e.g. a test model; config ``model_name`` may
+    then name it)."""
+    def deco(fn):
+        MODELS[name] = (fn, family)
+        return fn
+    return deco
+
+
+def _unknown(name: str, kind: str, known) -> ConfigError:
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"unknown {kind} '{name}'{hint} (registered: {', '.join(sorted(known))})")
+
+
+def get_family(name: str) -> DetectorFamily:
+    """The family of a model name (a family name, or a builder registered with register_model).
+
+    Raises:
+        ConfigError: unknown name, with the closest registered names.
+    """
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name in MODELS:
+        return FAMILIES[MODELS[name][1]]
+    raise _unknown(name, "model", list(FAMILIES) + list(MODELS))
+
+
+def family_of(model: nn.Module) -> DetectorFamily:
+    """The family of a built model (from its ``meta()["name"]``)."""
+    return get_family(model.meta()["name"])
+
+
+def create_model(name: str, **kwargs) -> nn.Module:
+    """Build a model by name: a builder registered with register_model, or a family's model class.
+
+    Raises:
+        ConfigError: unknown name, with the closest registered names.
+    """
+    if name in MODELS:
+        return MODELS[name][0](**kwargs)
+    if name in FAMILIES:
+        return FAMILIES[name].create(**kwargs)
+    raise _unknown(name, "model", list(FAMILIES) + list(MODELS))
+
+
+def model_from_config(cfg, **overrides) -> nn.Module:
+    """A fresh model of the config's family (``model_name``), built from the config's values
+    (``overrides``, e.g. ``use_bn=False``, replace config-derived arguments)."""
+    family = get_family(cfg.model_name)
+    if cfg.model_name in MODELS and cfg.model_name not in FAMILIES:
+        return family.build(cfg, builder=MODELS[cfg.model_name][0], **overrides)
+    return family.build(cfg, **overrides)
+
+
+# the families of this package (each registers itself)
+from . import gnetdet  # noqa: E402,F401
+from . import ppyolo  # noqa: E402,F401
+
+__all__ = ["ALL_STAGES", "DetectorFamily", "FAMILIES", "MODELS", "create_model", "family_of", "get_family",
+           "model_from_config", "register_family", "register_model"]

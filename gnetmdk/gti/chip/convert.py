@@ -25,7 +25,7 @@ import torch
 from gnetmdk.config.base import BaseConfig
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 from gnetmdk.gti.spec import get_chip_spec
-from gnetmdk.layers.gnetdet import ChipLimitError, check_chip_limits, gnetdet_layers
+from gnetmdk.models.gnetdet.model import ChipLimitError, check_chip_limits, gnetdet_layers
 from .model_file import ChipLayer, ChipModel
 
 

@@ -2,7 +2,7 @@
 
 The arithmetic mirrors the step-4 model exactly: ``pred = float32(float64(codes) * float64(scale))``
 with ``scale = float32(cap_last / 31)``, permuted to (N, S, S, 10 + C); decoding is the training
-decoder (gnetmdk.layers.decode.decode_gnetdet), and boxes go to original-image pixels as in
+decoder (gnetmdk.models.gnetdet.decode.decode_gnetdet), and boxes go to original-image pixels as in
 gnetmdk.evaluation.evaluator.predict_loader. So equal codes give equal detections and equal mAP.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gnetmdk.layers.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.decode import decode_gnetdet
 from .model_file import ChipModel
 
 #: a runner maps (N, H, W, 3) uint8 BGR images to (N, C_out, S, S) uint8 codes

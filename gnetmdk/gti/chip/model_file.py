@@ -146,7 +146,7 @@ class ChipModel:
         predict_thresh: score threshold of tools/predict.py.
         score_head, score_offset, score_scale: how the host turns confidence / class outputs into scores: "linear"
             (the outputs themselves, GTI) or "logit" (sigmoid(score_scale * (output - score_offset)));
-            gnetmdk.layers.decode.output_scores.
+            gnetmdk.models.gnetdet.decode.output_scores.
         source: where it came from (checkpoint path, SHA-256, stage, mAP ...).
     """
     chip: str

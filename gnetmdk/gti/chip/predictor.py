@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gnetmdk.gti.quantize import image_to_codes
-from gnetmdk.layers.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.decode import decode_gnetdet
 from .model_file import ChipModelError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -33,7 +33,7 @@ class Predictor:
         class_names: C names.
         image_size: network input side (pixels).
         conf_thresh, nms_thresh, max_detections, predict_thresh: decode settings stored with the model.
-        score_head, score_offset, score_scale: the model's score head (gnetmdk.layers.decode.output_scores).
+        score_head, score_offset, score_scale: the model's score head (gnetmdk.models.gnetdet.decode.output_scores).
     """
     kind: str
     path: str

@@ -164,7 +164,7 @@ def postprocess(outputs: Sequence[torch.Tensor], anchors: Sequence[Sequence[floa
     Returns:
         a list of N dicts on the CPU: ``boxes`` ``(K, 4)`` float32 xyxy relative to the image (0..1),
         ``scores`` ``(K,)`` float32 (decayed), ``labels`` ``(K,)`` int64 -- the contract of
-        :func:`gnetmdk.layers.decode.decode_gnetdet`.
+        :func:`gnetmdk.models.gnetdet.decode.decode_gnetdet`.
     """
     boxes, scores = decode_outputs(outputs, anchors, anchor_masks, strides, num_classes, scale_x_y,
                                    iou_aware, iou_aware_factor, obj_thresh)

@@ -16,8 +16,8 @@ def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "line
     if score_head == "logit":
         return (torch.sigmoid(score_scale * (conf - score_offset)),
                 torch.sigmoid(score_scale * (cls - score_offset)))
-    if score_head != "linear":
-        raise ValueError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
+    from .config import check_score_head
+    check_score_head(score_head, score_scale, 1)          # anything but the two heads is refused here
     return conf, cls
 
 

@@ -151,10 +151,11 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls``, ``range`` (only
         when l_range > 0) and ``total`` (their sum). Each is a per-image sum averaged over the batch.
     Raises:
-        ValueError: shapes differ, the last dimension is < 11, or box_slots is not 1 or 2.
+        ValueError: shapes differ, the last dimension is < 11; ConfigError (a ValueError): score_head,
+            score_scale or box_slots out of range (gnetmdk.models.gnetdet.config.check_score_head).
     """
-    if box_slots not in (1, 2):
-        raise ValueError(f"box_slots must be 1 or 2, not {box_slots!r}")
+    from .config import check_score_head
+    check_score_head(score_head, score_scale, box_slots)
     if pred.shape != target.shape or pred.dim() != 4 or pred.shape[-1] < 11:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must both be (N, S, S, 10 + C)")
     n, s = pred.shape[0], pred.shape[1]
@@ -187,8 +188,6 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
     if score_head == "logit":
         def score(a, b):
             return logit_bce(a, b, score_offset, score_scale)
-    elif score_head != "linear":
-        raise ValueError(f"score_head must be 'linear' or 'logit', not {score_head!r}")
     elif score_loss == "bce":
         score = score_bce
     elif score_loss == "smooth_l1":

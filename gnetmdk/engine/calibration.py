@@ -1,0 +1,92 @@
+"""Calibration of the activation caps (gti-chip.md, "cal"): observers watch every capped ReLU's input
+over the training data, and their statistics become the caps.
+
+``method "percentile"`` (GTI): one pass; each cap is the running max over batches of the batch's
+percentile (the output layer's ``output_cap_percentile``, 100 by default). ``method "mse"``: two passes;
+the first finds each layer's largest value, the second histograms the positive values over [0,
+largest], and each cap minimises the 5-bit quantization error over that histogram
+(gnetmdk.gti.quantize.mse_cap_from_histogram). Over N processes the maxima are all-reduced (MAX), the
+percentiles are those of the global batch (gnetmdk.dist.comm.global_percentile) and the histograms are
+summed (exact counts), so the caps equal one process's bit for bit (tests/test_dist_train.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+from gnetmdk.dist.comm import all_reduce, global_percentile, is_dist
+from gnetmdk.gti.quantize import mse_cap_from_histogram
+from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver, batch_percentile,
+                                      observe_inputs)
+
+#: bins of the MSE method's histograms
+HIST_BINS = 4096
+
+
+@torch.no_grad()
+def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
+                 device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
+    """Run the calibration observers over ``batches`` and return the caps they give (floats rounded to
+    float32, one per capped ReLU); the model's mode is the caller's (its ReLUs must be plain ReLUs:
+    ``calibrating`` or ``use_cap`` off), nothing is set.
+
+    Args:
+        model: a model with ``relus()`` (QReLU modules; each one's ``percentile`` is its observer's).
+        batches: a function returning an iterable of input batches (N, 3, H, W) (called once per pass).
+        method: "percentile" or "mse".
+        device: where the batches go (default: the model's).
+        progress: wraps each pass's iterable (a progress bar), ``progress(iterable, description)``.
+    Raises:
+        ValueError: unknown method.
+    """
+    if method not in ("percentile", "mse"):
+        raise ValueError(f"calibration method must be 'percentile' or 'mse', not {method!r}")
+    device = device or next(model.parameters()).device
+    relus = list(model.relus())
+
+    def one_pass(observers, desc: str) -> None:
+        with observe_inputs(relus, observers):
+            for images in progress(batches(), desc):
+                model(images.to(device, non_blocking=True).float())
+
+    def stacked(observers) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([torch.maximum(o.value.float(), zero) if o.value is not None else zero for o in observers])
+
+    if method == "mse":
+        maxima = [MaxObserver() for _ in relus]
+        one_pass(maxima, "cal (max)")
+        caps = all_reduce(stacked(maxima), "max")
+        hists = [HistogramObserver(float(c), HIST_BINS) for c in caps.tolist()]
+        one_pass(hists, "cal (histogram)")
+        counts = torch.stack([h.value if h.value is not None else
+                              torch.zeros(HIST_BINS, dtype=torch.float64, device=device) for h in hists])
+        all_reduce(counts, "sum")
+        values = [mse_cap_from_histogram(h, c) if c > 0 else 0.0 for h, c in zip(counts, caps.tolist())]
+    else:
+        fn = global_percentile if is_dist() else batch_percentile
+        observers = [PercentileObserver(r.percentile, fn) for r in relus]
+        one_pass(observers, "cal")
+        values = all_reduce(stacked(observers), "max").tolist()
+    return [float(torch.tensor(float(c), dtype=torch.float32)) for c in values]
+
+
+@torch.no_grad()
+def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
+                   device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
+    """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
+    ReLUs, eval mode), :func:`measure_caps`, set every cap, then switch it to step 3 (caps on, 5-bit
+    activations) in training mode. Returns the caps (arguments as measure_caps)."""
+    from .stages import STAGES, apply_stage
+    relus = list(model.relus())
+    for relu in relus:
+        relu.cap.zero_()
+    apply_stage(model, STAGES["cal"], calibrating=True)
+    model.eval()
+    caps = measure_caps(model, batches, method, device, progress)
+    for relu, c in zip(relus, caps):
+        relu.cap.fill_(c)
+    apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start
+    model.train()
+    return caps

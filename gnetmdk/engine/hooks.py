@@ -1,0 +1,180 @@
+"""The trainer's concerns beside training, one hook each (detectron2's engine/hooks.py pattern): the EMA
+of the weights, evaluation and best.pth, last.pth and the stage's outputs, tensorboard, the epoch log
+line. Record/replay (gnetmdk.align.record.AlignmentHook) is a hook too.
+
+The trainer (gnetmdk.engine.trainer.Trainer) calls, in the order the hooks are listed:
+
+    before_train()                    model, data and optimizer are set up (and resumed)
+    after_step()                      after each optimizer step (its values are not read back yet)
+    after_iteration(it)               an iteration's values were read back: it = {"epoch", "iteration",
+                                      "values" (mean over ranks), "terms" (this rank's tensors),
+                                      "batch" (images, targets, indices), "lr"}
+    after_epoch(epoch, result)        result = {"train": the epoch's mean loss terms, seconds,
+                                      images_per_s}; hooks add to it ("eval", "best", ...)
+    after_train()                     the run finished (not after a failure)
+    checkpoint_state(full)            entries a hook adds to every checkpoint the trainer writes
+    should_stop()                     whether training stops early (max_iters, a replay's end)
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional
+
+from .ema import ModelEMA
+
+
+class HookBase:
+    """One concern beside the loop; ``trainer`` is set by Trainer.register."""
+
+    trainer = None
+
+    def before_train(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def after_iteration(self, it: Dict[str, object]) -> None:
+        pass
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        pass
+
+    def after_train(self) -> None:
+        pass
+
+    def checkpoint_state(self, full: bool) -> Dict[str, object]:
+        return {}
+
+    def should_stop(self) -> bool:
+        return False
+
+
+class EMAHook(HookBase):
+    """``ema true``: an exponential moving average of the weights, updated after every optimizer step,
+    evaluated (and so chosen for best.pth) instead of the raw weights, saved beside them
+    (checkpoint ``ema``, ``eval_weights "ema"``; docs/training.md)."""
+
+    def __init__(self):
+        self.ema: Optional[ModelEMA] = None
+
+    def before_train(self) -> None:
+        t, cfg = self.trainer, self.trainer.cfg
+        self.ema = ModelEMA(t.model, cfg.ema_decay, cfg.ema_ramp)
+        self.ema.sync_switches(t.model)
+        st = t.resume_state
+        if st is not None:
+            if isinstance(st.get("ema"), dict):
+                self.ema.load_state_dict(st["ema"])
+            else:
+                t.log(f"[{t.stage.name}] the resumed checkpoint has no EMA: starting one from its weights")
+        t.log(f"[{t.stage.name}] EMA of the weights (decay {cfg.ema_decay}, ramp {cfg.ema_ramp:g} steps): "
+              "evaluated and used for best.pth; raw weights kept in 'model'")
+
+    def after_step(self) -> None:
+        self.ema.update(self.trainer.model)
+
+    def checkpoint_state(self, full: bool) -> Dict[str, object]:
+        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
+
+
+class TensorboardHook(HookBase):
+    """Loss terms and learning rate per iteration, val mAP and loss per evaluation, into
+    ``<log_root>/<stage>`` (rank 0 only; the folder was checked writable before any work)."""
+
+    def __init__(self):
+        self.writer = None
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        t = self.trainer
+        if not t.main:
+            return
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(t.cfg.log_dir)
+        self.writer.add_scalar(tag, value, step)
+
+    def after_iteration(self, it: Dict[str, object]) -> None:
+        name = self.trainer.stage.name
+        for k, v in it["values"].items():
+            self.scalar(f"{name}/loss_{k}", v, it["iteration"])
+        self.scalar(f"{name}/lr", it["lr"], it["iteration"])
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        res = result.get("eval")
+        if res is not None:
+            name = self.trainer.stage.name
+            self.scalar(f"{name}/mAP", res["map"], epoch + 1)
+            self.scalar(f"{name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
+
+    def after_train(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
+
+
+class EvalHook(HookBase):
+    """Evaluation (VOC mAP on the val split) before training (``eval_before``: the entry model is the
+    stage's first candidate for best.pth) and after every ``eval_interval`` epochs and the last; the
+    best is written as best.pth (Trainer.save_best)."""
+
+    def before_train(self) -> None:
+        t, cfg = self.trainer, self.trainer.cfg
+        if t.resume_state is not None or not cfg.eval_before:
+            return
+        res = t.evaluate("entry")
+        t.summary["entry_map"] = res["map"]
+        t.last_map = res["map"]
+        t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f} (before training, {res['seconds']:.1f}s)")
+        t.tensorboard.scalar(f"{t.stage.name}/mAP", res["map"], 0)
+        # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
+        t.best_map = res["map"]
+        t.save_best(0, 0)
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        t, cfg = self.trainer, self.trainer.cfg
+        if not ((epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs):
+            return
+        res = t.evaluate(f"epoch{epoch + 1}")
+        result["eval"] = res
+        t.last_map = res["map"]
+        if res["map"] > t.best_map:
+            t.best_map = res["map"]
+            t.save_best(epoch + 1, t.iteration)
+            result["best"] = True
+
+
+class CheckpointHook(HookBase):
+    """last.pth at every epoch end (and every ``checkpoint_interval`` iterations inside the epoch, by
+    the trainer: a mid-epoch save must wait for the iteration's read-back); when the run finishes,
+    its files become the stage's outputs together (gnetmdk.checkpoint.outputs.StageOutputs.publish,
+    with model/relu_cap.txt when step 3 learned the caps)."""
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        t = self.trainer
+        t.save("last.pth", epoch + 1, t.iteration, full=True)
+
+    def after_train(self) -> None:
+        t = self.trainer
+        learned = getattr(t, "best_caps", None) if t.learned_caps else None
+        t.outputs.publish({t.caps_file(): t.caps_text(learned)} if learned else None)
+
+
+class LoggerHook(HookBase):
+    """The epoch line: losses (the family's terms), lr, images/s, val mAP and val loss when evaluated,
+    ``*best*`` when best.pth was written, minutes since the stage started."""
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        t, cfg = self.trainer, self.trainer.cfg
+        tr = result["train"]
+        terms = {k: v for k, v in tr.items() if k not in ("seconds", "images_per_s")}
+        msg = (f"[{t.stage.name}] epoch {epoch + 1}/{cfg.num_epochs} {t.family.loss_line(terms)} "
+               f"lr {t.optimizer.param_groups[0]['lr']:.2e} {tr['images_per_s']:.1f} img/s")
+        res = result.get("eval")
+        if res is not None:
+            msg += f" | val mAP {res['map']:.4f} loss {res['loss'].get('total', float('nan')):.4f}"
+            if result.get("best"):
+                msg += " *best*"
+        t.log(f"{msg} ({(time.time() - t.t_start) / 60:.1f} min)")

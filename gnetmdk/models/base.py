@@ -1,0 +1,94 @@
+"""The protocol a model family implements; the trainer, evaluator, dataset and checkpoint code know a
+model only through it (architecture.md, "Families are plug-ins").
+
+A family is one object (a subclass of :class:`DetectorFamily`, registered under its name in
+gnetmdk.models) that says how to build its model from a resolved config or from a checkpoint's
+``model_meta``, what its images and targets look like in the data pipeline, and which stages of the
+pipeline it supports. Its model is an ``nn.Module`` with:
+
+    forward(images)          images (N, 3, H, W) float32 as the family's ``input_kind`` says
+                             -> predictions (any structure the loss and decode understand)
+    loss(pred, targets)      -> dict of 0-d tensors, one per named term and "total"; every term a
+                             per-image sum averaged over the batch, so N processes x B/N equal 1 x B
+    decode(pred, conf_thresh, nms_thresh, max_detections)
+                             -> list of N dicts: boxes (K, 4) float32 xyxy relative to the image
+                             (0..1), scores (K,) float32, labels (K,) int64, on the CPU
+    meta()                   -> plain dict from which the family rebuilds the architecture ("name" included)
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch.nn as nn
+
+#: every stage of the pipeline, in order
+ALL_STAGES = ("step1", "step2", "cal", "step3", "step4")
+
+
+class DetectorFamily:
+    """One model family. Subclasses set the class attributes and implement the methods.
+
+    Attributes:
+        name: the family's name: ``model_name`` in configs, ``model_meta["name"]`` in checkpoints.
+        stages: the pipeline stages it supports (the trainer refuses the others, naming them).
+        input_kind: what the data pipeline feeds the model: "chip_codes" (the chip's 5-bit codes
+            0..31 of a BGR image, gnetmdk.gti.quantize.image_to_codes) or "rgb" (RGB pixels 0..255);
+            either travels from the loader as uint8 and becomes float32 on the device.
+        target_kind: "dense" (the family's own per-image target tensor, from :meth:`encode_targets`) or
+            "padded" (``(max_boxes, 6)`` rows ``[class, x1, y1, x2, y2, score]`` relative to the image,
+            class -1 for padding; the loss assigns them itself).
+    """
+    name: str = ""
+    stages: Tuple[str, ...] = ("step1",)
+    input_kind: str = "rgb"
+    target_kind: str = "padded"
+
+    # ------------------------------------------------------------------ models
+    def create(self, **kwargs) -> nn.Module:
+        """The family's model from its constructor's keyword arguments (``model_meta`` without "name")."""
+        raise NotImplementedError
+
+    def build(self, cfg, **overrides) -> nn.Module:
+        """A fresh model for a resolved config (``overrides`` replace config-derived arguments)."""
+        raise NotImplementedError
+
+    def rebuild(self, meta: Dict[str, Any], cfg=None, stage: Optional[str] = None, path: str = "?") -> nn.Module:
+        """The architecture a checkpoint's ``model_meta`` describes (weights not loaded). ``cfg`` gives
+        the run's training settings (loss weights, ...), ``stage`` the checkpoint's stage."""
+        raise NotImplementedError
+
+    def describe(self, cfg) -> str:
+        """A few words on the model for the start-up log line (e.g. ``224px x0.25``)."""
+        return f"{cfg.image_size}px"
+
+    def compat_fields(self, cfg) -> Dict[str, Any]:
+        """``model_meta`` keys a checkpoint must share with ``cfg`` to be trained or evaluated with it
+        (beyond name and class count), with the config's values."""
+        return {}
+
+    def check_config(self, cfg) -> None:
+        """Refuse config values this family cannot use (ConfigError naming the field and the fix)."""
+
+    # ------------------------------------------------------------------ data
+    def encode_targets(self, boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, cfg) -> np.ndarray:
+        """Dense targets of one sample (``target_kind`` "dense" only): boxes (K, 4) float32 xyxy relative
+        to the image, labels (K,) int64, scores (K,) float32 (1 but after MixUp)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ training
+    def leading_parameters(self, model: nn.Module, n: int) -> List[nn.Parameter]:
+        """Parameters of the first ``n`` trainable units (``freeze_at`` / ``finetune``); [] if the family
+        has no such notion."""
+        return []
+
+    def loss_line(self, terms: Dict[str, float]) -> str:
+        """The epoch log line's loss part, e.g. ``loss 1.23 (loc 0.5 cls 0.2)``."""
+        parts = " ".join(f"{k} {v:.3f}" for k, v in sorted(terms.items()) if k != "total")
+        return f"loss {terms.get('total', float('nan')):.4f}" + (f" ({parts})" if parts else "")
+
+
+def default_loss_order(terms: Dict[str, float], order: Sequence[str]) -> List[str]:
+    """The keys of ``terms`` in ``order`` first, then the rest sorted (for stable log lines)."""
+    first = [k for k in order if k in terms]
+    return first + sorted(k for k in terms if k not in first)

@@ -1,0 +1,136 @@
+"""GNetDet's config section (``cfg.gnetdet``): the chip model, its quantization, calibration, loss and
+data augmentation. Plain typed fields, no torch (read by the config system at start-up).
+
+In configs.py::
+
+    class Config(BaseConfig):
+        gnetdet = dict(score_head="logit", l_noobj=0.05, mask_bits=[8, 3, 3, 3, 3, 8])
+
+On the command line: ``gnetdet.l_noobj 0.05``, or ``l_noobj 0.05`` while the config's model is a
+GNetDet (a section's field may be written without its section's name when the run's model family
+has it; gnetmdk.config.overrides).
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+from gnetmdk.config.base import ConfigError, ConfigSection, register_section
+
+
+class GNetDetConfig(ConfigSection):
+    """GNetDet's fields (gti-chip.md, "GNetDet"; docs/pipeline.md)."""
+
+    # ---------------------------------------------------------------- model and chip
+    width_mult: float = 1.0                 # channel multiplier; widths rounded to powers of 2
+    use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
+    chip: str = "5801"                      # 2801, 2803 or 5801
+    mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (gti-chip.md)
+    weight_scale: str = "gti"               # "gti": d = mean|w|/4 (GTI rule); "mse": MSE-best d per kernel
+    cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
+    output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
+    cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
+    gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
+    cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
+
+    # ---------------------------------------------------------------- loss (gti-chip.md, GNetDet)
+    l_coord: float = 5.0
+    l_noobj: float = 0.005
+    l_class: float = 1.0
+    score_loss: str = "smooth_l1"           # smooth_l1 (GTI) | bce (cross-entropy on the scores)
+    score_head: str = "linear"              # linear (GTI: scores = outputs) | logit (scores = sigmoid(out - offset))
+    score_offset: float = 4.0               # logit head: score = sigmoid(score_scale * (output - score_offset))
+    score_scale: float = 1.0                # logit head: logits per unit of output (keeps outputs near box range)
+    l_range: float = 0.0                    # hinge on untrained outputs (empty cells, free slot) above the trained range
+    box_slots: int = 2                      # box slots trained per cell: 2 (YOLOv1: the better-IoU slot) | 1 (slot 1 only)
+
+    # ---------------------------------------------------------------- freezing (sublayers)
+    finetune: int = 0                       # freeze the first freeze_convs sublayers for this many epochs
+    freeze_convs: int = 1                   # ... how many leading sublayers finetune freezes
+    freeze_at: int = 0                      # leading sublayers frozen for the whole run (not optimized)
+
+    # ---------------------------------------------------------------- augmentation (gnetmdk.dataset.dataset)
+    hsv_gain: List[float] = [0.015, 0.5, 0.3]
+    scale_range: List[float] = [0.75, 1.25]
+    shift_fraction: float = 0.15
+    flip_prob: float = 0.5
+    blur_prob: float = 0.1
+    mosaic_prob: float = 0.0                # probability of a 4-image mosaic sample (objects keep their scale)
+    rotate_prob: float = 0.0                # probability of a 90/180/270-degree turn (data seen from above)
+
+
+register_section("gnetdet", GNetDetConfig)
+
+
+def check_score_head(score_head: str, score_scale: float, box_slots: int) -> None:
+    """The score head, its scale and the trained box slots: the one check the config, the model and the
+    loss share.
+
+    Raises:
+        ConfigError: naming the value and the allowed ones.
+    """
+    if score_head not in ("linear", "logit"):
+        raise ConfigError(f"score_head must be 'linear' or 'logit' (GTI: the scores are the outputs), not {score_head!r}")
+    if not (math.isfinite(float(score_scale)) and float(score_scale) > 0):
+        raise ConfigError(f"score_scale must be a positive number (the logit head's sigmoid(score_scale * "
+                          f"(output - score_offset))), not {score_scale!r}")
+    if box_slots not in (1, 2):
+        raise ConfigError(f"box_slots must be 1 (slot 1 always responsible) or 2 (YOLOv1: the slot with the "
+                          f"better IoU), not {box_slots!r}")
+
+
+def check_gnetdet_config(cfg) -> None:
+    """Refuse GNetDet values out of range, naming the field (``gnetdet.<field>``) and the allowed values.
+
+    Raises:
+        ConfigError
+    """
+    from gnetmdk.gti.spec import get_chip_spec  # the chip table lives with the chip
+    g = cfg.gnetdet
+
+    def bad(field: str, msg: str) -> None:
+        raise ConfigError(f"config field 'gnetdet.{field}' = {getattr(g, field)!r}: {msg}")
+
+    if not 0 < g.cap_percentile <= 100:
+        bad("cap_percentile", "must be in (0, 100]")
+    if not 0 < g.output_cap_percentile <= 100:
+        bad("output_cap_percentile", "must be in (0, 100]")
+    if g.cap_method not in ("percentile", "mse"):
+        bad("cap_method", "must be 'percentile' (GTI) or 'mse'")
+    if not (math.isfinite(g.cap_lr) and g.cap_lr >= 0):
+        bad("cap_lr", "must be a finite number >= 0 (0: the calibrated caps stay fixed in step 3)")
+    if g.cap_lr > 0 and not g.gain_aware:
+        bad("cap_lr", "learned caps need gain_aware true (the caps reach the loss through the gains); "
+                      "set cap_lr 0 or gain_aware true")
+    if g.weight_scale not in ("gti", "mse"):
+        bad("weight_scale", "must be 'gti' or 'mse'")
+    try:
+        check_score_head(g.score_head, g.score_scale, g.box_slots)
+    except ConfigError as exc:
+        raise ConfigError(f"config section 'gnetdet': {exc}") from None
+    for name in ("l_coord", "l_noobj", "l_class", "l_range"):
+        if not (math.isfinite(getattr(g, name)) and getattr(g, name) >= 0):
+            bad(name, "a loss weight must be a finite number >= 0")
+    if g.score_loss not in ("smooth_l1", "bce"):
+        bad("score_loss", "must be smooth_l1 or bce")
+    for name in ("flip_prob", "blur_prob", "mosaic_prob", "rotate_prob"):
+        if not 0 <= getattr(g, name) <= 1:
+            bad(name, "a probability must be in [0, 1]")
+    for name in ("finetune", "freeze_convs", "freeze_at"):
+        if getattr(g, name) < 0:
+            bad(name, "must be >= 0")
+    if g.width_mult <= 0:
+        bad("width_mult", "must be positive")
+    spec = get_chip_spec(str(g.chip))  # raises ChipSpecError (a ConfigError) for unknown chips
+    if cfg.image_size not in spec.input_sizes:
+        raise ConfigError(f"config field 'image_size' = {cfg.image_size!r}: chip {g.chip} accepts input sizes "
+                          f"{list(spec.input_sizes)}")
+    for i, bits in enumerate(g.mask_bits):
+        if bits not in spec.schemes:
+            bad("mask_bits", f"major layer {i + 1} asks for scheme {bits}, chip {g.chip} has {sorted(spec.schemes)}")
+    if g.mask_bits and cfg.image_size in (224, 448):
+        from gnetmdk.models.gnetdet.model import GNETDET_224, GNETDET_448
+        majors = len(GNETDET_224 if cfg.image_size == 224 else GNETDET_448)
+        if len(g.mask_bits) != majors:
+            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one scheme per "
+                f"major layer, or [] for the chip's default")

@@ -1,0 +1,127 @@
+"""GNetDet as a model family: how the trainer, the dataset and the checkpoints build and feed it."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch.nn as nn
+
+from gnetmdk.models.base import ALL_STAGES, DetectorFamily
+from .model import GNetDet, gnetdet_layers, major_schemes
+
+#: stages whose weights were fine-tuned under a weight scale rule
+QUANTIZED_STAGES = ("step2", "cal", "step3", "step4")
+
+
+class GNetDetFamily(DetectorFamily):
+    """GNetDet: every stage of the chip pipeline; the chip's 5-bit input codes; dense 14 x 14 targets
+    (gnetmdk.models.gnetdet.loss)."""
+    name = "gnetdet"
+    stages = ALL_STAGES
+    input_kind = "chip_codes"
+    target_kind = "dense"
+
+    # ------------------------------------------------------------------ models
+    def create(self, **kwargs) -> nn.Module:
+        return GNetDet(**kwargs)
+
+    @staticmethod
+    def training_kwargs(cfg) -> Dict[str, Any]:
+        """The constructor arguments that are training settings, not architecture: they come from the
+        run's config also when the architecture comes from a checkpoint."""
+        g = cfg.gnetdet
+        return dict(cap_percentile=g.cap_percentile, l_coord=g.l_coord, l_noobj=g.l_noobj, l_class=g.l_class,
+                    score_loss=g.score_loss, l_range=g.l_range, box_slots=g.box_slots,
+                    output_cap_percentile=g.output_cap_percentile, channels_last=cfg.channels_last)
+
+    def build(self, cfg, builder=None, **overrides) -> nn.Module:
+        """A fresh GNetDet for ``cfg`` (``builder``: a registered variant's constructor)."""
+        g = cfg.gnetdet
+        kw = dict(num_classes=cfg.num_classes, image_size=cfg.image_size, width_mult=g.width_mult, use_bn=g.use_bn,
+                  chip=str(g.chip), mask_bits=list(g.mask_bits), weight_scale=g.weight_scale,
+                  score_head=g.score_head, score_offset=g.score_offset, score_scale=g.score_scale,
+                  gain_aware=g.gain_aware, **self.training_kwargs(cfg))
+        kw.update(overrides)
+        return (builder or GNetDet)(**kw)
+
+    def rebuild(self, meta: Dict[str, Any], cfg=None, stage: Optional[str] = None, path: str = "?") -> nn.Module:
+        """The architecture of a GNetDet checkpoint. With ``cfg``: its training settings apply; the weight
+        scale rule (weight_scale) and the weight schemes (mask_bits) come from the config for a step-1
+        checkpoint, while a checkpoint of a quantized stage keeps those it was trained with (a note on
+        stderr when the config differs); a step-3 checkpoint keeps its ``gain_aware`` setting (one from
+        before the option: GTI's flow), any other takes the config's."""
+        meta = dict(meta)
+        meta.pop("name", None)
+        extra: Dict[str, Any] = {}
+        if cfg is not None:
+            g = cfg.gnetdet
+            extra = self.training_kwargs(cfg)
+            quantized = stage in QUANTIZED_STAGES
+            # the per-kernel scale rule: the run's config decides for a float (step-1) model; weights
+            # already fine-tuned under one rule keep it (the other rule would re-quantize them blindly:
+            # on cards an MSE-trained step-4 model scores 0.0 under GTI's rule)
+            trained = meta.get("weight_scale", g.weight_scale)
+            if quantized and trained != g.weight_scale:
+                print(f"note: checkpoint '{path}' ({stage}) was trained with weight_scale {trained!r}; keeping it "
+                      f"(the config's {g.weight_scale!r} applies to step-1 models)", file=sys.stderr)
+            else:
+                meta["weight_scale"] = g.weight_scale
+            # the weight schemes (mask_bits) likewise: a float model takes the config's (its weights do
+            # not depend on them; set after step 1, they must not be dropped), a quantized one its own
+            recorded = [int(b) for b in meta.get("mask_bits", [])]
+            wanted = self._config_mask_bits(cfg, meta)
+            if wanted is not None and recorded and wanted != recorded:
+                print(f"note: checkpoint '{path}' ({stage}" + (
+                      f") was trained with mask_bits {recorded}; keeping them (the config's {wanted} apply to "
+                      f"step-1 models)" if quantized else
+                      f", float) recorded mask_bits {recorded}; the config's {wanted} apply"), file=sys.stderr)
+            if not quantized:
+                meta["mask_bits"] = [int(b) for b in g.mask_bits]      # [] = the chip's default
+            if stage == "step3":
+                meta.setdefault("gain_aware", False)
+                if meta["gain_aware"] != g.gain_aware:
+                    print(f"note: checkpoint '{path}' (step3) was trained with gain_aware {meta['gain_aware']}; "
+                          f"keeping it (the config's {g.gain_aware} applies from a cal checkpoint on)",
+                          file=sys.stderr)
+            else:
+                meta["gain_aware"] = g.gain_aware
+        return GNetDet(**meta, **extra)
+
+    @staticmethod
+    def _config_mask_bits(cfg, meta: Dict[str, Any]):
+        """The schemes per major layer the config asks for, the chip's default filled in for ``[]``;
+        None when that cannot be worked out (a size the table lacks)."""
+        if cfg.gnetdet.mask_bits:
+            return [int(b) for b in cfg.gnetdet.mask_bits]
+        try:
+            return major_schemes(gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]),
+                                                float(meta["width_mult"]), str(meta["chip"]), ()))
+        except Exception:
+            return None
+
+    def describe(self, cfg) -> str:
+        return f"{cfg.image_size}px x{cfg.gnetdet.width_mult}"
+
+    def compat_fields(self, cfg) -> Dict[str, Any]:
+        g = cfg.gnetdet
+        return {"image_size": cfg.image_size, "width_mult": float(g.width_mult), "chip": str(g.chip)}
+
+    def check_config(self, cfg) -> None:
+        from gnetmdk.models.gnetdet.config import check_gnetdet_config
+        check_gnetdet_config(cfg)
+
+    # ------------------------------------------------------------------ data
+    def encode_targets(self, boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, cfg) -> np.ndarray:
+        from gnetmdk.dataset.dataset import encode_targets
+        return encode_targets(boxes, labels, cfg.grid_size, cfg.num_classes)
+
+    # ------------------------------------------------------------------ training
+    def leading_parameters(self, model: nn.Module, n: int) -> List[nn.Parameter]:
+        """Parameters of the first ``n`` sublayers (conv and BatchNorm)."""
+        layers = list(getattr(model, "layers", []))
+        return [p for layer in layers[:n] for p in layer.parameters()]
+
+    def loss_line(self, terms: Dict[str, float]) -> str:
+        keys = [k for k in ("loc", "conf", "noresp", "noobj", "cls", "range") if k in terms]
+        return (f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")")

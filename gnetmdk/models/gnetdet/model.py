@@ -1,0 +1,344 @@
+"""GNetDet: the chip-friendly VGG-style detector (gti-chip.md, "GNetDet"; arXiv 2103.15756).
+
+The network is a flat list of sublayers (3x3 conv [+ BN] + capped ReLU) grouped into major layers;
+a major layer may end in a 2x2/2 max pool. Output: (N, S, S, 10 + C) with S = 14, each cell holding
+two boxes [x, y, w, h, conf] (x, y in cell units inside the cell, w, h relative to the image) and C
+class scores.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gnetmdk.config.base import ConfigError
+from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
+from gnetmdk.layers.quant import QConv2d, QReLU
+
+
+class ChipLimitError(ConfigError):
+    """The model breaks a limit of the chosen chip; the message names the layer and the limit."""
+
+
+# full-width layer lists: (channels of the sublayers, pool at the end); "OUT" = 10 + C
+GNETDET_448: List[Tuple[List[object], bool]] = [
+    ([64], True), ([64], True), ([128, 128], True), ([256, 256, 256], True), ([256, 256, 256], True),
+    ([256, 256, 256], False), ([256, 256, "OUT"], False)]
+# 224 input drops the first pool; the first two convs then share one resolution and one major layer
+GNETDET_224: List[Tuple[List[object], bool]] = [
+    ([64, 64], True), ([128, 128], True), ([256, 256, 256], True), ([256, 256, 256], True),
+    ([256, 256, 256], False), ([256, 256, "OUT"], False)]
+
+DEFAULT_SCHEMES = {"5801": (3, 8), "2801": (3, 3), "2803": (5, 12)}   # (first major layers, last one)
+
+
+def _pow2(c: float) -> int:
+    return int(2 ** round(math.log2(max(c, 1.0))))
+
+
+@dataclass
+class LayerSpec:
+    """One sublayer: its major layer (0-based), channels, scheme, and whether a pool follows it."""
+    major: int
+    index_in_major: int
+    in_channels: int
+    out_channels: int
+    scheme: int
+    pool_after: bool
+
+
+def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, chip: str = "5801",
+                   mask_bits: Sequence[int] = ()) -> List[LayerSpec]:
+    """Expand the GNetDet layer list for an input size, class count, width multiplier and chip.
+
+    Hidden widths are ``width * width_mult`` rounded to a power of 2 (at least the chip's minimum);
+    the last conv has 10 + num_classes outputs.
+
+    Raises:
+        ChipLimitError: unsupported input size, or ``mask_bits`` whose length is not the number of
+        major layers, or a scheme the chip lacks.
+    """
+    spec = get_chip_spec(chip)
+    if image_size == 448:
+        table = GNETDET_448
+    elif image_size == 224:
+        table = GNETDET_224
+    else:
+        raise ChipLimitError(f"GNetDet is defined for image_size 224 or 448, not {image_size}")
+    n_major = len(table)
+    if mask_bits:
+        if len(mask_bits) != n_major:
+            raise ChipLimitError(f"mask_bits has {len(mask_bits)} entries but GNetDet-{image_size} has "
+                                 f"{n_major} major layers: give one scheme per major layer")
+        schemes = [int(b) for b in mask_bits]
+    else:
+        first, last = DEFAULT_SCHEMES[spec.name]
+        schemes = [first] * (n_major - 1) + [last]
+    layers: List[LayerSpec] = []
+    cin = 3
+    for m, (chans, pool) in enumerate(table):
+        for j, c in enumerate(chans):
+            if c == "OUT":
+                cout = 10 + num_classes
+            else:
+                cout = min(spec.max_channels, max(spec.min_channels, _pow2(float(c) * width_mult)))
+            layers.append(LayerSpec(m, j, cin, cout, schemes[m], pool and j == len(chans) - 1))
+            cin = cout
+    return layers
+
+
+def major_schemes(layers: Sequence[LayerSpec]) -> List[int]:
+    """The weight scheme of each major layer, in order (the ``mask_bits`` list of a layer list)."""
+    out: Dict[int, int] = {}
+    for ls in layers:
+        out[ls.major] = ls.scheme
+    return [out[m] for m in sorted(out)]
+
+
+def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: int) -> None:
+    """Refuse a layer list the chip cannot run (gti-chip.md, "Limits").
+
+    Raises:
+        ChipLimitError: naming the layer (major.sub, 1-based) and the limit.
+    """
+    if image_size not in spec.input_sizes:
+        raise ChipLimitError(f"input size {image_size} not supported by chip {spec.name} "
+                             f"(accepted: {list(spec.input_sizes)})")
+    majors = sorted({l.major for l in layers})
+    if len(majors) > spec.max_major_layers:
+        raise ChipLimitError(f"{len(majors)} major layers, chip {spec.name} allows at most "
+                             f"{spec.max_major_layers}")
+    for m in majors:
+        subs = [l for l in layers if l.major == m]
+        if len(subs) > spec.max_sublayers:
+            raise ChipLimitError(f"major layer {m + 1} has {len(subs)} sublayers, chip {spec.name} "
+                                 f"allows at most {spec.max_sublayers}")
+        if len({l.scheme for l in subs}) != 1:
+            raise ChipLimitError(f"major layer {m + 1} mixes weight schemes; all its sublayers must share one")
+    for n, l in enumerate(layers):
+        name = f"conv {n + 1} (major layer {l.major + 1}, sublayer {l.index_in_major + 1})"
+        if l.scheme not in spec.schemes:
+            raise ChipLimitError(f"{name}: scheme {l.scheme} not on chip {spec.name} "
+                                 f"(has {sorted(spec.schemes)})")
+        last = n == len(layers) - 1
+        if last:
+            if l.out_channels > spec.max_output_channels:
+                raise ChipLimitError(f"{name}: {l.out_channels} output channels, the last layer of chip "
+                                     f"{spec.name} allows at most {spec.max_output_channels} "
+                                     f"(GNetDet: at most {spec.max_output_channels - 10} classes)")
+        else:
+            c = l.out_channels
+            if c & (c - 1) or not spec.min_channels <= c <= spec.max_channels:
+                raise ChipLimitError(f"{name}: {c} output channels; chip {spec.name} needs a power of 2 in "
+                                     f"{spec.min_channels}..{spec.max_channels}")
+
+
+class Sublayer(nn.Module):
+    """conv (QConv2d) -> optional BatchNorm2d -> capped ReLU (QReLU); pool handled by the parent."""
+
+    def __init__(self, ls: LayerSpec, chip: str, use_bn: bool, method: str, percentile: float):
+        super().__init__()
+        bw, bb = register_bits(chip, ls.scheme)
+        self.conv = QConv2d(ls.in_channels, ls.out_channels, ls.scheme, bw, bb, method)
+        self.bn: Optional[nn.BatchNorm2d] = nn.BatchNorm2d(ls.out_channels) if use_bn else None
+        self.relu = QReLU(percentile)
+        self.pool_after = ls.pool_after
+        self.major = ls.major
+
+    def forward(self, x):
+        x = self.conv(x)
+        if self.bn is not None:
+            x = self.bn(x)
+        x = self.relu(x)
+        if self.pool_after:
+            x = F.max_pool2d(x, 2, 2)
+        return x
+
+
+class GNetDet(nn.Module):
+    """The GNetDet detector.
+
+    Args:
+        num_classes: C.
+        image_size: 224 or 448 (input is (N, 3, image_size, image_size) float, 5-bit chip codes 0..31, BGR).
+        width_mult: channel multiplier (0.25 gives widths 16..64, a CPU-trainable model).
+        use_bn: BatchNorm after each hidden conv (step 1 only; folded on entry to step 2).
+        chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
+        weight_scale: "gti" or "mse"; cap_percentile: calibration percentile (hidden layers);
+        output_cap_percentile: the output layer's (100 = max, so the largest scores are not clipped).
+        l_coord, l_noobj, l_class, l_range: loss weights; score_loss: "smooth_l1" or "bce"; box_slots: 1 or 2
+            box slots trained per cell (training only; the output keeps two slots) (gnetmdk.models.gnetdet.loss).
+        score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
+            score_offset), applied on the host; see gnetmdk.models.gnetdet.decode.output_scores); score_scale:
+            the logit head's k in sigmoid(k (output - score_offset)).
+        gain_aware: in step 3 (quantized weights, capped 5-bit activations) compute as the gain-edited
+            step-4 model does: each conv's weights and bias quantized as gain editing will leave them
+            (QConv2d.gain), integer codes between the layers (QReLU.code_domain) and the host scale
+            cap_last / 31 on the output, so step 3's outputs equal step 4's bit for bit (in eval
+            mode; training to float32 rounding) and step 4 starts from exactly the model step 3
+            chose; False: GTI's flow (step 4 re-quantizes the
+            gain-edited weights at new shifts, which changed 15-50% of the codes on raccoon). The
+            constructor's default is False (a checkpoint from before the option rebuilds as it was
+            trained); BaseConfig.gain_aware, which training uses, is True.
+
+    Raises:
+        ChipLimitError: the layer list breaks a limit of ``chip``.
+
+    ``forward`` returns (N, S, S, 10 + C) float predictions (S = 14); in step 4 and gain-aware step 3
+    it multiplies the output codes by cap_last / 31 (the host-side rescale), so loss and decode never
+    change.
+    """
+
+    def __init__(self, num_classes: int, image_size: int = 448, width_mult: float = 1.0, use_bn: bool = True,
+                 chip: str = "5801", mask_bits: Sequence[int] = (), weight_scale: str = "gti",
+                 cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
+                 l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
+                 score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
+                 score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False, box_slots: int = 2):
+        super().__init__()
+        self.gain_aware = bool(gain_aware)
+        self.num_classes = int(num_classes)
+        self.image_size = int(image_size)
+        self.width_mult = float(width_mult)
+        self.chip = str(chip)
+        self.grid_size = 14
+        self.specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+        check_chip_limits(self.specs, get_chip_spec(chip), image_size)
+        n = len(self.specs)
+        self.layers = nn.ModuleList(
+            Sublayer(ls, chip, use_bn and i < n - 1, weight_scale,
+                     cap_percentile if i < n - 1 else output_cap_percentile) for i, ls in enumerate(self.specs))
+        # the output layer's ReLU lets object-cell gradients through below 0 (training only; the
+        # forward value, and so the chip, is unchanged)
+        self.layers[-1].relu.revive = True
+        from .config import check_score_head
+        check_score_head(score_head, score_scale, box_slots)
+        self.score_head = score_head
+        self.score_offset = float(score_offset)
+        self.score_scale = float(score_scale)
+        self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss,
+                                 score_head=score_head, score_offset=self.score_offset,
+                                 score_scale=self.score_scale, l_range=float(l_range), box_slots=int(box_slots))
+        self.channels_last = channels_last
+        self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
+        #: step 4: evaluate in float64 so every code equals the chip's integer result
+        self.exact_eval = False
+        #: gain-aware step 3: cap_last / 31 (set_gains), else None
+        self._code_output_scale: Optional[torch.Tensor] = None
+        self._code_scale_learned = False
+
+    def train(self, mode: bool = True):
+        """Switch train/eval; in eval with ``exact_eval`` the convs compute in float64 (bit-exact)."""
+        super().train(mode)
+        for conv in self.convs():
+            conv.exact = (not mode) and self.exact_eval
+        return self
+
+    # ------------------------------------------------------------------ interface
+    @property
+    def has_bn(self) -> bool:
+        return any(l.bn is not None for l in self.layers)
+
+    def meta(self) -> Dict[str, object]:
+        """What is needed to rebuild this model (stored in every checkpoint)."""
+        return {"name": "gnetdet", "num_classes": self.num_classes, "image_size": self.image_size,
+                "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
+                "mask_bits": [int(s) for s in self.mask_bits()],
+                "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
+                "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware}
+
+    def mask_bits(self) -> List[int]:
+        return major_schemes(self.specs)
+
+    def convs(self) -> List[QConv2d]:
+        return [l.conv for l in self.layers]
+
+    def relus(self) -> List[QReLU]:
+        return [l.relu for l in self.layers]
+
+    def set_gains(self) -> bool:
+        """Give every conv its (cap_in, cap_out) gain and every ReLU ``code_domain`` when the model is
+        gain-aware and in step-3 mode (quantized weights, capped 5-bit non-integer activations, every
+        cap calibrated); clear them otherwise. The input's cap is 31 (the image holds codes). The
+        output is then scaled by cap_last / 31 (float32), the output_scale gain editing will store.
+        When the caps require gradients (step 3 with ``cap_lr`` > 0) the convs also get them as
+        ``gain_tensors`` and the output scale carries their gradient (straight through), so the loss
+        reaches every cap: through the gains of the conv before and after it and, for the last one,
+        the host scale; the forward values do not change.
+        Returns whether gains are set."""
+        convs, relus = self.convs(), self.relus()
+        on = (self.gain_aware and all(c.quant_weight for c in convs)
+              and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
+        caps = self._cap_values(relus) if on else []
+        on = on and all(c > 0 for c in caps)
+        learn = on and any(r.cap.requires_grad for r in relus)
+        prev, prev_t = 31.0, 31.0
+        for i, conv in enumerate(convs):
+            conv.gain = (prev, caps[i]) if on else None
+            conv.gain_tensors = (prev_t, relus[i].cap) if learn else None
+            relus[i].code_domain = on
+            prev = caps[i] if on else prev
+            prev_t = relus[i].cap
+        # the value gain_edit writes into output_scale (a float64 quotient rounded to float32)
+        self._code_output_scale = self._cached_scale(caps[-1] / 31.0, relus[-1].cap.device) if on else None
+        self._code_scale_learned = learn     # forward passes the last cap's gradient through that value
+        return on
+
+    def _cap_values(self, relus) -> List[float]:
+        """The caps as Python floats, read back from their device only when one of them changed since
+        the last read (a cap tensor's storage or in-place version counter moved: calibration, loading,
+        a learned-cap step): a step-3 forward with fixed caps waits for nothing."""
+        key = tuple((id(r.cap), r.cap.data_ptr(), str(r.cap.device), r.cap._version) for r in relus)
+        cached = getattr(self, "_caps_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._caps_cache = (key, torch.stack([r.cap.detach().float() for r in relus]).tolist())
+        return cached[1]
+
+    def _cached_scale(self, value: float, device: torch.device) -> torch.Tensor:
+        """0-d float32 tensor of ``value`` on ``device``, copied there once per value."""
+        cached = getattr(self, "_scale_cache", None)
+        if cached is None or cached[0] != (value, str(device)):
+            cached = self._scale_cache = ((value, str(device)),
+                                          torch.tensor(value, dtype=torch.float32, device=device))
+        return cached[1]
+
+    def features(self, x: torch.Tensor, return_all: bool = False):
+        """Run the chain; with ``return_all`` also return every sublayer's output (after pool).
+
+        The outputs are values (steps 1-3 with ``gain_aware`` off) or codes 0..31 (step 4, gain-aware
+        step 3), before the host scale that ``forward`` applies."""
+        self.set_gains()
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            if return_all:
+                outs.append(x)
+        return (x, outs) if return_all else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():           # uint8 codes straight from a loader
+            x = x.float()
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = self.features(x)
+        scale = self._code_output_scale if self._code_output_scale is not None else self.output_scale
+        if self._code_output_scale is not None and self._code_scale_learned:
+            from gnetmdk.gti.quantize import ste      # learned caps: d scale / d cap_last = 1 / 31
+            scale = ste(self.layers[-1].relu.cap / 31.0, scale.to(self.layers[-1].relu.cap.device))
+        y = y * scale.to(device=y.device, dtype=y.dtype)
+        return y.permute(0, 2, 3, 1).float().contiguous()
+
+    def loss(self, pred: torch.Tensor, target: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """GNetDet loss terms (see gnetmdk.models.gnetdet.loss.gnetdet_loss)."""
+        from .loss import gnetdet_loss
+        return gnetdet_loss(pred, target, **self.loss_weights)
+
+    def decode(self, pred: torch.Tensor, conf_thresh: float, nms_thresh: float, max_detections: int = 100):
+        """Per-image detections (see gnetmdk.models.gnetdet.decode.decode_gnetdet)."""
+        from .decode import decode_gnetdet
+        return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections,
+                              self.score_head, self.score_offset, score_scale=self.score_scale)
