@@ -32,6 +32,7 @@ def parse_args(argv):
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     p.add_argument("--batch-size", type=at_least(0), default=0,
                    help="images per batch (default 0: the config's batch_size)")
+    p.add_argument("--coco", action="store_true", help="also COCO mAP@[.5:.95], AP50, AP75 (pycocotools)")
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
 
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
         loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,
                             num_workers=cfg.num_workers)
         t0 = time.time()
-        res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections)
+        res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                             coco=args.coco or cfg.eval_coco)
     except user_errors() as exc:
         return fail(str(exc))
     stage = ckpt.get("stage")
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
           f"{cfg.DS_NAME} {args.split} split, {res['num_images']} images, {time.time() - t0:.1f}s on {device}; "
           f"decode conf {cfg.conf_thresh:g} nms {cfg.nms_thresh:g} max {cfg.max_detections}")
     print(format_ap_table(res, cfg.VOC_CLASSES))
+    if "coco" in res:
+        c = res["coco"]
+        print(f"COCO mAP@[.5:.95] {c['map']:.4f}  AP50 {c['ap50']:.4f}  AP75 {c['ap75']:.4f} (pycocotools)")
     return 0
 
 

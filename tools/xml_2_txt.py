@@ -20,7 +20,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_meta  # noqa: E402
+from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_coco, convert_voc_to_meta  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs.py")
 
@@ -122,19 +122,24 @@ def print_summary(report: dict, out=sys.stdout) -> None:
         print(f"wrote {splits[s]['file']}", file=out)
 
 
-def main(argv=None) -> int:
+def main(argv=None, coco: bool = False) -> int:
+    """Run the tool; ``coco`` writes COCO-json files (tools/xml_2_json.py) instead of meta files.
+    Returns the exit status (0 ok, 2 a dataset/annotation/config error)."""
     args = parse_args(argv)
+    tool = "xml_2_json" if coco else "xml_2_txt"
     try:
         st = resolve_settings(args)
-        out_train = os.path.join(st["out_dir"], f"{st['name']}_train.txt")
-        out_valid = os.path.join(st["out_dir"], f"{st['name']}_valid.txt")
-        report = convert_voc_to_meta(
+        ext = "json" if coco else "txt"
+        out_train = os.path.join(st["out_dir"], f"{st['name']}_train.{ext}")
+        out_valid = os.path.join(st["out_dir"], f"{st['name']}_valid.{ext}")
+        convert = convert_voc_to_coco if coco else convert_voc_to_meta
+        report = convert(
             st["dataset_dir"], st["classes"], out_train, out_valid,
             keep_difficult=args.keep_difficult, skip_bad=args.skip_bad,
             val_fraction=args.val_fraction, seed=st["seed"],
         )
     except (CLIError, VOCFormatError, OSError, ValueError) as exc:
-        print(f"xml_2_txt: error: {exc}", file=sys.stderr)
+        print(f"error: {exc} ({tool})", file=sys.stderr)
         return 2
 
     for _path, reason in report["skipped"]:

@@ -84,6 +84,8 @@ class BaseConfig:
     data_root: str = "data"                 # datasets live in <data_root>/<DS_NAME> ...
     dataset_path: str = ""                  # ... unless this names the VOC folder directly
     meta_root: str = "data/meta"            # <meta_root>/<DS_NAME>_train.txt and _valid.txt
+    train_json: str = ""                    # a COCO-json training split instead of the meta file (tools/xml_2_json.py)
+    val_json: str = ""                      # ... and its validation split
     image_dir: str = "JPEGImages"
     max_train_images: int = 0               # 0 = all; >0 keeps the first N (tests, smoke runs)
     max_val_images: int = 0
@@ -156,6 +158,7 @@ class BaseConfig:
     nms_thresh: float = 0.5
     max_detections: int = 100
     predict_thresh: float = 0.3             # drawing threshold of tools/predict.py
+    eval_coco: bool = False                 # also COCO mAP@[.5:.95] (pycocotools) at every evaluation
 
     # ---------------------------------------------------------------- outputs
     checkpoint_root: str = "checkpoint"

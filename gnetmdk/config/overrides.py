@@ -357,9 +357,12 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("amp_dtype", "must be bf16 or fp16")
     if cfg.accumulate < 1:
         bad("accumulate", "must be at least 1")
-    if cfg.accumulate >= 1 and cfg.batch_size >= 1 and cfg.batch_size % cfg.accumulate:
-        bad("accumulate", f"batch_size {cfg.batch_size} does not split into {cfg.accumulate} micro-batches: "
-            f"choose a batch_size that is a multiple of {cfg.accumulate}")
+    if cfg.accumulate >= 1 and cfg.batch_size >= 1:
+        from gnetmdk.dist.sampler import check_batch_split
+        try:
+            check_batch_split(cfg.batch_size, 1, cfg.accumulate)
+        except ConfigError as exc:
+            bad("accumulate", str(exc))
     if cfg.accumulate > 1 and (cfg.save_npz or cfg.replay_npz):
         bad("accumulate", "alignment record/replay (save_npz, replay_npz) needs accumulate 1")
     if not 0 <= cfg.ema_decay < 1 or cfg.ema_ramp < 0:

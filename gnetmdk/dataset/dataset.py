@@ -172,7 +172,7 @@ class DetectionDataset(Dataset):
     """Images and GNetDet targets from a meta file (tools/xml_2_txt.py format).
 
     Args:
-        meta_file: data/meta/<DS_NAME>_train.txt or _valid.txt.
+        meta_file: data/meta/<DS_NAME>_train.txt or _valid.txt (unused when ``records`` is given).
         image_dir: folder the meta file's image names are relative to.
         num_classes: C.
         image_size: network input side in pixels (224 or 448).
@@ -207,14 +207,17 @@ class DetectionDataset(Dataset):
                  seed: int = 0, hsv_gain: Sequence[float] = (0.015, 0.5, 0.3),
                  scale_range: Sequence[float] = (0.75, 1.25), shift_fraction: float = 0.15,
                  flip_prob: float = 0.5, blur_prob: float = 0.1, mosaic_prob: float = 0.0,
-                 rotate_prob: float = 0.0):
+                 rotate_prob: float = 0.0, records=None):
         for name, value in (("mosaic_prob", mosaic_prob), ("rotate_prob", rotate_prob)):
             if not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"{name} {value} must be in [0, 1]")
-        if not os.path.isfile(meta_file):
+        if records is not None:           # from gnetmdk.dataset.records (a meta file or a COCO json)
+            self.records = list(records)
+        elif not os.path.isfile(meta_file):
             raise FileNotFoundError(f"meta file '{meta_file}' does not exist: run tools/xml_2_txt.py for this "
                                     "dataset first")
-        self.records = read_meta(meta_file, num_classes)
+        else:
+            self.records = read_meta(meta_file, num_classes)
         if max_images and max_images > 0:
             self.records = self.records[:max_images]
         if not self.records:
@@ -354,7 +357,7 @@ class DetectionDataset(Dataset):
         persistent loader workers, which keep their own copy of the dataset, draw that epoch's
         augmentation). Returns (image (3, S, S) uint8 codes, target, index, (width, height)); see the
         class docstring."""
-        index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), None)
+        index, epoch = (int(key[0]), int(key[1])) if isinstance(key, tuple) else (int(key), None)   # (i, epoch[, batch])
         rng = self.rng_for(index, epoch) if self.augment else None
         if rng is not None and self.mosaic_prob > 0 and rng.random() < self.mosaic_prob:
             img, boxes, labels = self.prepare_mosaic(index, rng)
@@ -383,8 +386,18 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-def build_dataset(cfg, split: str) -> DetectionDataset:
-    """DetectionDataset of ``split`` ("train" or "valid") from a resolved config."""
+def build_dataset(cfg, split: str):
+    """The dataset of ``split`` ("train" or "valid") the config's model family reads
+    (DetectorFamily.build_dataset: GNetDet's :class:`DetectionDataset`, PP-YOLO's
+    gnetmdk.dataset.ppyolo_dataset.PPYOLODataset)."""
+    from gnetmdk.models import get_family
+    return get_family(cfg.model_name).build_dataset(cfg, split)
+
+
+def build_gnetdet_dataset(cfg, split: str) -> DetectionDataset:
+    """DetectionDataset of ``split`` ("train" or "valid") from a resolved config (records from the meta
+    file or the COCO json: gnetmdk.dataset.records)."""
+    from .records import load_records
     train = split == "train"
     g = cfg.gnetdet                     # GNetDet's augmentation settings
     return DetectionDataset(
@@ -393,4 +406,4 @@ def build_dataset(cfg, split: str) -> DetectionDataset:
         max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,
         hsv_gain=g.hsv_gain, scale_range=g.scale_range, shift_fraction=g.shift_fraction,
         flip_prob=g.flip_prob, blur_prob=g.blur_prob, mosaic_prob=g.mosaic_prob,
-        rotate_prob=g.rotate_prob)
+        rotate_prob=g.rotate_prob, records=load_records(cfg, split))

@@ -35,6 +35,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "parse_voc_xml",
     "convert_voc_to_meta",
+    "convert_voc_to_coco",
     "read_meta",
     "write_meta",
     "format_meta_line",
@@ -320,6 +321,7 @@ def convert_voc_to_meta(
     image_dir: str = "JPEGImages",
     ann_dir: str = "Annotations",
     check_images: bool = True,
+    writer=None,
 ) -> dict:
     """Convert a VOC-layout dataset into the two meta files.
 
@@ -341,6 +343,8 @@ def convert_voc_to_meta(
         image_dir, ann_dir: sub-folders of ``dataset_dir``.
         check_images: decode every image (a truncated or undecodable file, or one whose size differs
             from the annotation's ``<size>``, is a bad file; see :func:`_check_image`).
+        writer: None (meta files), or ``writer({path: [(image_name, boxes, labels, (width, height))]},
+            class_names)`` writing both splits as one set in another format (:func:`convert_voc_to_coco`).
 
     Returns:
         ``{"dataset_dir", "split_source", "classes", "skipped": [(path, reason), ...], "warnings": [...],
@@ -423,7 +427,7 @@ def convert_voc_to_meta(
             if not ann["boxes"]:
                 stats["no_objects"].append(xml_path)
                 continue
-            split_lines.append(format_meta_line(image_name, ann["boxes"], ann["labels"]))
+            split_lines.append((image_name, ann["boxes"], ann["labels"], (ann["width"], ann["height"])))
             stats["images"] += 1
             stats["boxes"] += len(ann["boxes"])
             for label in ann["labels"]:
@@ -441,10 +445,13 @@ def convert_voc_to_meta(
                                      f"ImageSets/Main/{source}, or the random split's val_fraction.", dataset_dir)
             warnings.append(f"{why}: the trainer evaluates every stage on it and will refuse an empty one; "
                             f"check ImageSets/Main/{source} or set val_fraction")
-    _atomic_write_many({
-        str(out_train): "".join(l + "\n" for l in lines["train"]),
-        str(out_valid): "".join(l + "\n" for l in lines["valid"]),
-    })
+    if writer is None:
+        _atomic_write_many({
+            str(out_train): "".join(format_meta_line(n, b, l) + "\n" for n, b, l, _ in lines["train"]),
+            str(out_valid): "".join(format_meta_line(n, b, l) + "\n" for n, b, l, _ in lines["valid"]),
+        })
+    else:
+        writer({str(out_train): lines["train"], str(out_valid): lines["valid"]}, class_names)
     return {
         "dataset_dir": dataset_dir,
         "split_source": split_source,
@@ -453,6 +460,29 @@ def convert_voc_to_meta(
         "splits": splits,
         "warnings": warnings,
     }
+
+
+def convert_voc_to_coco(dataset_dir: str, class_names: Sequence[str], out_train: str, out_valid: str,
+                        **kwargs) -> dict:
+    """Convert a VOC-layout dataset into two COCO-json files (``voc2012_train.json`` style), with every
+    check, the split and the report of :func:`convert_voc_to_meta` (same keyword arguments); both files
+    are written as one set (gnetmdk.dataset.coco.coco_json_text: image ids 1.., category ids 1..C,
+    boxes as [x, y, w, h] pixels from the integer VOC corners).
+
+    Raises:
+        what :func:`convert_voc_to_meta` raises; nothing is written then.
+    """
+    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
+    from .coco import coco_json_text
+
+    def write(splits, names):
+        texts = {}
+        for path, entries in splits.items():
+            records = [(n, np.asarray(b, np.float32).reshape(-1, 4), np.asarray(l, np.int64)) for n, b, l, _ in entries]
+            texts[path] = coco_json_text(records, list(names), [wh for *_, wh in entries])
+        atomic_write_set({p: text_writer(t) for p, t in texts.items()})
+
+    return convert_voc_to_meta(dataset_dir, class_names, out_train, out_valid, writer=write, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -490,20 +490,20 @@ def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = 
 
 # ------------------------------------------------------------------------------------- from the command line
 def check_batch_split(batch_size: int, spec: DistSpec) -> None:
-    """Refuse a global batch that does not split evenly over the processes.
+    """Refuse a global batch that does not split evenly over the processes of ``spec`` (or torchrun's).
 
     Raises:
-        LaunchError: with the batch, the process count and how it is made up, and valid choices.
+        LaunchError: with the batch, the process count and how it is made up, and valid choices
+            (gnetmdk.dist.sampler.check_batch_split's message).
     """
+    from gnetmdk.config.base import ConfigError
+    from .sampler import check_batch_split as check
     world = int(os.environ["WORLD_SIZE"]) if torchrun_env() else spec.total
-    if batch_size % world == 0:
-        return
     how = "torchrun" if torchrun_env() else f"{spec.world_size} machine(s) x {spec.gpus} per machine"
-    lower = (batch_size // world) * world
-    choices = " or ".join(str(c) for c in (lower, lower + world) if c > 0)
-    raise LaunchError(f"batch_size {batch_size} does not split evenly over {world} processes ({how}): use a "
-                      f"multiple of {world} (e.g. {choices}); each process takes batch_size / {world} images and "
-                      "the learning rate is not rescaled")
+    try:
+        check(batch_size, world, 1, how)
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def spec_from_args(args, cfg) -> DistSpec:

@@ -7,6 +7,28 @@ import torch
 from torch.utils.data import Sampler
 
 
+def check_batch_split(batch_size: int, world: int = 1, accumulate: int = 1, how: str = "") -> None:
+    """The one check that a global batch splits into ``world`` processes x ``accumulate`` micro-batches
+    (the config, the launcher, the trainer and the sampler all call it).
+
+    Args:
+        how: how the process count is made up, for the message (e.g. "1 machine(s) x 2 per machine").
+    Raises:
+        ConfigError: naming the batch, the processes and micro-batches, and the two nearest valid batches.
+    """
+    from gnetmdk.config.base import ConfigError
+    unit = int(world) * int(accumulate)
+    if unit > 0 and batch_size % unit == 0:
+        return
+    lower = (batch_size // unit) * unit
+    choices = " or ".join(str(c) for c in (lower, lower + unit) if c > 0)
+    into = f"evenly over {world} processes" + (f" ({how})" if how else "")
+    if accumulate > 1:
+        into = f"into {world} process(es) x {accumulate} accumulated micro-batches"
+    raise ConfigError(f"batch_size {batch_size} does not split {into}: use a multiple of {unit} (e.g. {choices}); "
+                      f"each process takes batch_size / {world} images and the learning rate is not rescaled")
+
+
 class GlobalBatchSampler(Sampler[List[int]]):
     """Yields this rank's part of each global batch.
 
@@ -26,17 +48,13 @@ class GlobalBatchSampler(Sampler[List[int]]):
             yielded as A consecutive micro-batches of b / A images (gradient accumulation), so A
             accumulated micro-batches see exactly the images of one batch of B.
     Raises:
-        ValueError: B not divisible by world_size, or fewer samples than one global batch.
+        ConfigError (a ValueError): B does not split over the processes and micro-batches
+            (check_batch_split); ValueError: fewer samples than one global batch.
     """
 
     def __init__(self, num_samples: int, global_batch: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, accumulate: int = 1):
-        if global_batch % world_size:
-            raise ValueError(f"batch_size {global_batch} does not split over {world_size} processes: "
-                             f"choose a multiple of {world_size}")
-        if global_batch % (world_size * accumulate):
-            raise ValueError(f"batch_size {global_batch} does not split into {world_size} process(es) x "
-                             f"{accumulate} micro-batches: choose a multiple of {world_size * accumulate}")
+        check_batch_split(global_batch, world_size, accumulate)
         if num_samples < global_batch:
             raise ValueError(f"the training set has {num_samples} images, fewer than one batch of "
                              f"{global_batch}: lower batch_size")
@@ -87,11 +105,13 @@ class ShardSampler(Sampler[int]):
 
 
 class EpochBatches:
-    """Batch sampler wrapper: each index of ``sampler``'s batches becomes ``(index, epoch)``.
+    """Batch sampler wrapper: each index of ``sampler``'s batches becomes ``(index, epoch, batch)``, with
+    ``batch`` the index of its global batch in the epoch.
 
     The epoch is read from ``sampler.epoch`` when an epoch's iteration starts, in the loader's main
-    process. Datasets that accept such keys (DetectionDataset) then draw that epoch's augmentation
-    even in persistent workers, whose dataset copies never see ``set_epoch``.
+    process. Datasets that accept such keys then draw that epoch's augmentation even in persistent
+    workers, whose dataset copies never see ``set_epoch``, and a per-batch choice (PP-YOLO's
+    multi-scale size) from (seed, epoch, batch): the same on every rank and in a replay.
     """
 
     def __init__(self, sampler: GlobalBatchSampler):
@@ -102,5 +122,7 @@ class EpochBatches:
 
     def __iter__(self):
         epoch = int(self.sampler.epoch)
-        for batch in self.sampler:
-            yield [(i, epoch) for i in batch]
+        first, per = int(self.sampler.start_batch), int(self.sampler.accumulate)
+        for k, batch in enumerate(self.sampler):
+            b = first + k // per
+            yield [(i, epoch, b) for i in batch]

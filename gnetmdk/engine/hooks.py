@@ -106,6 +106,8 @@ class TensorboardHook(HookBase):
         if res is not None:
             name = self.trainer.stage.name
             self.scalar(f"{name}/mAP", res["map"], epoch + 1)
+            if "coco" in res:
+                self.scalar(f"{name}/COCO_mAP", res["coco"]["map"], epoch + 1)
             self.scalar(f"{name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
 
     def after_train(self) -> None:
@@ -127,10 +129,13 @@ class EvalHook(HookBase):
         res = t.evaluate("entry")
         t.summary["entry_map"] = res["map"]
         t.last_map = res["map"]
-        t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f} (before training, {res['seconds']:.1f}s)")
+        coco = f", COCO mAP {res['coco']['map']:.4f}" if "coco" in res else ""
+        t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f}{coco} (before training, {res['seconds']:.1f}s)")
         t.tensorboard.scalar(f"{t.stage.name}/mAP", res["map"], 0)
         # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
         t.best_map = res["map"]
+        if "coco" in res:
+            t.summary["best_coco_map"] = res["coco"]["map"]
         t.save_best(0, 0)
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
@@ -141,6 +146,8 @@ class EvalHook(HookBase):
         result["eval"] = res
         t.last_map = res["map"]
         if res["map"] > t.best_map:
+            if "coco" in res:
+                t.summary["best_coco_map"] = res["coco"]["map"]     # of the model best.pth holds
             t.best_map = res["map"]
             t.save_best(epoch + 1, t.iteration)
             result["best"] = True
@@ -174,7 +181,10 @@ class LoggerHook(HookBase):
                f"lr {t.optimizer.param_groups[0]['lr']:.2e} {tr['images_per_s']:.1f} img/s")
         res = result.get("eval")
         if res is not None:
-            msg += f" | val mAP {res['map']:.4f} loss {res['loss'].get('total', float('nan')):.4f}"
+            msg += f" | val mAP {res['map']:.4f}"
+            if "coco" in res:
+                msg += f" COCO mAP {res['coco']['map']:.4f}"
+            msg += f" loss {res['loss'].get('total', float('nan')):.4f}"
             if result.get("best"):
                 msg += " *best*"
         t.log(f"{msg} ({(time.time() - t.t_start) / 60:.1f} min)")

@@ -94,6 +94,9 @@ def apply_stage(model, stage: Stage, calibrating: bool = False) -> None:
     ``calibrating`` puts the ReLUs in measuring mode (cal pass); afterwards call again with False and
     the step-3 switches (see Trainer.calibrate).
     """
+    if not hasattr(model, "convs"):      # a family without the chip's quantized layers (float stages only)
+        model.train(model.training)
+        return
     for conv in model.convs():
         conv.quant_weight = stage.quant_weight
     for relu in model.relus():

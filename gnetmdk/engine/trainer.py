@@ -33,7 +33,7 @@ from .calibration import calibrate_caps
 from .hooks import CheckpointHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import prepare_model, wrap_ddp
 from .device import configure_backends, resolve_device
-from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler
+from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler, check_batch_split
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.models import get_family, model_from_config
@@ -132,16 +132,9 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def build_data(self) -> None:
         cfg = self.cfg
-        if cfg.batch_size % self.world_size:
-            raise ValueError(f"batch_size {cfg.batch_size} does not split over {self.world_size} processes "
-                             f"(world_size x gpus): choose a multiple of {self.world_size}")
-        self.local_batch = cfg.batch_size // self.world_size
         accumulate = 1 if self.stage.name == "cal" else cfg.accumulate
-        if cfg.batch_size % (self.world_size * accumulate):
-            from gnetmdk.config import ConfigError
-            raise ConfigError(f"batch_size {cfg.batch_size} does not split into {self.world_size} process(es) x "
-                             f"{accumulate} accumulated micro-batches: choose a multiple of "
-                             f"{self.world_size * accumulate}")
+        check_batch_split(cfg.batch_size, self.world_size, accumulate)
+        self.local_batch = cfg.batch_size // self.world_size
         self.micro_batch = self.local_batch // accumulate
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "valid")
@@ -214,6 +207,7 @@ class Trainer:
         self.model.to(self.device)
         if cfg.channels_last:
             self.model.to(memory_format=torch.channels_last)
+        self.parallel_notes += self.family.configure(self.model, cfg)
         apply_stage(self.model, stage)
         self.model.train()
         self.setup_parallel()
@@ -230,7 +224,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.time()
         res = evaluate_model(self.eval_model, self.val_loader, self.val_set, self.device, cfg.conf_thresh,
-                             cfg.nms_thresh, cfg.max_detections)
+                             cfg.nms_thresh, cfg.max_detections, coco=cfg.eval_coco)
         res["seconds"] = time.time() - t0
         return res
 

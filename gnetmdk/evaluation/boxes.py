@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["box_area", "box_iou", "nms", "batched_nms"]
+__all__ = ["box_area", "box_iou", "paired_iou", "nms", "batched_nms"]
 
 
 def _check_boxes(boxes: torch.Tensor, name: str) -> torch.Tensor:
@@ -50,6 +50,28 @@ def box_area(boxes: torch.Tensor) -> torch.Tensor:
     w = (boxes[:, 2] - boxes[:, 0]).clamp(min=0)
     h = (boxes[:, 3] - boxes[:, 1]).clamp(min=0)
     return w * h
+
+
+def paired_iou(a: torch.Tensor, b: torch.Tensor, min_union: float = 1e-12) -> torch.Tensor:
+    """Elementwise intersection-over-union of boxes that broadcast against each other.
+
+    The same formula as :func:`box_iou` (Jaccard index, continuous coordinates, no "+1"), for pairs
+    instead of all combinations: a box of ``a`` with the box of ``b`` at the same (broadcast) index;
+    usable inside losses (differentiable, nothing read back to the host).
+
+    Args:
+        a, b: ``(..., 4)`` float tensors, xyxy, broadcastable shapes, the same unit.
+        min_union: the union is clamped below at this value, so two degenerate boxes give 0.
+    Returns:
+        ``(...)`` tensor of IoUs in ``[0, 1]``.
+    """
+    lt = torch.maximum(a[..., :2], b[..., :2])
+    rb = torch.minimum(a[..., 2:], b[..., 2:])
+    wh = (rb - lt).clamp(min=0)
+    inter = wh[..., 0] * wh[..., 1]
+    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
+    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
+    return inter / (area_a + area_b - inter).clamp(min=min_union)
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -110,15 +110,11 @@ def _get(d: Mapping, key: str, where: str):
 
 
 def _iou_one_to_many(box: np.ndarray, gts: np.ndarray) -> np.ndarray:
-    """IoU of one xyxy box with ``(G, 4)`` boxes, continuous coordinates (no +1)."""
-    iw = np.clip(np.minimum(box[2], gts[:, 2]) - np.maximum(box[0], gts[:, 0]), 0.0, None)
-    ih = np.clip(np.minimum(box[3], gts[:, 3]) - np.maximum(box[1], gts[:, 1]), 0.0, None)
-    inter = iw * ih
-    area_d = max(box[2] - box[0], 0.0) * max(box[3] - box[1], 0.0)
-    area_g = np.clip(gts[:, 2] - gts[:, 0], 0.0, None) * np.clip(gts[:, 3] - gts[:, 1], 0.0, None)
-    union = area_d + area_g - inter
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)
+    """IoU of one xyxy box with ``(G, 4)`` boxes (gnetmdk.evaluation.boxes.box_iou, in float64)."""
+    import torch
+    from .boxes import box_iou
+    return box_iou(torch.from_numpy(np.asarray(box, np.float64).reshape(1, 4)),
+                   torch.from_numpy(np.asarray(gts, np.float64))).numpy()[0]
 
 
 def evaluate_detections(

@@ -71,6 +71,18 @@ class DetectorFamily:
         """Refuse config values this family cannot use (ConfigError naming the field and the fix)."""
 
     # ------------------------------------------------------------------ data
+    def build_dataset(self, cfg, split: str):
+        """The dataset of ``split`` ("train" or "valid"): items (image (3, H, W) uint8 as ``input_kind``
+        says, targets as ``target_kind`` says, index, (width, height) of the file); ``set_epoch``,
+        ``ground_truth(i)``, ``original_size(i)``, ``num_classes`` and ``augment`` as
+        gnetmdk.dataset.dataset.DetectionDataset has them."""
+        raise NotImplementedError
+
+    def configure(self, model: nn.Module, cfg) -> List[str]:
+        """Settings the run applies to a built model (e.g. randomness off in ``--deterministic`` runs);
+        returns log lines."""
+        return []
+
     def encode_targets(self, boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, cfg) -> np.ndarray:
         """Dense targets of one sample (``target_kind`` "dense" only): boxes (K, 4) float32 xyxy relative
         to the image, labels (K,) int64, scores (K,) float32 (1 but after MixUp)."""

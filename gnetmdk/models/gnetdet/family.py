@@ -112,6 +112,10 @@ class GNetDetFamily(DetectorFamily):
         check_gnetdet_config(cfg)
 
     # ------------------------------------------------------------------ data
+    def build_dataset(self, cfg, split: str):
+        from gnetmdk.dataset.dataset import build_gnetdet_dataset
+        return build_gnetdet_dataset(cfg, split)
+
     def encode_targets(self, boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, cfg) -> np.ndarray:
         from gnetmdk.dataset.dataset import encode_targets
         return encode_targets(boxes, labels, cfg.grid_size, cfg.num_classes)

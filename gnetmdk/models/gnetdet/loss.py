@@ -18,6 +18,8 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
+from gnetmdk.evaluation.boxes import paired_iou
+
 
 def cell_boxes_to_xyxy(boxes: torch.Tensor, grid: int) -> torch.Tensor:
     """Convert (..., S, S, 4) [x, y, w, h] cell-encoded boxes to image-relative [x1, y1, x2, y2].
@@ -38,17 +40,6 @@ def cell_boxes_to_xyxy(boxes: torch.Tensor, grid: int) -> torch.Tensor:
     cy = (rows + boxes[..., 1]) / s
     hw, hh = boxes[..., 2] / 2, boxes[..., 3] / 2
     return torch.stack([cx - hw, cy - hh, cx + hw, cy + hh], dim=-1)
-
-
-def _pair_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise IoU of (..., 4) xyxy boxes a and b."""
-    lt = torch.maximum(a[..., :2], b[..., :2])
-    rb = torch.minimum(a[..., 2:], b[..., 2:])
-    wh = (rb - lt).clamp(min=0)
-    inter = wh[..., 0] * wh[..., 1]
-    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
-    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
-    return inter / (area_a + area_b - inter).clamp(min=1e-12)
 
 
 class _ClampBack(torch.autograd.Function):
@@ -169,7 +160,7 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
     with torch.no_grad():
         pxy = cell_boxes_to_xyxy(pboxes[..., :4], s)                  # (N, S, S, 2, 4)
         txy = cell_boxes_to_xyxy(tbox, s).unsqueeze(3)                # (N, S, S, 1, 4)
-        ious = _pair_iou(pxy, txy)                                    # (N, S, S, 2)
+        ious = paired_iou(pxy, txy)                                   # (N, S, S, 2)
         resp = (ious[..., 1] > ious[..., 0]).long()                   # responsible slot, ties -> 0
         if box_slots == 1:
             resp = torch.zeros_like(resp)

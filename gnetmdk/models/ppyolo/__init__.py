@@ -19,3 +19,9 @@ __all__ = ["DeformConv2d", "deform_conv2d", "YOLOv3Head", "decode_level_boxes", 
            "PPYOLO_R50VD", "PRESET_INPUT_SIZE", "ppyolo_r18vd", "ppyolo_r50vd", "SPP", "CoordConv", "DropBlock",
            "PPYOLOFPN", "coord_channels", "decode_outputs", "matrix_nms", "matrix_nms_decay", "postprocess",
            "BasicBlock", "BottleneckBlock", "ResNetVd"]
+
+from . import config as _config  # noqa: E402,F401  (registers the ppyolo config section)
+from .family import PPYOLOFamily  # noqa: E402
+from gnetmdk.models import register_family as _register_family  # noqa: E402
+
+_register_family(PPYOLOFamily())

@@ -64,7 +64,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from gnetmdk.evaluation.boxes import box_iou
+from gnetmdk.evaluation.boxes import paired_iou
 from .head import decode_level_boxes, grid_offsets, split_level
 
 __all__ = ["YOLOv3Loss", "validate_anchors", "LOSS_KEYS"]
@@ -203,17 +203,6 @@ class YOLOv3Loss:
             result.append({"b": b[win], "m": m[win], "a": a[win], "gj": gj[win], "gi": gi[win]})
         return result
 
-    @staticmethod
-    def _paired_iou(pbox: torch.Tensor, gbox: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
-        """IoU of row k of ``pbox`` with row k of ``gbox`` (rows sorted by image ``b``), through
-        ``box_iou`` per image (diagonal of a small P_b x P_b matrix)."""
-        if pbox.shape[0] == 0:
-            return pbox.new_zeros(0)
-        counts = torch.bincount(b, minlength=n).tolist()
-        parts = [box_iou(p, g).diagonal() for p, g, c in
-                 zip(pbox.split(counts), gbox.split(counts), counts) if c > 0]
-        return torch.cat(parts)
-
     # ------------------------------------------------------------------ loss
     def __call__(self, outputs: Sequence[torch.Tensor], targets: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Loss terms for raw head outputs and padded targets.
@@ -245,7 +234,6 @@ class YOLOv3Loss:
         gcx, gcy = 0.5 * (gx1 + gx2), 0.5 * (gy1 + gy2)
         score = targets[..., 5] if targets.shape[-1] == 6 else torch.ones_like(cls_t)
         valid = (cls_t >= 0) & (gw > 0) & (gh > 0) & (score > 0)
-        gt_lists = [targets[i, valid[i], 1:5] for i in range(n)]
         zero = torch.zeros((), dtype=dt, device=dev)
         terms = {k: zero for k in LOSS_KEYS[:-1]}
         s = self.scale_x_y
@@ -283,7 +271,7 @@ class YOLOv3Loss:
                 pcx, pcy = (gi.to(dt) + px) / wl, (gj.to(dt) + py) / hl
                 pw, ph = torch.exp(ptw) * anc[a, 0] / img_w, torch.exp(pth) * anc[a, 1] / img_h
                 pbox = torch.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw, pcy + 0.5 * ph], dim=-1)
-                iou = self._paired_iou(pbox, targets[b, m, 1:5], b, n)
+                iou = paired_iou(pbox, targets[b, m, 1:5])
                 if self.iou_loss_weight != 0.0:
                     liou = 1.0 - iou * iou if self.iou_loss_square else 1.0 - iou
                     terms["iou"] = terms["iou"] + self.iou_loss_weight * (w_pos * liou).sum() / n
@@ -298,10 +286,10 @@ class YOLOv3Loss:
             weight[b, a, gj, gi] = g
             with torch.no_grad():
                 boxes = decode_level_boxes(parts, [self.anchors[i] for i in mask], stride, s).reshape(n, -1, 4)
-                iou_max = torch.zeros(n, na * hl * wl, dtype=dt, device=dev)
-                for i in range(n):
-                    if gt_lists[i].shape[0]:
-                        iou_max[i] = box_iou(boxes[i], gt_lists[i]).max(dim=1).values
+                # every predicted box against every ground truth of its image at once (padding rows -1)
+                ious = paired_iou(boxes[:, :, None, :], targets[:, None, :, 1:5])          # (N, P, M)
+                iou_max = ious.masked_fill(~valid[:, None, :], -1.0).amax(dim=2).clamp(min=0) \
+                    if targets.shape[1] else torch.zeros(n, boxes.shape[1], dtype=dt, device=dev)
                 keep = (iou_max.view_as(tobj) <= self.ignore_thresh) | (tobj > 0)
             terms["obj"] = terms["obj"] + (_bce_logits(parts["obj"], tobj) * keep.to(dt) * weight).sum() / n
 

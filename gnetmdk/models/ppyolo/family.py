@@ -1,0 +1,75 @@
+"""PP-YOLO as a model family: float training (step 1) on RGB images with padded ground truth; the
+integer stages for a model the chip cannot run come with the issue that adds them."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch.nn as nn
+
+from gnetmdk.models.base import DetectorFamily
+
+#: the section fields that are the architecture (a checkpoint must share them with the config)
+ARCH_FIELDS = ("depth", "return_idx", "dcn_v2_stages", "coord_conv", "spp", "conv_block_num", "anchors",
+               "anchor_masks", "iou_aware")
+#: the section fields that are training settings (from the run's config, also for a checkpoint's model)
+TRAIN_FIELDS = ("freeze_at", "freeze_norm", "drop_block", "block_size", "keep_prob", "iou_aware_factor",
+                "ignore_thresh", "scale_x_y", "label_smooth", "iou_loss_weight", "iou_aware_loss_weight",
+                "nms_post_threshold")
+
+
+class PPYOLOFamily(DetectorFamily):
+    """PP-YOLO (gnetmdk.models.ppyolo): RGB pixels in, padded targets, step 1 only for now."""
+    name = "ppyolo"
+    stages = ("step1",)
+    input_kind = "rgb"
+    target_kind = "padded"
+
+    def create(self, **kwargs) -> nn.Module:
+        from .model import PPYOLO
+        return PPYOLO(**kwargs)
+
+    @staticmethod
+    def _kwargs(cfg, fields) -> Dict[str, Any]:
+        p = cfg.ppyolo
+        return {f: (list(getattr(p, f)) if isinstance(getattr(p, f), (list, tuple)) else getattr(p, f))
+                for f in fields}
+
+    def build(self, cfg, builder=None, **overrides) -> nn.Module:
+        from .model import PPYOLO
+        kw = dict(num_classes=cfg.num_classes, obj_prior=cfg.ppyolo.obj_prior,
+                  **self._kwargs(cfg, ARCH_FIELDS + TRAIN_FIELDS))
+        kw.update(overrides)
+        return (builder or PPYOLO)(**kw)
+
+    def rebuild(self, meta: Dict[str, Any], cfg=None, stage: Optional[str] = None, path: str = "?") -> nn.Module:
+        from .model import PPYOLO
+        kw = {k: v for k, v in meta.items() if k != "name"}
+        if cfg is not None:
+            kw.update(self._kwargs(cfg, TRAIN_FIELDS))
+        return PPYOLO(**kw)
+
+    def describe(self, cfg) -> str:
+        p = cfg.ppyolo
+        return (f"r{p.depth}vd, {len(p.return_idx)} levels, eval {cfg.image_size}px, train "
+                f"{min(p.train_sizes)}-{max(p.train_sizes)}px")
+
+    def compat_fields(self, cfg) -> Dict[str, Any]:
+        return self._kwargs(cfg, ARCH_FIELDS)
+
+    def check_config(self, cfg) -> None:
+        from .config import check_ppyolo_config
+        check_ppyolo_config(cfg)
+
+    def build_dataset(self, cfg, split: str):
+        from gnetmdk.dataset.ppyolo_dataset import build_ppyolo_dataset
+        return build_ppyolo_dataset(cfg, split)
+
+    def configure(self, model: nn.Module, cfg) -> List[str]:
+        if cfg.deterministic and cfg.ppyolo.drop_block:
+            model.set_drop_block(False)
+            return ["deterministic mode: DropBlock off (the identity)"]
+        return []
+
+    def loss_line(self, terms: Dict[str, float]) -> str:
+        keys = [k for k in ("xy", "wh", "obj", "cls", "iou", "iou_aware") if k in terms]
+        return f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")"

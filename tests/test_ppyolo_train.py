@@ -1,0 +1,216 @@
+"""PP-YOLO as a family of the trainer (device cpu): a tiny r18vd on real cards images through train.py and
+train-dist.py (2 processes equal 1 on the same recorded batches), multi-scale sizes the same on every
+rank of an iteration, COCO-json data with COCO mAP, tools/xml_2_json.py, and tools/convert_weights.py on a
+Paddle-format file written by the test."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import ALIGN_ATOL, DIFF_WEIGHTS, ROOT, TRAIN, TRAIN_DIST, diff_weights, run
+from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+from gnetmdk.config import build_config, load_config_class
+
+torch.set_num_threads(1)
+
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+CARDS = os.path.join(DATA, "cards")
+CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
+needs_cards = pytest.mark.skipif(not os.path.isdir(CARDS), reason="cards dataset not present")
+
+CONFIG = '''
+from gnetmdk.config import BaseConfig
+from gnetmdk.models.ppyolo.config import R18VD
+
+
+class Config(BaseConfig):
+    model_name = "ppyolo"
+    DS_NAME = "cards"
+    VOC_CLASSES = {classes!r}
+    dataset_path = {dataset!r}
+    meta_root = {root!r} + "/meta"
+    image_size = 64
+    ppyolo = dict(R18VD, train_sizes=[64, 96, 128], mixup_epochs=2, max_boxes=20)
+    batch_size = 4
+    max_train_images = 8
+    max_val_images = 4
+    num_workers = 0
+    threads = 1
+    device = "cpu"
+    num_epochs = 1
+    warmup_epochs = 0
+    learning_rate = 1e-3
+    progress = False
+'''
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    from gnetmdk.dataset.voc import convert_voc_to_coco, convert_voc_to_meta
+    root = str(tmp_path_factory.mktemp("ppyolo"))
+    convert_voc_to_meta(CARDS, CLASSES, os.path.join(root, "meta", "cards_train.txt"),
+                        os.path.join(root, "meta", "cards_valid.txt"))
+    convert_voc_to_coco(CARDS, CLASSES, os.path.join(root, "json", "cards_train.json"),
+                        os.path.join(root, "json", "cards_valid.json"))
+    path = os.path.join(root, "config.py")
+    with open(path, "w") as fh:
+        fh.write(CONFIG.format(classes=CLASSES, dataset=CARDS, root=root))
+    return root, path
+
+
+def _out(root, name):
+    d = os.path.join(root, name)
+    return ["checkpoint_root", os.path.join(d, "checkpoint"), "log_root", os.path.join(d, "log"),
+            "model_root", os.path.join(d, "model")]
+
+
+@needs_cards
+def test_ppyolo_trains_evaluates_and_rebuilds_from_its_checkpoint(ws, capsys):
+    """train.py --step 1 on PP-YOLO: the family's loss terms on the epoch line, COCO and VOC mAP, a
+    checkpoint whose model rebuilds (strict) and evaluates with tools/eval_voc.py; the chip's stages are
+    refused with the reason."""
+    from gnetmdk.engine.cli import main
+    root, path = ws
+    assert main(["--config", path, "--step", "1", "eval_coco", "true", *_out(root, "a")]) == 0
+    out = capsys.readouterr().out
+    assert "model ppyolo r18vd, 2 levels, eval 64px, train 64-128px" in out
+    line = next(l for l in out.splitlines() if "epoch 1/1" in l)
+    import re
+    for term in ("xy", "wh", "obj", "cls", "iou"):
+        assert re.search(rf"[ (]{term} \d", line), (term, line)
+    assert "COCO mAP" in line
+    ck = load_checkpoint(os.path.join(root, "a", "checkpoint", "step1", "best.pth"))
+    assert ck["model_meta"]["name"] == "ppyolo" and ck["config"]["ppyolo"]["depth"] == 18
+    model = build_model_from_checkpoint(ck, build_config(load_config_class(path), [], step=1))
+    assert sum(p.numel() for p in model.parameters()) > 1e6
+    spec = __import__("importlib.util").util.spec_from_file_location("eval_voc", os.path.join(ROOT, "tools", "eval_voc.py"))
+    tool = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([os.path.join(root, "a", "checkpoint", "step1", "best.pth"), "--config", path, "--coco"]) == 0
+    assert "COCO mAP@[.5:.95]" in capsys.readouterr().out
+    assert main(["--config", path, "--step", "2", *_out(root, "a")]) == 2
+    assert "the ppyolo family runs the stages step1" in capsys.readouterr().err
+
+
+@needs_cards
+def test_multiscale_size_is_the_same_on_every_rank_of_an_iteration(ws):
+    """The multi-scale size comes from (seed, epoch, global batch index): two ranks' halves of a global
+    batch get the same size, and the sizes of an epoch are not all one."""
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler
+    root, path = ws
+    cfg = build_config(load_config_class(path), ["max_train_images", "40", "batch_size", "4"], step=1)
+    ds = build_dataset(cfg, "train")
+    sizes = {}
+    for rank in (0, 1):
+        s = GlobalBatchSampler(len(ds), 4, rank, 2, shuffle=True, seed=0)
+        s.set_epoch(3)
+        for b, keys in enumerate(EpochBatches(s)):
+            got = {tuple(ds[k][0].shape) for k in keys}
+            assert len(got) == 1
+            assert sizes.setdefault(b, got) == got, (b, rank)
+    assert len({v.pop()[1] for v in sizes.values()}) > 1
+
+
+@needs_cards
+def test_two_processes_equal_one_process(ws):
+    """--deterministic (augmentation and DropBlock off, fixed size): 2 processes x 2 record 3 iterations,
+    1 process x 4 replays them from the same weights; SGD at a small rate (docs/distributed.md)."""
+    root, path = ws
+    rec = os.path.join(root, "rec")
+    common = ["--config", path, "--step", "1", "--deterministic", "optimizer", "sgd", "learning_rate", "1e-4",
+              "num_epochs", "3"]
+    a = run([TRAIN_DIST, *common, "--gpus", "2", "--max-iters", "3", "--save-npz", rec, *_out(root, "d2")],
+            root, timeout=300).check()
+    assert "DropBlock off" in a.stdout and "2 x 2" in a.stdout
+    b = run([TRAIN, *common, "--replay-npz", rec, *_out(root, "d1")], root, timeout=300).check()
+    lines = [l for l in b.stdout.splitlines() if l.startswith("[replay] iteration")]
+    assert len(lines) == 3
+    assert all(abs(float(l.split(" diff ")[1].split()[0])) < 1e-4 for l in lines), lines
+    pa = os.path.join(root, "d2", "checkpoint", "step1", "last.pth")
+    pb = os.path.join(root, "d1", "checkpoint", "step1", "last.pth")
+    res = diff_weights(pa, pb, atol=ALIGN_ATOL, rtol=1e-5)
+    assert res.returncode == 0, res.text[-3000:]
+
+
+@needs_cards
+def test_coco_json_data_gives_the_meta_files_records(ws):
+    from gnetmdk.dataset.records import load_records
+    root, path = ws
+    meta = build_config(load_config_class(path), [], step=1)
+    coco = build_config(load_config_class(path), ["train_json", os.path.join(root, "json", "cards_train.json"),
+                                                  "val_json", os.path.join(root, "json", "cards_valid.json")], step=1)
+    for split in ("train", "valid"):
+        a, b = load_records(meta, split), load_records(coco, split)
+        assert len(a) == len(b) > 0
+        for (na, ba, la), (nb, bb, lb) in zip(a, b):
+            assert na == nb and np.array_equal(ba, bb) and np.array_equal(la, lb)
+
+
+@needs_cards
+def test_xml_2_json_tool(ws, tmp_path):
+    out = tmp_path / "j"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_json.py"), "--name", "cards",
+                        "--dataset-dir", CARDS, "--classes", ",".join(CLASSES), "--out-dir", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.load(open(out / "cards_train.json"))
+    assert [c["name"] for c in doc["categories"]] == CLASSES and len(doc["images"]) == 296
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_json.py"), "--name", "cards",
+                        "--dataset-dir", str(tmp_path / "nothing"), "--classes", "a", "--out-dir", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def test_convert_weights_tool_writes_a_checkpoint_train_can_load(ws, tmp_path):
+    """A PaddleDetection-format r18vd file (names from the test's own statement of PaddleDetection's
+    rules, tests/test_paddle_convert.py) -> tools/convert_weights.py -nc 6 -> a step-0 checkpoint with
+    those tensors, which step 1 loads as its pretrained model; a malicious file is refused unexecuted."""
+    from test_paddle_convert import fill, paddle_save_state_dict, pd_ppyolo
+    root, path = ws
+    shapes = pd_ppyolo(18, [2, 3], [], False, 0, True, False, [[3, 4, 5], [0, 1, 2]], 80, False)
+    arrays = fill(shapes, seed=3)
+    pd = paddle_save_state_dict(str(tmp_path / "ppyolo_r18vd_coco.pdparams"), arrays)
+    out = tmp_path / "00.pth"
+    tool = os.path.join(ROOT, "tools", "convert_weights.py")
+    r = subprocess.run([sys.executable, tool, "-f", path, "-c", pd, "-oc", str(out), "-nc", "6"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ck = load_checkpoint(str(out))
+    assert ck["stage"] == "step0" and ck["model_meta"]["num_classes"] == 6
+    w = ck["model"]["backbone.stem.0.conv.weight"]
+    assert torch.equal(w, torch.from_numpy(arrays["backbone.conv1.conv1_1.conv.weight"]))
+    assert torch.equal(ck["model"]["backbone.stem.0.bn.running_var"],
+                       torch.from_numpy(arrays["backbone.conv1.conv1_1.norm._variance"]))
+    head = ck["model"]["head.outputs.0.weight"]
+    assert head.shape[0] == 3 * (5 + 6)
+    # step 1 starts from it (as checkpoint/step0/best.pth: the pretrained model, matching tensors)
+    step0 = os.path.join(root, "p", "checkpoint", "step0")
+    os.makedirs(step0, exist_ok=True)
+    os.replace(out, os.path.join(step0, "best.pth"))
+    r = run([TRAIN, "--config", path, "--step", "1", "num_epochs", "0", *_out(root, "p")], root, timeout=300).check()
+    assert "pretrained" in r.stdout and "skipped 0" in r.stdout
+    # a file that asks to run code is refused, and nothing runs
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    evil = tmp_path / "evil.pdparams"
+    evil.write_bytes(pickle.dumps({"x": Evil()}, protocol=2))
+    r = subprocess.run([sys.executable, tool, "-f", path, "-c", str(evil), "-oc", str(tmp_path / "e.pth")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "not executed" in r.stderr
+    assert not marker.exists() and not (tmp_path / "e.pth").exists()
+    # another architecture: the keys do not map, exit 1, nothing written
+    r = subprocess.run([sys.executable, tool, "-f", path, "-c", pd, "-oc", str(tmp_path / "x.pth"), "ppyolo.depth", "34"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and not (tmp_path / "x.pth").exists()
