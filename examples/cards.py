@@ -13,63 +13,64 @@ class Config(BaseConfig):
     VOC_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
     dataset_path = "../shared/data/cards"
     image_size = 224
-    width_mult = 0.25          # widths 16..64
-    chip = "5801"
     batch_size = 16
     # 2 cores: augmentation in the main process (images are decoded once and cached); workers competed
     # with the training threads (step 1 at 45-47 images/s with 0 workers, 36-42 with 2; docs/training.md)
     num_workers = 0
     threads = 2                # a dedicated 2-core machine; on a busy box use threads 1 (docs/results.md)
-    # recipe measured on cards (docs/results.md): scores as sigmoid(10 (output - 0.5)) on the host
-    # with cross-entropy terms ("logit" head; the chip still ends in a capped ReLU, and scores span
-    # outputs 0..1.1 like the boxes, which share the output layer's cap), and a no-object weight of
-    # 0.05 (GTI's 0.005 leaves empty cells with high confidence)
-    score_head = "logit"
-    score_offset = 0.5
-    score_scale = 10.0
-    l_class = 1.0
-    l_noobj = 0.05
-    # a hinge on the outputs no loss term trains (empty cells' classes and boxes, the second slot's box):
-    # they share the output layer's calibrated cap with the trained ones (docs/results.md)
-    l_range = 1.0
-    # one box slot per cell trained (slot 1 always responsible): with YOLOv1's rule the two slots traded
-    # the target whenever their IoUs crossed (training loss 2.2-2.6 against 1.4); with one slot step 4
-    # ended within 2 points of step 1 for all of five seeds (docs/results.md)
-    box_slots = 1
-    # cards lie on a table in any orientation: half the training images turned by 90, 180 or 270 degrees
-    # (boxes stay exact); step 1 gained 0.9 to 2.8 points in four seeds and lost 5.2 in a fifth (mean
-    # 0.915 -> 0.918; docs/results.md, session 6)
-    rotate_prob = 0.5
-    # calibration: per layer the cap with the least 5-bit error over a histogram of the activations
-    # (docs/pipeline.md). Step 3 starts where step 2 ended more often: in seed 2 the 99.99th percentile
-    # (`cap_method percentile`) had dropped mAP from 0.894 to 0.250, MSE caps to 0.865 (docs/results.md,
-    # session 7); step 4 rose 1.4 and 1.3 points in seeds 0 and 4 and fell 0.7 in seed 2 (single runs)
-    cap_method = "mse"
-    cap_percentile = 99.99     # with cap_method percentile (99 clipped enough to cost 24 points on cards)
-    # the MSE-best per-kernel scale (chip-compatible): on cards GTI's rule d = mean|w|/4 sends step 2's
-    # entry to mAP 0 and fine-tuning does not always recover (docs/results.md); `weight_scale gti` for GTI's
-    weight_scale = "mse"
-    # weight schemes per major layer: the chip default is 3-bit everywhere but the last major layer
-    # (8-bit); here the first major layer (two convs, 2.7k weights) is 8-bit too. Quantizing the step-1
-    # model without training cost 1.5-6.9 points with the default and at most 1.9 with this (five seeds);
-    # after steps 2-4, step 4 was within 2 points of step 1 in five seeds of five, mean -0.0 points,
-    # against four of five, mean -0.7; two more seeds end to end: -1.9 and -2.1 (session 9, docs/results.md)
-    mask_bits = [8, 3, 3, 3, 3, 8]
+    gnetdet = dict(
+        width_mult=0.25,       # widths 16..64
+        chip="5801",
+        # scores as sigmoid(10 (output - 0.5)) on the host with cross-entropy terms ("logit" head; the chip
+        # still ends in a capped ReLU, and scores span outputs 0..1.1 like the boxes, which share the output
+        # layer's cap), and a no-object weight of 0.05 (GTI's 0.005 leaves empty cells with high confidence)
+        score_head="logit",
+        score_offset=0.5,
+        score_scale=10.0,
+        l_class=1.0,
+        l_noobj=0.05,
+        # a hinge on the outputs no loss term trains (empty cells' classes and boxes, the second slot's box):
+        # they share the output layer's calibrated cap with the trained ones (docs/results.md)
+        l_range=1.0,
+        # one box slot per cell trained (slot 1 always responsible): with YOLOv1's rule the two slots traded
+        # the target whenever their IoUs crossed (training loss 2.2-2.6 against 1.4); with one slot step 4
+        # ended within 2 points of step 1 for all of five seeds (docs/results.md)
+        box_slots=1,
+        # cards lie on a table in any orientation: half the training images turned by 90, 180 or 270 degrees
+        # (boxes stay exact); step 1 gained 0.9 to 2.8 points in four seeds and lost 5.2 in a fifth (mean
+        # 0.915 -> 0.918; docs/results.md)
+        rotate_prob=0.5,
+        # calibration: per layer the cap with the least 5-bit error over a histogram of the activations
+        # (docs/pipeline.md). Step 3 starts where step 2 ended more often: in seed 2 the 99.99th percentile
+        # (cap_method percentile) had dropped mAP from 0.894 to 0.250, MSE caps to 0.865; step 4 rose 1.4 and
+        # 1.3 points in seeds 0 and 4 and fell 0.7 in seed 2 (single runs; docs/results.md)
+        cap_method="mse",
+        cap_percentile=99.99,  # with cap_method percentile (99 clipped enough to cost 24 points on cards)
+        # the MSE-best per-kernel scale (chip-compatible): on cards GTI's rule d = mean|w|/4 sends step 2's
+        # entry to mAP 0 and fine-tuning does not always recover (docs/results.md); weight_scale gti for GTI's
+        weight_scale="mse",
+        # weight schemes per major layer: the chip default is 3-bit everywhere but the last major layer
+        # (8-bit); here the first major layer (two convs, 2.7k weights) is 8-bit too. Quantizing the step-1
+        # model without training cost 1.5-6.9 points with the default and at most 1.9 with this (five
+        # seeds); after steps 2-4, step 4 was within 2 points of step 1 in five seeds of five, mean -0.0
+        # points, against four of five, mean -0.7; two more seeds end to end: -1.9 and -2.1 (docs/results.md)
+        mask_bits=[8, 3, 3, 3, 3, 8],
+    )
     per_step = {
-        # step 1: 160 epochs (130 before session 7, when a step ran at 31-39 images/s instead of 45-47;
-        # docs/results.md); an EMA of the weights (horizon ~200 steps, 10 epochs) is evaluated and kept
+        # step 1: 160 epochs (docs/results.md); an EMA of the weights (horizon ~200 steps, 10 epochs) is
+        # evaluated and kept
         1: dict(learning_rate=2e-3, num_epochs=160, warmup_epochs=3, eval_interval=5, ema=True, ema_decay=0.995),
         # the quantized stages: fine-tuning at a twentieth of step 1's rate (3e-4 swung val mAP between
         # 0.65 and 0.90 from epoch to epoch), and in step 3 an EMA with a short ramp (docs/results.md).
-        # Step 3 at 1e-4 since session 8 (step 3 computes step 4's integers exactly): step 4 rose in three
-        # seeds of five (+0.9 to +1.6 points) and stayed in two against 5e-5 (docs/results.md)
+        # Step 3 at 1e-4 (step 3 computes step 4's integers exactly): step 4 rose in three seeds of five
+        # (+0.9 to +1.6 points) and stayed in two against 5e-5 (docs/results.md)
         2: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99),
         "cal": dict(),
         3: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99,
                 ema_ramp=20),
         # step 4 starts from exactly step 3's best model; without an EMA its training lowered val mAP in
         # every run (by up to 5 points), with one it kept the entry in four seeds and gained 1.2 in one
-        # (session 8, docs/results.md)
+        # (docs/results.md)
         4: dict(learning_rate=2e-5, num_epochs=6, warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99,
                 ema_ramp=20),
     }

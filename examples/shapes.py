@@ -12,20 +12,22 @@ class Config(BaseConfig):
     DS_NAME = "shapes"
     VOC_CLASSES = ["circle", "square", "triangle"]
     image_size = 224
-    width_mult = 0.25
-    chip = "5801"
     batch_size = 16
     num_workers = 0
     threads = 2
     eval_interval = 5
-    # the cards recipe (docs/results.md): logit score head in the boxes' output range, and a
-    # no-object weight of 0.05
-    score_head = "logit"
-    score_offset = 0.5
-    score_scale = 10.0
-    l_class = 1.0
-    l_noobj = 0.05
-    cap_percentile = 99.99     # calibration percentile (BaseConfig: 99; docs/results.md)
+    gnetdet = dict(
+        width_mult=0.25,
+        chip="5801",
+        # the cards recipe (docs/results.md): logit score head in the boxes' output range, and a
+        # no-object weight of 0.05
+        score_head="logit",
+        score_offset=0.5,
+        score_scale=10.0,
+        l_class=1.0,
+        l_noobj=0.05,
+        cap_percentile=99.99,  # calibration percentile (default: 99; docs/results.md)
+    )
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=40, warmup_epochs=2),
         2: dict(learning_rate=2e-4, num_epochs=3, warmup_epochs=0.2),
