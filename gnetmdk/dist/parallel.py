@@ -29,6 +29,10 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     accumulates channels-last statistics in float32 and would differ from N processes by ~1e-4);
     on CUDA, world size > 1 converts to torch.nn.SyncBatchNorm. (Calibration takes the global batch's
     percentiles itself: gnetmdk.engine.calibration.)
+
+    In-place activated BatchNorm (``cfg.inplace_abn``): every BatchNorm followed by a ReLU / leaky
+    ReLU becomes a :class:`gnetmdk.layers.inplace_abn.BatchNormAct2d` (synchronised when the
+    BatchNorm was), converted after the synchronisation above.
     """
     notes: List[str] = []
     world = get_world_size()
@@ -38,6 +42,14 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
         kind = ("torch.nn.SyncBatchNorm" if device.type == "cuda" else
                 "DistBatchNorm2d, the same arithmetic for any process count")
         notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} process(es) ({kind})")
+    if getattr(cfg, "inplace_abn", False):
+        # after the synchronised conversion, which would replace the fused layers by plain BatchNorm
+        from gnetmdk.layers.inplace_abn import convert_inplace_abn, count_inplace_abn
+        convert_inplace_abn(model)
+        n = count_inplace_abn(model)
+        if n:
+            notes.append(f"in-place activated BatchNorm: {n} BatchNorm + activation pairs fused "
+                         "(the same function; less kept for the backward pass)")
     frozen = freeze_biases_before_bn(model)
     if frozen:
         notes.append(f"froze the bias of {frozen} convs followed by BatchNorm (zero gradient in exact arithmetic)")

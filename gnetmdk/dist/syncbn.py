@@ -35,6 +35,115 @@ def _all_reduce_(t: torch.Tensor, sync: bool) -> torch.Tensor:
     return t
 
 
+# ------------------------------------------------------------------ statistics shared with InPlace-ABN
+# (gnetmdk.layers.inplace_abn computes its statistics with these functions, so its synchronised form
+# and DistBatchNorm2d agree exactly; the arithmetic is described in _SyncBNFunction)
+
+def batch_moments(x: torch.Tensor):
+    """Per-channel count, mean and ``M2 = sum (x - mean)^2`` of one rank's (N, C, H, W) tensor.
+
+    Two passes of ``x.dtype`` reductions: the mean, then the squared deviations from that mean
+    rounded to ``x.dtype`` (``m0``), corrected to the float64 mean by
+    ``sum (x - mean)^2 = sum (x - m0)^2 - n (mean - m0)^2`` (no ``E[x^2] - mean^2`` cancellation).
+
+    Returns:
+        (local, scratch): ``local`` a (2C + 1,) float64 tensor ``[n, mean (C), M2 (C)]`` on x's device;
+        ``scratch`` an x-shaped tensor of x's dtype and memory format that the caller may overwrite
+        (it holds ``(x - m0)^2``), or None when x is empty.
+    """
+    c = x.shape[1]
+    view = (1, c, 1, 1)
+    n_local = x.numel() // c
+    local = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)   # [n, mean (C), M2 (C)]
+    local[0] = float(n_local)
+    dev = None
+    if n_local:
+        mean_r = x.sum(dim=_DIMS, dtype=x.dtype).double() / n_local
+        m0 = mean_r.to(x.dtype)
+        dev = torch.sub(x, m0.view(view))
+        d2 = dev.mul_(dev).sum(dim=_DIMS, dtype=x.dtype).double()   # sum (x - m0)^2, no cancellation
+        local[1:c + 1] = mean_r
+        # sum (x - mean_r)^2 = sum (x - m0)^2 - n (mean_r - m0)^2
+        local[c + 1:] = (d2 - n_local * (mean_r - m0.double()) ** 2).clamp_(min=0)
+    return local, dev
+
+
+def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d"):
+    """The global batch's count, mean and biased variance from every rank's :func:`batch_moments`.
+
+    With ``sync`` the (2C + 1,) float64 ``local`` tensors are all-gathered (one collective) and combined
+    in rank order on every rank with Chan et al.'s parallel formula
+    ``M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2`` (float64), so every rank gets the same numbers and
+    one process runs the same arithmetic on a table of one row.
+
+    Returns:
+        (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
+    Raises:
+        ValueError: at most one value per channel over the global batch (``who`` names the layer).
+    """
+    c = (local.numel() - 1) // 2
+    if sync:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        table = torch.stack(parts)                                   # (W, 2C + 1), rank order
+    else:
+        table = local.unsqueeze(0)
+    counts = table[:, :1]
+    n = float(counts.sum())
+    if n <= 1:
+        raise ValueError(f"{who}: {int(n)} value(s) per channel in the batch; training needs more "
+                         "than one (raise batch_size)")
+    means = table[:, 1:c + 1]
+    mean = (counts * means).sum(0) / n
+    # Chan et al.: M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2, in float64
+    m2 = table[:, c + 1:].sum(0) + (counts * (means - mean) ** 2).sum(0)
+    var = (m2 / n).clamp_(min=0)
+    return n, mean, var
+
+
+def update_running_stats_(running_mean: torch.Tensor, running_var: torch.Tensor,
+                          num_batches_tracked: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                          n: float, momentum) -> None:
+    """BatchNorm2d's running-statistics update, in place: ``num_batches_tracked += 1``, factor
+    ``momentum`` (or ``1 / num_batches_tracked`` when momentum is None: cumulative average),
+    ``running_mean = (1 - f) running_mean + f mean``, ``running_var = (1 - f) running_var + f var n / (n - 1)``
+    (the unbiased batch variance, as torch)."""
+    num_batches_tracked.add_(1)
+    factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
+    running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+    running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=factor)
+
+
+def channel_grad_sums(dy: torch.Tensor, dev_dy: torch.Tensor) -> torch.Tensor:
+    """The backward's per-channel sums of one rank, ``[sum dy (C), sum dy * (x - mean) (C)]``, as a
+    (2C,) float64 tensor (``dy.dtype`` reductions); ``dev_dy`` is the x-shaped ``dy * (x - mean)``."""
+    c = dy.shape[1]
+    sums = torch.empty(2 * c, dtype=torch.float64, device=dy.device)
+    sums[:c] = dy.sum(dim=_DIMS, dtype=dy.dtype).double()
+    sums[c:] = dev_dy.sum(dim=_DIMS, dtype=dy.dtype).double()
+    return sums
+
+
+def input_grad_coefficients(total: torch.Tensor, n: float, weight, invstd: torch.Tensor):
+    """Per-channel float64 coefficients of BatchNorm's input gradient (training statistics).
+
+    From the global sums ``total = [sum dy, sum dy (x - m)]`` (all ranks) and the count n:
+    ``grad_x = a dy + b (x - m) + base`` with ``a = gamma invstd``,
+    ``b = -a invstd^2 mean(dy (x - m))`` and ``base = -a mean(dy)`` (the gradient of Ioffe & Szegedy
+    2015, Sec. 3, ``a (dy - mean(dy) - xhat mean(dy xhat))``, expanded).
+
+    Returns:
+        (a, b, base): three (C,) float64 tensors.
+    """
+    c = invstd.numel()
+    w = invstd.new_ones(c) if weight is None else weight.detach().double()
+    a = w * invstd                                                # d out / d x at fixed statistics
+    mean_dy = total[:c] / n
+    mean_dy_dev = total[c:] / n
+    b = -a * invstd * invstd * mean_dy_dev                        # coefficient of (x - m)
+    return a, b, -a * mean_dy
+
+
 class _SyncBNFunction(torch.autograd.Function):
     """Batch normalisation over the global batch (training mode), precise and the same in 1 and N processes.
 
@@ -55,39 +164,10 @@ class _SyncBNFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync):
         c = x.shape[1]
         view = (1, c, 1, 1)
-        n_local = x.numel() // c
-        local = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)   # [n, mean (C), M2 (C)]
-        local[0] = float(n_local)
-        dev = None
-        if n_local:
-            mean_r = x.sum(dim=_DIMS, dtype=x.dtype).double() / n_local
-            m0 = mean_r.to(x.dtype)
-            dev = torch.sub(x, m0.view(view))
-            d2 = dev.mul_(dev).sum(dim=_DIMS, dtype=x.dtype).double()   # sum (x - m0)^2, no cancellation
-            local[1:c + 1] = mean_r
-            # sum (x - mean_r)^2 = sum (x - m0)^2 - n (mean_r - m0)^2
-            local[c + 1:] = (d2 - n_local * (mean_r - m0.double()) ** 2).clamp_(min=0)
-        if sync:
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, local)
-            table = torch.stack(parts)                                   # (W, 2C + 1), rank order
-        else:
-            table = local.unsqueeze(0)
-        counts = table[:, :1]
-        n = float(counts.sum())
-        if n <= 1:
-            raise ValueError(f"DistBatchNorm2d: {int(n)} value(s) per channel in the batch; training needs more "
-                             "than one (raise batch_size)")
-        means = table[:, 1:c + 1]
-        mean = (counts * means).sum(0) / n
-        # Chan et al.: M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2, in float64
-        m2 = table[:, c + 1:].sum(0) + (counts * (means - mean) ** 2).sum(0)
-        var = (m2 / n).clamp_(min=0)
+        local, dev = batch_moments(x)
+        n, mean, var = combine_moments(local, sync, "DistBatchNorm2d")
         if running_mean is not None:
-            num_batches_tracked.add_(1)
-            factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
-            running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-            running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=factor)
+            update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum)
         mean_f = mean.to(x.dtype)
         invstd = torch.rsqrt(var + eps)
         scale = invstd if weight is None else invstd * weight.detach().double()
@@ -106,22 +186,16 @@ class _SyncBNFunction(torch.autograd.Function):
         x, weight, mean_f, invstd = ctx.saved_tensors
         c = x.shape[1]
         view = (1, c, 1, 1)
-        sums = torch.empty(2 * c, dtype=torch.float64, device=x.device)
-        sums[:c] = dy.sum(dim=_DIMS, dtype=dy.dtype).double()
         buf = torch.sub(x, mean_f.view(view)).mul_(dy)                # dy * (x - m); becomes grad_x below
-        sums[c:] = buf.sum(dim=_DIMS, dtype=dy.dtype).double()
+        sums = channel_grad_sums(dy, buf)
         grad_weight = (sums[c:] * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sums[:c].to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if not ctx.needs_input_grad[0]:
             return None, grad_weight, grad_bias, None, None, None, None, None, None
         total = _all_reduce_(sums.clone(), ctx.sync)
-        w = invstd.new_ones(c) if weight is None else weight.detach().double()
-        a = w * invstd                                                # d out / d x at fixed statistics
-        mean_dy = total[:c] / ctx.n
-        mean_dy_dev = total[c:] / ctx.n
-        b = -a * invstd * invstd * mean_dy_dev                        # coefficient of (x - m)
+        a, b, base = input_grad_coefficients(total, ctx.n, weight, invstd)
         # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * x + (-a * mean(dy) - b * m)
-        const = -a * mean_dy - b * mean_f.double()
+        const = base - b * mean_f.double()
         grad_x = torch.addcmul(const.to(x.dtype).view(view), x, b.to(x.dtype).view(view), out=buf)
         grad_x.addcmul_(dy, a.to(x.dtype).view(view))
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
