@@ -141,6 +141,29 @@ def test_two_processes_equal_one_process(ws):
 
 
 @needs_cards
+def test_amp_accumulation_and_resume_give_the_uninterrupted_weights(ws):
+    """bf16 autocast and 2 micro-batches per step, 2 epochs of 2 steps: a run cut after 3 iterations
+    and resumed ends with the uninterrupted run's weights bit for bit (the multi-scale sizes, the
+    augmentation draws and the optimizer state continue where they stopped)."""
+    from gnetmdk.engine.cli import main
+    root, path = ws
+    common = ["--config", path, "--step", "1", "amp", "true", "accumulate", "2", "num_epochs", "2",
+              "eval_before", "false"]
+    assert main(common + _out(root, "full")) == 0
+    assert main(common + ["max_iters", "3"] + _out(root, "cut")) == 0
+    cut = load_checkpoint(os.path.join(root, "cut", "checkpoint", "step1", "last.pth"))
+    assert cut["iteration"] == 3
+    assert main(common + ["--resume"] + _out(root, "cut")) == 0
+    a = load_checkpoint(os.path.join(root, "full", "checkpoint", "step1", "last.pth"))
+    b = load_checkpoint(os.path.join(root, "cut", "checkpoint", "step1", "last.pth"))
+    assert a["iteration"] == b["iteration"] == 4
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    assert any(not torch.equal(v, cut["model"][k]) for k, v in a["model"].items() if v.is_floating_point())
+
+
+@needs_cards
 def test_coco_json_data_gives_the_meta_files_records(ws):
     from gnetmdk.dataset.records import load_records
     root, path = ws
