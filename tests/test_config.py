@@ -376,3 +376,25 @@ def test_config_saved_before_sections_reads_into_them():
     from gnetmdk.config import config_value
     assert config_value(cfg, "l_coord") == 2.5 and config_value(cfg, "gnetdet.l_coord") == 2.5
     assert config_value(cfg, "batch_size") == 4 and config_value(cfg, "no_such") is None
+
+
+# ------------------------------------------------------------------ shipped configs
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = ["configs.py"] + sorted("examples/" + f for f in os.listdir(os.path.join(REPO, "examples"))
+                                  if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_resolve_at_every_stage_their_family_runs(name):
+    """Every config the repository ships passes the start-up checks at each stage of its family (and the
+    calibration pass where the family has one), so a documented command does not stop on its config."""
+    from gnetmdk.models import get_family
+    klass = load_config_class(os.path.join(REPO, name))
+    family = get_family(build_config(klass, []).model_name)
+    steps = [int(s[4:]) for s in family.stages if s.startswith("step")]
+    assert steps and steps[0] == 1
+    for step in steps:
+        cfg = build_config(klass, [], step=step)
+        assert cfg.step == step and cfg.num_classes == len(cfg.VOC_CLASSES)
+    if "cal" in family.stages:
+        assert build_config(klass, [], cal=True).cal
