@@ -135,6 +135,20 @@ def test_coord_channels_values_device_cpu():
     assert gx1.flatten().tolist() == [-1.0, -1.0]
 
 
+def test_coord_channels_paddle_range_device_cpu():
+    """coord_range "paddle": PaddleDetection's add_coord since 2021, j / (2 (w - 1)) - 1 (to [-1, -0.5])."""
+    gx, gy = coord_channels(1, 3, 5, coord_range="paddle")
+    assert gx[0, 0, 1].tolist() == [j / 8 - 1 for j in range(5)] == [-1.0, -0.875, -0.75, -0.625, -0.5]
+    assert gy[0, 0, :, 0].tolist() == [-1.0, -0.75, -0.5]
+    with pytest.raises(ValueError, match="coord_range"):
+        coord_channels(1, 3, 5, coord_range="half")
+    torch.manual_seed(0)
+    full, paddle = CoordConv(4, 6, 1).eval(), CoordConv(4, 6, 1, coord_range="paddle").eval()
+    paddle.load_state_dict(full.state_dict())
+    x = torch.randn(1, 4, 3, 5)
+    assert not torch.equal(full(x), paddle(x))        # same weights, another function
+
+
 def test_coordconv_concatenates_after_input_device_cpu():
     torch.manual_seed(0)
     cc = CoordConv(4, 6, 1).eval()

@@ -237,3 +237,26 @@ def test_convert_weights_tool_writes_a_checkpoint_train_can_load(ws, tmp_path):
     r = subprocess.run([sys.executable, tool, "-f", path, "-c", pd, "-oc", str(tmp_path / "x.pth"), "ppyolo.depth", "34"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and not (tmp_path / "x.pth").exists()
+
+
+def test_coord_range_reaches_the_model_and_the_checkpoint_check(ws):
+    """ppyolo.coord_range from the config builds CoordConvs with that range, is stored in the model's
+    meta, and a checkpoint with the other range is refused by name (the same weights compute another
+    function); a value out of the two is refused at start-up."""
+    from gnetmdk.checkpoint.io import CheckpointError, check_compatible
+    from gnetmdk.config import ConfigError
+    from gnetmdk.models import model_from_config
+    from gnetmdk.models.ppyolo.neck import CoordConv
+    _, path = ws
+    klass = load_config_class(path)
+    cfg = build_config(klass, ["ppyolo.coord_conv", "true", "ppyolo.coord_range", "paddle"], step=1)
+    model = model_from_config(cfg)
+    ranges = {m.coord_range for m in model.modules() if isinstance(m, CoordConv)}
+    assert ranges == {"paddle"} and model.meta()["coord_range"] == "paddle"
+    other = build_config(klass, ["ppyolo.coord_conv", "true"], step=1)
+    ck = {"model_meta": model.meta(), "config": cfg.to_dict()}
+    check_compatible(ck, cfg, "p.pth")
+    with pytest.raises(CheckpointError, match="coord_range: checkpoint 'paddle' vs config 'full'"):
+        check_compatible(ck, other, "p.pth")
+    with pytest.raises(ConfigError, match="ppyolo.coord_range"):
+        build_config(klass, ["ppyolo.coord_range", "half"], step=1)

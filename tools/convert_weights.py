@@ -87,6 +87,10 @@ def main(argv=None) -> int:
     except OSError as exc:
         return fail(f"cannot write '{args.out}' ({exc.strerror or exc}): free disk space or choose another -oc")
     print(f"wrote {args.out} ({n} classes{', backbone only' if args.only_backbone else ''})")
+    if cfg.ppyolo.coord_conv and not args.only_backbone:
+        print(f"note: CoordConv channels span {'[-1, 1]' if cfg.ppyolo.coord_range == 'full' else '[-1, -0.5]'} "
+              f"(ppyolo.coord_range {cfg.ppyolo.coord_range}); PaddleDetection's add_coord spans [-1, -0.5] since "
+              "2021: weights trained by it compute their outputs with ppyolo.coord_range paddle")
     return 0
 
 

@@ -28,6 +28,8 @@ class PPYOLOConfig(ConfigSection):
     freeze_at: int = -1                      # -1: nothing frozen; k: the stem and stages 0..k frozen
     freeze_norm: bool = False                # BatchNorm statistics and affine parameters frozen
     coord_conv: bool = True
+    coord_range: str = "full"                # CoordConv channels: "full" [-1, 1] (the paper), "paddle"
+                                             # [-1, -0.5] (PaddleDetection's add_coord since 2021)
     spp: bool = True
     drop_block: bool = True                  # DropBlock in the neck (off in --deterministic runs)
     block_size: int = 3
@@ -75,6 +77,8 @@ def check_ppyolo_config(cfg) -> None:
     def bad(field: str, msg: str) -> None:
         raise ConfigError(f"config field 'ppyolo.{field}' = {getattr(p, field)!r}: {msg}")
 
+    if p.coord_range not in ("full", "paddle"):
+        bad("coord_range", '"full" ([-1, 1], the paper) or "paddle" ([-1, -0.5], PaddleDetection since 2021)')
     if p.depth not in (18, 34, 50):
         bad("depth", "ResNet-vd depth must be 18, 34 or 50")
     if not p.return_idx or any(i not in (0, 1, 2, 3) for i in p.return_idx) or sorted(p.return_idx) != p.return_idx:

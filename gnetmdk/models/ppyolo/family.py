@@ -9,7 +9,7 @@ import torch.nn as nn
 from gnetmdk.models.base import DetectorFamily
 
 #: the section fields that are the architecture (a checkpoint must share them with the config)
-ARCH_FIELDS = ("depth", "return_idx", "dcn_v2_stages", "coord_conv", "spp", "conv_block_num", "anchors",
+ARCH_FIELDS = ("depth", "return_idx", "dcn_v2_stages", "coord_conv", "coord_range", "spp", "conv_block_num", "anchors",
                "anchor_masks", "iou_aware")
 #: the section fields that are training settings (from the run's config, also for a checkpoint's model)
 TRAIN_FIELDS = ("freeze_at", "freeze_norm", "drop_block", "block_size", "keep_prob", "iou_aware_factor",

@@ -84,6 +84,8 @@ class PPYOLO(nn.Module):
         obj_thresh: decoder objectness threshold (PaddleDetection ``YOLOBox.conf_thresh``, 0.01).
         nms_post_threshold, nms_top_k, use_gaussian, gaussian_sigma: Matrix NMS settings
             (0.01, -1, False, 2.0); the score threshold and keep_top_k come from :meth:`decode`.
+        coord_range: CoordConv channel range, "full" [-1, 1] or "paddle" [-1, -0.5] (PaddleDetection's
+            ``add_coord`` since 2021; :func:`~.neck.coord_channels`).
 
     Input: ``(N, 3, H, W)`` float RGB pixel values 0..255, H and W multiples of the deepest stride
     (32 for both presets). The model normalises inside: ``(x / 255 - mean) / std`` with ImageNet
@@ -111,7 +113,8 @@ class PPYOLO(nn.Module):
                  ignore_thresh: float = 0.7, scale_x_y: float = 1.05, label_smooth: bool = False,
                  iou_thresh: float = 1.0, iou_loss_weight: float = 2.5, iou_loss_square: bool = True,
                  iou_aware_loss_weight: float = 1.0, obj_thresh: float = 0.01, nms_post_threshold: float = 0.01,
-                 nms_top_k: int = -1, use_gaussian: bool = False, gaussian_sigma: float = 2.0):
+                 nms_top_k: int = -1, use_gaussian: bool = False, gaussian_sigma: float = 2.0,
+                 coord_range: str = "full"):
         super().__init__()
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -120,7 +123,7 @@ class PPYOLO(nn.Module):
         anchors_l, masks_l = validate_anchors(anchors, anchor_masks, n_levels)
         self.strides = self.backbone.out_strides[::-1]                 # deepest first
         self.neck = PPYOLOFPN(self.backbone.out_channels, coord_conv, spp, drop_block, block_size, keep_prob,
-                              conv_block_num, neck_channels, route_channels)
+                              conv_block_num, neck_channels, route_channels, coord_range)
         self.head = YOLOv3Head(self.neck.out_channels, [len(m) for m in masks_l], num_classes, iou_aware, obj_prior)
         self.loss_fn = YOLOv3Loss(anchors_l, masks_l, self.strides, num_classes, ignore_thresh, scale_x_y,
                                   label_smooth, iou_loss_weight, iou_loss_square, iou_aware, iou_aware_loss_weight,
@@ -141,7 +144,7 @@ class PPYOLO(nn.Module):
             iou_thresh=float(iou_thresh), iou_loss_weight=float(iou_loss_weight),
             iou_loss_square=bool(iou_loss_square), iou_aware_loss_weight=float(iou_aware_loss_weight),
             obj_thresh=float(obj_thresh), nms_post_threshold=float(nms_post_threshold), nms_top_k=int(nms_top_k),
-            use_gaussian=bool(use_gaussian), gaussian_sigma=float(gaussian_sigma))
+            use_gaussian=bool(use_gaussian), gaussian_sigma=float(gaussian_sigma), coord_range=str(coord_range))
 
     # ------------------------------------------------------------------ description
     def meta(self) -> Dict[str, object]:

@@ -30,21 +30,31 @@ from .common import ConvBNLayer
 __all__ = ["coord_channels", "CoordConv", "SPP", "DropBlock", "PPYOLODetBlock", "PPYOLOFPN"]
 
 
+COORD_RANGES = ("full", "paddle")
+
+
 def coord_channels(n: int, h: int, w: int, dtype: torch.dtype = torch.float32,
-                   device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   device: Optional[torch.device] = None, coord_range: str = "full") -> Tuple[torch.Tensor, torch.Tensor]:
     """The two CoordConv channels (Liu et al., "An intriguing failing of convolutional neural
     networks and the CoordConv solution", NeurIPS 2018, arXiv 1807.03247).
 
     ``gx[..., j] = 2 j / (w - 1) - 1`` (column index scaled to [-1, 1], -1 at the left column, +1
     at the right), ``gy`` likewise over rows; a 1-wide axis gets -1. This is the range of the
     paper and of PaddleDetection's original PP-YOLO code; PaddleDetection's current ``add_coord``
-    (since a 2021 refactor) computes ``j / (2 (w - 1)) - 1``, i.e. [-1, -0.5], which we do not copy.
+    (since a 2021 refactor) computes ``j / (2 (w - 1)) - 1``, i.e. [-1, -0.5]: ``coord_range="paddle"``
+    gives that range, for weights trained by it (the function differs, the weights' shapes do not).
 
     Returns:
         ``(gx, gy)``, each ``(n, 1, h, w)`` of ``dtype`` (no gradient).
+
+    Raises:
+        ValueError: ``coord_range`` not "full" or "paddle".
     """
-    gx = torch.linspace(-1.0, 1.0, w, dtype=dtype, device=device)
-    gy = torch.linspace(-1.0, 1.0, h, dtype=dtype, device=device)
+    if coord_range not in COORD_RANGES:
+        raise ValueError(f"coord_range must be one of {COORD_RANGES}, got {coord_range!r}")
+    hi = 1.0 if coord_range == "full" else -0.5
+    gx = torch.linspace(-1.0, hi, w, dtype=dtype, device=device)
+    gy = torch.linspace(-1.0, hi, h, dtype=dtype, device=device)
     return gx.view(1, 1, 1, w).expand(n, 1, h, w), gy.view(1, 1, h, 1).expand(n, 1, h, w)
 
 
@@ -54,12 +64,15 @@ class CoordConv(nn.Module):
     Shapes: ``(N, ch_in, H, W) -> (N, ch_out, H, W)``; the inner conv has ``ch_in + 2`` inputs.
     """
 
-    def __init__(self, ch_in: int, ch_out: int, kernel_size: int):
+    def __init__(self, ch_in: int, ch_out: int, kernel_size: int, coord_range: str = "full"):
         super().__init__()
+        if coord_range not in COORD_RANGES:
+            raise ValueError(f"coord_range must be one of {COORD_RANGES}, got {coord_range!r}")
+        self.coord_range = coord_range
         self.conv = ConvBNLayer(ch_in + 2, ch_out, kernel_size, 1, act="leaky")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gx, gy = coord_channels(x.shape[0], x.shape[2], x.shape[3], x.dtype, x.device)
+        gx, gy = coord_channels(x.shape[0], x.shape[2], x.shape[3], x.dtype, x.device, self.coord_range)
         return self.conv(torch.cat([x, gx, gy], dim=1))
 
 
@@ -152,6 +165,7 @@ class PPYOLOFPN(nn.Module):
     Args:
         in_channels: backbone channels per level, shallow to deep (as the backbone returns them).
         coord_conv, spp, drop_block: PP-YOLO's tricks (r50vd: all True).
+        coord_range: the CoordConv channels' range, "full" [-1, 1] or "paddle" (:func:`coord_channels`).
         block_size, keep_prob: DropBlock settings (3, 0.9).
         conv_block_num: 2 (r50vd) or 0 (r18vd).
         channels: detection-block widths ``c_i`` per level, deepest first (default
@@ -169,7 +183,8 @@ class PPYOLOFPN(nn.Module):
 
     def __init__(self, in_channels: Sequence[int], coord_conv: bool = False, spp: bool = False,
                  drop_block: bool = False, block_size: int = 3, keep_prob: float = 0.9, conv_block_num: int = 2,
-                 channels: Optional[Sequence[int]] = None, route_channels: Optional[Sequence[int]] = None):
+                 channels: Optional[Sequence[int]] = None, route_channels: Optional[Sequence[int]] = None,
+                 coord_range: str = "full"):
         super().__init__()
         n = len(in_channels)
         if n < 1:
@@ -189,7 +204,7 @@ class PPYOLOFPN(nn.Module):
         self.channels, self.route_channels = channels, route_channels
 
         def unit(cin, cout, k, coord):
-            return CoordConv(cin, cout, k) if coord else ConvBNLayer(cin, cout, k, 1, act="leaky")
+            return CoordConv(cin, cout, k, coord_range) if coord else ConvBNLayer(cin, cout, k, 1, act="leaky")
 
         self.blocks = nn.ModuleList()
         self.transitions = nn.ModuleList()
