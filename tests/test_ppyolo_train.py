@@ -260,3 +260,26 @@ def test_coord_range_reaches_the_model_and_the_checkpoint_check(ws):
         check_compatible(ck, other, "p.pth")
     with pytest.raises(ConfigError, match="ppyolo.coord_range"):
         build_config(klass, ["ppyolo.coord_range", "half"], step=1)
+
+
+def test_deterministic_cuda_run_through_deformable_convs_is_refused(ws):
+    """grid_sample's CUDA backward has no deterministic kernel: a --deterministic CUDA run whose
+    backward reaches a DCN stage is refused with the fixes; a frozen backbone, no DCN, or the CPU pass."""
+    from gnetmdk.config import ConfigError
+    from gnetmdk.models.ppyolo.family import check_deterministic_dcn
+    _, path = ws
+    klass = load_config_class(path)
+
+    def cfg(*over):
+        c = build_config(klass, ["ppyolo.dcn_v2_stages", "[3]", *over], step=1)
+        c.deterministic = True
+        return c
+    with pytest.raises(ConfigError, match=r"ppyolo.freeze_at 3.*dcn_v2_stages \[\]"):
+        check_deterministic_dcn(cfg(), "cuda")
+    with pytest.raises(ConfigError, match="trained stage"):
+        check_deterministic_dcn(cfg("ppyolo.freeze_at", "2"), "cuda")
+    check_deterministic_dcn(cfg("ppyolo.freeze_at", "3"), "cuda")
+    check_deterministic_dcn(cfg(), "cpu")
+    no_dcn = cfg("ppyolo.dcn_v2_stages", "[]")
+    assert no_dcn.ppyolo.dcn_v2_stages == []
+    check_deterministic_dcn(no_dcn, "cuda")

@@ -65,6 +65,8 @@ class PPYOLOFamily(DetectorFamily):
         return build_ppyolo_dataset(cfg, split)
 
     def configure(self, model: nn.Module, cfg) -> List[str]:
+        param = next(model.parameters(), None)
+        check_deterministic_dcn(cfg, param.device.type if param is not None else "cpu")
         if cfg.deterministic and cfg.ppyolo.drop_block:
             model.set_drop_block(False)
             return ["deterministic mode: DropBlock off (the identity)"]
@@ -73,3 +75,26 @@ class PPYOLOFamily(DetectorFamily):
     def loss_line(self, terms: Dict[str, float]) -> str:
         keys = [k for k in ("xy", "wh", "obj", "cls", "iou", "iou_aware") if k in terms]
         return f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")"
+
+
+def check_deterministic_dcn(cfg, device_type: str) -> None:
+    """Refuse a deterministic run on CUDA whose backward pass goes through a deformable conv.
+
+    The DCNv2 layers sample through ``F.grid_sample``, whose CUDA backward accumulates with atomic
+    adds and has no deterministic implementation: under ``torch.use_deterministic_algorithms`` torch
+    stops in the first backward pass. No gradient reaches those layers when the backbone is frozen up
+    to the last DCN stage (``freeze_at`` >= that stage, as the PP-YOLO alignment recipe does), and
+    the CPU kernel is deterministic.
+
+    Raises:
+        ConfigError: naming ``ppyolo.freeze_at`` / ``ppyolo.dcn_v2_stages`` and the fixes.
+    """
+    from gnetmdk.config import ConfigError
+    p = cfg.ppyolo
+    live = [s for s in p.dcn_v2_stages if s > p.freeze_at]
+    if cfg.deterministic and device_type == "cuda" and live:
+        raise ConfigError(
+            f"--deterministic on CUDA with deformable convs in trained stage(s) {live} (ppyolo.dcn_v2_stages "
+            f"{list(p.dcn_v2_stages)}, ppyolo.freeze_at {p.freeze_at}): grid_sample's CUDA backward has no "
+            f"deterministic kernel; freeze the backbone through stage {max(live)} (ppyolo.freeze_at {max(live)}), "
+            "or train without DCN (ppyolo.dcn_v2_stages []), or align on the CPU")
