@@ -260,6 +260,16 @@ def test_coord_range_reaches_the_model_and_the_checkpoint_check(ws):
         check_compatible(ck, other, "p.pth")
     with pytest.raises(ConfigError, match="ppyolo.coord_range"):
         build_config(klass, ["ppyolo.coord_range", "half"], step=1)
+    # a checkpoint written before the field existed computed with the full range, and is read so
+    full_cfg = build_config(klass, ["ppyolo.coord_conv", "true"], step=1)
+    old_meta = {k: v for k, v in model_from_config(full_cfg).meta().items() if k != "coord_range"}
+    old = {"model_meta": old_meta, "config": full_cfg.to_dict()}
+    check_compatible(old, full_cfg, "old.pth")
+    with pytest.raises(CheckpointError, match="coord_range: checkpoint 'full' vs config 'paddle'"):
+        check_compatible(old, cfg, "old.pth")
+    from gnetmdk.models import get_family
+    rebuilt = get_family("ppyolo").rebuild(old_meta)
+    assert {m.coord_range for m in rebuilt.modules() if isinstance(m, CoordConv)} == {"full"}
 
 
 def test_deterministic_cuda_run_through_deformable_convs_is_refused(ws):

@@ -193,8 +193,8 @@ def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
         CheckpointError: naming each difference and the fix.
     """
     from gnetmdk.models import get_family
-    meta = ckpt.get("model_meta", {})
     family = get_family(cfg.model_name)
+    meta = {**family.meta_defaults(), **ckpt.get("model_meta", {})}
     want = {"name": family.name, "num_classes": cfg.num_classes, **family.compat_fields(cfg)}
     diffs = [f"{k}: checkpoint {meta.get(k)!r} vs config {v!r}" for k, v in want.items() if meta.get(k) != v]
     names = (ckpt.get("config") or {}).get("VOC_CLASSES")

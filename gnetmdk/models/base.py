@@ -58,6 +58,11 @@ class DetectorFamily:
         the run's training settings (loss weights, ...), ``stage`` the checkpoint's stage."""
         raise NotImplementedError
 
+    def meta_defaults(self) -> Dict[str, Any]:
+        """``model_meta`` keys added after checkpoints were first written, with the value those older
+        checkpoints' models computed with (read where a checkpoint lacks the key)."""
+        return {}
+
     def describe(self, cfg) -> str:
         """A few words on the model for the start-up log line (e.g. ``224px x0.25``)."""
         return f"{cfg.image_size}px"

@@ -43,10 +43,13 @@ class PPYOLOFamily(DetectorFamily):
 
     def rebuild(self, meta: Dict[str, Any], cfg=None, stage: Optional[str] = None, path: str = "?") -> nn.Module:
         from .model import PPYOLO
-        kw = {k: v for k, v in meta.items() if k != "name"}
+        kw = {**self.meta_defaults(), **{k: v for k, v in meta.items() if k != "name"}}
         if cfg is not None:
             kw.update(self._kwargs(cfg, TRAIN_FIELDS))
         return PPYOLO(**kw)
+
+    def meta_defaults(self) -> Dict[str, Any]:
+        return {"coord_range": "full"}          # the only CoordConv range before the field existed
 
     def describe(self, cfg) -> str:
         p = cfg.ppyolo
