@@ -256,3 +256,21 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_index_free_max_pool_equals_torchs_on_the_gpu(channels_last):
+    """gnetmdk.layers.pool.max_pool_2x2 assumes the device's max-pool kernel sends a tied window's
+    gradient to its first position: on the GPU too, its gradients are torch's bit for bit."""
+    import torch.nn.functional as F
+    from gnetmdk.layers.pool import max_pool_2x2
+    torch.manual_seed(0)
+    x = torch.relu(torch.randint(-3, 4, (4, 8, 16, 16)).float()).to(DEV)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = max_pool_2x2(a), F.max_pool2d(b, 2, 2)
+    g = torch.randn(ya.shape, device=DEV)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad)

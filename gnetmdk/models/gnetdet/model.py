@@ -13,11 +13,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from gnetmdk.config.base import ConfigError
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
 from gnetmdk.layers.quant import QConv2d, QReLU
+from gnetmdk.layers.pool import max_pool_2x2
 
 
 class ChipLimitError(ConfigError):
@@ -155,7 +155,7 @@ class Sublayer(nn.Module):
             x = self.bn(x)
         x = self.relu(x)
         if self.pool_after:
-            x = F.max_pool2d(x, 2, 2)
+            x = max_pool_2x2(x)          # F.max_pool2d's values and gradients, no int64 indices kept
         return x
 
 

@@ -1,0 +1,67 @@
+"""2x2 / stride-2 max pooling whose backward pass keeps no indices.
+
+Why not ``F.max_pool2d``: with gradients on, torch computes ``max_pool2d_with_indices`` and keeps,
+for the backward pass, its input and an int64 index per output element: 8 bytes per output, twice
+the size of the float32 input it pools. In GNetDet the pool's input is a ReLU output (kept anyway by
+the ReLU or BatchNormAct2d backward) and its output is the next conv's input (kept anyway by that
+conv), so the indices are the only memory the pool adds: 16% of what a step-1 GNetDet keeps for
+its backward pass (docs/results.md, "Training memory"). torch offers no max pool that rebuilds its
+indices, hence this function.
+
+The backward pass finds, in each 2x2 window of the kept input, the first position (row-major:
+top-left, top-right, bottom-left, bottom-right) that equals the kept output, and sends the output's
+gradient there. That is the position torch's CPU and CUDA kernels pick (they replace the running
+maximum only on ``val > max``, so among equal values the first wins), so the gradients are
+torch's bit for bit (tests/test_pool.py), ties between zeros of a ReLU output included. (A window
+holding NaN is the one difference: torch sends its gradient to the last NaN, this function to the
+bottom-right position.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["max_pool_2x2"]
+
+
+class _MaxPool2x2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = F.max_pool2d(x, 2, 2)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        quads = (x[..., 0::2, 0::2], x[..., 0::2, 1::2], x[..., 1::2, 0::2], x[..., 1::2, 1::2])
+        grad = torch.empty_like(x)
+        taken = None
+        for i, q in enumerate(quads):
+            hit = q == y
+            if taken is None:
+                first, taken = hit, hit
+            elif i < 3:
+                first = hit & ~taken
+                taken = taken | hit
+            else:
+                first = ~taken                      # the window's maximum is here when not before
+            grad[..., i // 2::2, i % 2::2] = torch.where(first, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        return grad
+
+
+def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
+    """``F.max_pool2d(x, 2, 2)``, with a backward pass that keeps no indices (module docstring).
+
+    Args:
+        x: ``(N, C, H, W)`` float tensor, any memory format.
+
+    Returns:
+        ``(N, C, H // 2, W // 2)``, the values of ``F.max_pool2d(x, 2, 2)`` and, in the backward pass,
+        its gradients bit for bit. Odd H or W, inputs without gradient, tracing and ONNX export go
+        straight to ``F.max_pool2d``.
+    """
+    if (not torch.is_grad_enabled() or not x.requires_grad or x.dim() != 4 or x.shape[-1] % 2
+            or x.shape[-2] % 2 or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()):
+        return F.max_pool2d(x, 2, 2)
+    return _MaxPool2x2.apply(x)
