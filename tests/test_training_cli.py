@@ -178,3 +178,13 @@ def test_nan_loss_names_iteration_and_last_good_checkpoint(workdir, trained, tmp
     assert all(torch.isfinite(v.float()).all() for v in last["model"].values())
     assert {k: v for k, v in _digest(ck).items() if not k.startswith("step1/run")} == published
     assert not [f for f in os.listdir(ck / "step1" / "run") if f.startswith(".tmp")]
+
+def test_progress_bar_only_on_a_terminal(workdir, tmp_path):
+    """progress true with output to a pipe (as to a log file): the epoch line is there and no tqdm frame
+    (no carriage return, no bar) is written."""
+    _, path = workdir
+    r = _train(path, "--step", 1, "progress", "true", "num_epochs", 1, "eval_before", "false",
+               "checkpoint_root", tmp_path / "ck", "log_root", tmp_path / "log")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[step1] epoch 1/1 loss" in r.stdout
+    assert "\r" not in r.stdout + r.stderr and "it/s" not in r.stdout + r.stderr

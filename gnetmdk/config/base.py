@@ -165,7 +165,7 @@ class BaseConfig:
     checkpoint_root: str = "checkpoint"
     log_root: str = "log"
     model_root: str = "model"
-    progress: bool = True                   # tqdm bar per epoch
+    progress: bool = True                   # tqdm bar per epoch (on a terminal only)
 
     # ================================================================= derived values
     @property

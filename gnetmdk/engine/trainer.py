@@ -328,9 +328,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _progress(self, iterable, desc: str):
+        """A tqdm bar over ``iterable`` on rank 0 with ``progress`` on, and only when stderr is a
+        terminal (``disable=None``): output sent to a file keeps the epoch lines without the bar's
+        carriage-return frames."""
         if self.main and self.cfg.progress:
             from tqdm import tqdm
-            return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+            return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=None)
         return iterable
 
     def train_one_epoch(self, epoch: int) -> Dict[str, float]:
