@@ -269,3 +269,30 @@ def test_checkpoint_of_another_model_is_refused_with_the_difference(workdir):
     check_compatible({"model_meta": meta}, cfg, "x.pth")
     with pytest.raises(CheckpointError, match="name: checkpoint 'othernet' vs config 'gnetdet'"):
         check_compatible({"model_meta": dict(meta, name="othernet")}, cfg, "x.pth")
+
+
+# ---------------------------------------------------------------------------------------------- early stopping
+def test_patience_ends_the_stage_when_map_stops_improving(workdir, tmp_path, capsys):
+    """The tiny model's mAP stays at the entry model's 0.0 on 4 val images: with patience 2 and an
+    evaluation every epoch the stage ends after epoch 2 of 5, with that epoch's last.pth and the reason
+    logged; without patience all 5 epochs run."""
+    _, path = workdir
+    common = ["num_epochs", 5, "eval_interval", 1, "max_train_images", 4, "learning_rate", 1e-6]
+    summary = run_stage(_cfg(path, tmp_path, "p2", *common, "patience", 2))
+    out = capsys.readouterr().out
+    assert summary["best_map"] == 0.0 and summary["best_epoch"] == 0
+    assert "early stop after epoch 2: no better val mAP than 0.0000 (epoch 0) for 2 epochs (patience 2)" in out
+    assert "epoch 3/5" not in out
+    assert load_checkpoint(str(tmp_path / "p2" / "step1" / "last.pth"))["epoch"] == 2
+    run_stage(_cfg(path, tmp_path, "p0", *common))
+    out = capsys.readouterr().out
+    assert "epoch 5/5" in out and "early stop" not in out
+    assert load_checkpoint(str(tmp_path / "p0" / "step1" / "last.pth"))["epoch"] == 5
+
+
+def test_patience_shorter_than_the_evaluation_interval_is_refused(workdir, tmp_path):
+    _, path = workdir
+    with pytest.raises(ConfigError, match="patience.*eval_interval 5"):
+        _cfg(path, tmp_path, "bad", "eval_interval", 5, "patience", 3)
+    with pytest.raises(ConfigError, match="patience"):
+        _cfg(path, tmp_path, "bad", "patience", -1)

@@ -331,6 +331,11 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("threads", "must be >= 0 (0 leaves torch's default number of threads)")
     if cfg.eval_interval < 1:
         bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
+    if cfg.patience < 0:
+        bad("patience", "must be 0 (no early stopping) or a number of epochs without a better val mAP")
+    elif 0 < cfg.patience < cfg.eval_interval:
+        bad("patience", f"is shorter than eval_interval {cfg.eval_interval}: the mAP is measured every "
+                        f"{cfg.eval_interval} epochs, so set patience to {cfg.eval_interval} or more")
     if not cfg.dist_timeout > 0:
         bad("dist_timeout", "must be a positive number of seconds")
     from gnetmdk.engine.resume import RESUME_CHANGEABLE

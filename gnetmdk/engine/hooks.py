@@ -153,6 +153,23 @@ class EvalHook(HookBase):
             result["best"] = True
 
 
+class EarlyStopHook(HookBase):
+    """Early stopping on val mAP (``patience`` epochs, 0: off): after an evaluation, when the best
+    mAP is ``patience`` or more epochs old (counted from the epoch of best.pth, 0 for the entry model),
+    the epoch's result gets ``stop`` and the trainer ends the stage after this epoch's last.pth and
+    log line. Every rank takes the same decision: the mAP is computed from detections gathered from
+    all ranks."""
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        t, patience = self.trainer, self.trainer.cfg.patience
+        if patience <= 0 or "eval" not in result or epoch + 1 >= t.cfg.num_epochs:
+            return
+        best_epoch = t.best_epoch or 0
+        if epoch + 1 - best_epoch >= patience:
+            result["stop"] = (f"early stop after epoch {epoch + 1}: no better val mAP than {t.best_map:.4f} "
+                              f"(epoch {best_epoch}) for {epoch + 1 - best_epoch} epochs (patience {patience})")
+
+
 class CheckpointHook(HookBase):
     """last.pth at every epoch end (and every ``checkpoint_interval`` iterations inside the epoch, by
     the trainer: a mid-epoch save must wait for the iteration's read-back); when the run finishes,
@@ -188,3 +205,5 @@ class LoggerHook(HookBase):
             if result.get("best"):
                 msg += " *best*"
         t.log(f"{msg} ({(time.time() - t.t_start) / 60:.1f} min)")
+        if result.get("stop"):
+            t.log(f"[{t.stage.name}] {result['stop']}")
