@@ -389,7 +389,7 @@ def test_mse_scale_matches_the_definition(scheme, dtype, shift):
 
 def test_mse_scale_picks_the_exact_optimum_in_a_near_tie():
     """A 1-bit kernel of a trained cards model whose two best candidates differ in error by 2.4 parts
-    in 10^8: float32 sums (the search before session 9) picked the worse d = 8/1024; the exact
+    in 10^8: a search with float32 sums picked the worse d = 8/1024; the exact
     definition and the search pick 7/1024."""
     kernel = torch.tensor([-0.015428667888045311, 0.0017884544795379043, -0.004013287369161844,
                            0.0076685440726578236, -0.0008466049912385643, 0.008302348665893078,
