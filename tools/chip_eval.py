@@ -5,12 +5,15 @@
     python3 tools/chip_eval.py model/chip_model.json --backend onnx
     python3 tools/chip_eval.py --check                          # + every layer's codes vs checkpoint/step4/best.pth
     python3 tools/chip_eval.py --check checkpoint/step4/best.pth --config configs.py --split train max_train_images=20
+    python3 tools/chip_eval.py --plots plots/chip                # + PR curves, confusion matrix of the chip model
 
 The dataset comes from the config (configs.py; overrides after the options, KEY VALUE or KEY=VALUE).
 Decoding uses the thresholds stored in the chip model unless conf_thresh / nms_thresh / max_detections
 are overridden. With --check the step-4 model (eval mode) and the chip runner are compared on every
 activation code of every layer of every image (mismatch count per layer), and the step-4 model's
 mAP (the same evaluator as tools/eval_voc.py) must equal the chip's.
+--plots DIR also writes pr_curves.png/.json and confusion_matrix.png/.json (score > 0.3, IoU >= 0.5) of
+the chip model's detections on the split (gnetmdk.evaluation.plots; needs matplotlib).
 Exit status: 0 ok; 1 mismatching codes or mAP; 2 a user error (one line on stderr).
 """
 from __future__ import annotations
@@ -43,6 +46,9 @@ def parse_args(argv):
     p.add_argument("--check", nargs="?", const=_CHECK_DEFAULT, default=None, metavar="CHECKPOINT",
                    help="compare with the step-4 checkpoint (default: the one the chip model was converted from)")
     p.add_argument("--batch-size", type=at_least(1), default=16)
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write pr_curves.png/.json and confusion_matrix.png/.json (score > 0.3) of the chip "
+                        "model's detections in DIR (created if missing; needs matplotlib)")
     p.add_argument("--threads", type=int, default=0, help="torch / onnxruntime threads (0 = the config's 'threads', "
                                                           "else the library default)")
     args, rest = p.parse_known_args(argv)
@@ -70,6 +76,7 @@ def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import eval_device, fail, user_errors
+    from gnetmdk.evaluation.plots import PlotError
     try:
         import torch
         from gnetmdk.config import load_config
@@ -116,7 +123,11 @@ def main(argv=None) -> int:
             model, _ = load_eval_model(ckpt_path, cfg, require_stage="step4")
             device = eval_device(cfg)              # the step-4 model on the GPU when there is one
             model.to(device)
-    except user_errors() as exc:
+        if args.plots is not None:                # refused before the evaluation, not after it
+            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+            prepare_plot_dir(args.plots)
+            require_matplotlib()
+    except (*user_errors(), PlotError) as exc:
         return fail(str(exc))
 
     print(f"chip model {path} (chip {cm.chip}, {cm.input_size}px, {len(cm.layers)} sublayers), backend "
@@ -132,7 +143,9 @@ def main(argv=None) -> int:
         print(rep.format())
         if not rep.ok:
             status = 1
-    res = evaluate_chip(runner.run, cm, dataset, args.batch_size, conf, nms, maxd)
+    res = evaluate_chip(runner.run, cm, dataset, args.batch_size, conf, nms, maxd,
+                        keep_predictions=args.plots is not None)
+    predictions = res.pop("predictions", None)
     print(f"\nchip mAP@0.5 ({args.backend}, {res['images_per_s']:.1f} images/s):")
     print(format_ap_table(res, cm.class_names))
     if model is not None:
@@ -146,7 +159,32 @@ def main(argv=None) -> int:
               f"{'equal' if same else 'DIFFERENT'}")
         if not same:
             status = 1
+    if args.plots is not None:
+        try:
+            written = write_chip_plots(args.plots, predictions, cm, dataset, args.batch_size, conf, nms, maxd,
+                                       title=f"chip {args.backend} {cfg.DS_NAME} {args.split}")
+        except PlotError as exc:
+            return fail(str(exc))
+        print(f"plots: {', '.join(written)}")
     return status
+
+
+def write_chip_plots(folder, predictions, cm, dataset, batch_size, conf, nms, maxd, title=""):
+    """The --plots files for the chip model's detections: its predictions (evaluate_chip's
+    ``keep_predictions``, the runner is not run again) decoded batch by batch as evaluate_chip decodes
+    them, so the curves and the confusion matrix are of exactly the detections whose mAP was printed."""
+    from gnetmdk.evaluation.plots import write_eval_plots
+    from gnetmdk.evaluation.voc import evaluate_detections
+    from gnetmdk.gti.chip.host import decode_predictions
+    n = len(dataset)
+    detections = []
+    for start in range(0, n, batch_size):
+        idx = range(start, min(n, start + batch_size))
+        detections += decode_predictions(predictions[start:start + len(idx)], cm,
+                                         [tuple(dataset.original_size(i)) for i in idx], conf, nms, maxd)
+    truths = [dataset.ground_truth(i) for i in range(n)]
+    res = evaluate_detections(detections, truths, dataset.num_classes, return_curves=True)
+    return write_eval_plots(folder, res, detections, truths, cm.class_names, title=title)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,15 @@
 
     python3 tools/eval_voc.py checkpoint/step4/best.pth
     python3 tools/eval_voc.py checkpoint/step1/best.pth --config configs.py --split train batch-size 8
+    python3 tools/eval_voc.py checkpoint/step4/best.pth --plots plots/step4     # + PR curves, confusion matrix
 
 The model is rebuilt from the checkpoint (it must fit the config: classes, input size, width, chip)
 and evaluated as its stage runs (STAGES[stage]; a cal checkpoint as step 3: capped 5-bit activations;
 step 4 in float64, bit-exact with the chip). The dataset paths and the decode thresholds come from the
 config (configs.py, then KEY VALUE / KEY=VALUE overrides after the options).
+--plots DIR also writes pr_curves.png/.json (per-class precision-recall, the arrays each AP comes from)
+and confusion_matrix.png/.json (detections scoring above 0.3 against the ground truth, IoU >= 0.5, with a
+background row and column) for the evaluated split (gnetmdk.evaluation.plots; needs matplotlib).
 Exit status: 0 ok, 2 a user error (one line on stderr).
 """
 from __future__ import annotations
@@ -33,14 +37,42 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=at_least(0), default=0,
                    help="images per batch (default 0: the config's batch_size)")
     p.add_argument("--coco", action="store_true", help="also COCO mAP@[.5:.95], AP50, AP75 (pycocotools)")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write pr_curves.png/.json and confusion_matrix.png/.json (score > 0.3) in DIR "
+                        "(created if missing; needs matplotlib)")
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
+
+
+def evaluate_keeping_detections(model, loader, dataset, device, cfg, coco: bool):
+    """evaluate_model's numbers for one process (the same steps: gnetmdk.evaluation.evaluator.evaluate_model,
+    without the loss, which this tool does not print), and the detections and ground truths they come
+    from, with the precision/recall arrays (``return_curves``) for the plots.
+
+    Returns:
+        (result, detections, ground truths), both lists in dataset order.
+    """
+    from gnetmdk.evaluation.evaluator import predict_loader
+    from gnetmdk.evaluation.voc import evaluate_detections
+    dets, _, n = predict_loader(model, loader, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                                with_loss=False)
+    order = sorted(dets)
+    detections = [dets[i] for i in order]
+    truths = [dataset.ground_truth(i) for i in order]
+    res = evaluate_detections(detections, truths, dataset.num_classes, return_curves=True)
+    if coco:
+        from gnetmdk.evaluation.coco import evaluate_coco
+        res["coco"] = evaluate_coco(detections, truths, dataset.num_classes,
+                                    [tuple(dataset.original_size(i)) for i in order])
+    res["num_images"] = n
+    return res, detections, truths
 
 
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import eval_device, fail, load_eval_model, user_errors
+    from gnetmdk.evaluation.plots import PlotError
     try:
         import torch
         from torch.utils.data import DataLoader
@@ -58,10 +90,18 @@ def main(argv=None) -> int:
         model.to(device)
         loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,
                             num_workers=cfg.num_workers)
+        if args.plots is not None:                # refused before the evaluation, not after it
+            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+            prepare_plot_dir(args.plots)
+            require_matplotlib()
         t0 = time.time()
-        res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
-                             coco=args.coco or cfg.eval_coco)
-    except user_errors() as exc:
+        if args.plots is None:
+            res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh,
+                                 cfg.max_detections, coco=args.coco or cfg.eval_coco)
+        else:
+            res, detections, truths = evaluate_keeping_detections(model, loader, dataset, device, cfg,
+                                                                  args.coco or cfg.eval_coco)
+    except (*user_errors(), PlotError) as exc:
         return fail(str(exc))
     stage = ckpt.get("stage")
     print(f"{args.checkpoint}: stage {stage}{' (evaluated as step3)' if stage == 'cal' else ''}, "
@@ -71,6 +111,14 @@ def main(argv=None) -> int:
     if "coco" in res:
         c = res["coco"]
         print(f"COCO mAP@[.5:.95] {c['map']:.4f}  AP50 {c['ap50']:.4f}  AP75 {c['ap75']:.4f} (pycocotools)")
+    if args.plots is not None:
+        from gnetmdk.evaluation.plots import write_eval_plots
+        try:
+            written = write_eval_plots(args.plots, res, detections, truths, cfg.VOC_CLASSES,
+                                       title=f"{stage} {cfg.DS_NAME} {args.split}")
+        except PlotError as exc:
+            return fail(str(exc))
+        print(f"plots: {', '.join(written)}")
     return 0
 
 

@@ -7,6 +7,7 @@
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
 `--make-shapes` first generates the synthetic shapes dataset and its meta files.
+`--plots DIR` writes stages.png/.json after the table: entry and best mAP per stage as bars (needs matplotlib).
 """
 import argparse
 import json
@@ -52,12 +53,23 @@ def main(argv=None):
     p.add_argument("--make-shapes", action="store_true",
                    help="first generate the synthetic shapes dataset in the config's dataset_dir, and its meta files")
     p.add_argument("--json", default=None, help="also write the table as JSON to this file")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write stages.png/.json (entry and best mAP per stage) in DIR after the table "
+                        "(created if missing; needs matplotlib)")
     args, overrides = p.parse_known_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in ORDER]
     if bad:
         print(f"error: unknown stage(s) {bad}: choose from {ORDER}", file=sys.stderr)
         return 2
+    if args.plots is not None:                      # refused before any training, not after it
+        from gnetmdk.evaluation.plots import PlotError, prepare_plot_dir, require_matplotlib
+        try:
+            prepare_plot_dir(args.plots)
+            require_matplotlib()
+        except PlotError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         klass = load_config_class(args.config)
         if args.make_shapes:
@@ -81,10 +93,19 @@ def main(argv=None):
     print("\nPer-stage mAP@0.5 (entry = the loaded model after the stage's entry edits, before training)")
     print(format_table(rows))
     print(f"total {time.time() - t0:.0f}s")
+    records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5])
+               for r in rows]
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump([dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4],
-                            seconds=r[5]) for r in rows], fh, indent=2)
+            json.dump(records, fh, indent=2)
+    if args.plots is not None:
+        from gnetmdk.evaluation.plots import PlotError, plot_stages
+        try:
+            written = plot_stages(records, os.path.join(args.plots, "stages.png"))
+        except PlotError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"plots: {', '.join(written)}")
     return 0
 
 

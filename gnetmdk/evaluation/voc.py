@@ -122,6 +122,7 @@ def evaluate_detections(
     ground_truths: Sequence[Mapping[str, Any]],
     num_classes: int,
     iou_thresh: float = 0.5,
+    return_curves: bool = False,
 ) -> dict:
     """PASCAL VOC mAP over a dataset (IoU 0.5, all-point interpolated AP, VOC2010+).
 
@@ -140,6 +141,8 @@ def evaluate_detections(
             ``"difficult"``: optional bool ``(G,)`` (absent = all False).
         num_classes: number of classes ``C``.
         iou_thresh: minimum IoU for a match (inclusive).
+        return_curves: also return the precision/recall arrays each AP was computed from
+            (for plots: gnetmdk.evaluation.plots.plot_pr_curves). Nothing else changes.
 
     Returns:
         dict with
@@ -147,7 +150,13 @@ def evaluate_detections(
             (non-difficult) ground truth,
             ``"map"``: float, mean AP over the classes that have ground truth (``nan`` if none),
             ``"num_gt"``: list of ``C`` ints, non-difficult ground truths per class,
-            ``"num_det"``: list of ``C`` ints, detections per class.
+            ``"num_det"``: list of ``C`` ints, detections per class,
+            with ``return_curves`` also
+            ``"curves"``: ``{class index: (recall, precision)}``, 1-D float64 arrays of equal length
+            (one entry per ranked detection of the class that was not ignored, highest score first),
+            exactly the arrays passed to :func:`voc_ap` for that class, so
+            ``voc_ap(*result["curves"][c]) == result["ap"][c]``; classes without (non-difficult)
+            ground truth, whose AP is ``nan``, have no entry.
 
     Raises:
         ValueError: if the two lists differ in length, a dict lacks a required key, boxes are not
@@ -199,6 +208,7 @@ def evaluate_detections(
 
     # --- per-class matching -----------------------------------------------------------------
     aps: list[float] = []
+    curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     num_gt: list[int] = []
     num_det: list[int] = []
     for c in range(num_classes):
@@ -246,10 +256,15 @@ def evaluate_detections(
         recall = ctp / npos
         precision = ctp / np.maximum(ctp + cfp, np.finfo(np.float64).eps)
         aps.append(voc_ap(recall, precision))
+        if return_curves:
+            curves[c] = (recall, precision)
 
     valid = [a for a in aps if not math.isnan(a)]
     mean_ap = float(np.mean(valid)) if valid else float("nan")
-    return {"ap": aps, "map": mean_ap, "num_gt": num_gt, "num_det": num_det}
+    result = {"ap": aps, "map": mean_ap, "num_gt": num_gt, "num_det": num_det}
+    if return_curves:
+        result["curves"] = curves
+    return result
 
 
 def format_ap_table(result: Mapping[str, Any], class_names: Sequence[str]) -> str:
