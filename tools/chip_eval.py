@@ -76,7 +76,6 @@ def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import eval_device, fail, user_errors
-    from gnetmdk.evaluation.plots import PlotError
     try:
         import torch
         from gnetmdk.config import load_config
@@ -127,7 +126,7 @@ def main(argv=None) -> int:
             from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
             prepare_plot_dir(args.plots)
             require_matplotlib()
-    except (*user_errors(), PlotError) as exc:
+    except user_errors() as exc:
         return fail(str(exc))
 
     print(f"chip model {path} (chip {cm.chip}, {cm.input_size}px, {len(cm.layers)} sublayers), backend "
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
         try:
             written = write_chip_plots(args.plots, predictions, cm, dataset, args.batch_size, conf, nms, maxd,
                                        title=f"chip {args.backend} {cfg.DS_NAME} {args.split}")
-        except PlotError as exc:
+        except user_errors() as exc:
             return fail(str(exc))
         print(f"plots: {', '.join(written)}")
     return status

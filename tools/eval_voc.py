@@ -44,35 +44,10 @@ def parse_args(argv):
     return parse_with_overrides(p, argv)
 
 
-def evaluate_keeping_detections(model, loader, dataset, device, cfg, coco: bool):
-    """evaluate_model's numbers for one process (the same steps: gnetmdk.evaluation.evaluator.evaluate_model,
-    without the loss, which this tool does not print), and the detections and ground truths they come
-    from, with the precision/recall arrays (``return_curves``) for the plots.
-
-    Returns:
-        (result, detections, ground truths), both lists in dataset order.
-    """
-    from gnetmdk.evaluation.evaluator import predict_loader
-    from gnetmdk.evaluation.voc import evaluate_detections
-    dets, _, n = predict_loader(model, loader, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
-                                with_loss=False)
-    order = sorted(dets)
-    detections = [dets[i] for i in order]
-    truths = [dataset.ground_truth(i) for i in order]
-    res = evaluate_detections(detections, truths, dataset.num_classes, return_curves=True)
-    if coco:
-        from gnetmdk.evaluation.coco import evaluate_coco
-        res["coco"] = evaluate_coco(detections, truths, dataset.num_classes,
-                                    [tuple(dataset.original_size(i)) for i in order])
-    res["num_images"] = n
-    return res, detections, truths
-
-
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import eval_device, fail, load_eval_model, user_errors
-    from gnetmdk.evaluation.plots import PlotError
     try:
         import torch
         from torch.utils.data import DataLoader
@@ -95,13 +70,9 @@ def main(argv=None) -> int:
             prepare_plot_dir(args.plots)
             require_matplotlib()
         t0 = time.time()
-        if args.plots is None:
-            res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh,
-                                 cfg.max_detections, coco=args.coco or cfg.eval_coco)
-        else:
-            res, detections, truths = evaluate_keeping_detections(model, loader, dataset, device, cfg,
-                                                                  args.coco or cfg.eval_coco)
-    except (*user_errors(), PlotError) as exc:
+        res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                             coco=args.coco or cfg.eval_coco, keep_detections=args.plots is not None)
+    except user_errors() as exc:
         return fail(str(exc))
     stage = ckpt.get("stage")
     print(f"{args.checkpoint}: stage {stage}{' (evaluated as step3)' if stage == 'cal' else ''}, "
@@ -114,9 +85,9 @@ def main(argv=None) -> int:
     if args.plots is not None:
         from gnetmdk.evaluation.plots import write_eval_plots
         try:
-            written = write_eval_plots(args.plots, res, detections, truths, cfg.VOC_CLASSES,
+            written = write_eval_plots(args.plots, res, res["detections"], res["truths"], cfg.VOC_CLASSES,
                                        title=f"{stage} {cfg.DS_NAME} {args.split}")
-        except PlotError as exc:
+        except user_errors() as exc:
             return fail(str(exc))
         print(f"plots: {', '.join(written)}")
     return 0

@@ -44,12 +44,15 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
 
 
 def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConfig.conf_thresh, nms_thresh: float = 0.5,
-                   max_detections: int = 100, coco: bool = False) -> Dict[str, object]:
+                   max_detections: int = 100, coco: bool = False, keep_detections: bool = False) -> Dict[str, object]:
     """VOC mAP@0.5 of ``model`` on ``dataset`` (every image exactly once over all ranks), and with
     ``coco`` the COCO metrics too (pycocotools: gnetmdk.evaluation.coco.evaluate_coco).
 
     Returns (on every rank): {"map", "ap" (per class), "num_gt", "num_det", "loss" (dict of mean terms),
-    "num_images"} and with ``coco`` "coco": {"map" (mAP@[.5:.95]), "ap50", "ap75", ...}.
+    "num_images"} and with ``coco`` "coco": {"map" (mAP@[.5:.95]), "ap50", "ap75", ...}. With
+    ``keep_detections`` also what the numbers come from, for plots (gnetmdk.evaluation.plots):
+    "detections" and "truths" (lists in dataset order, original-image pixels) and "curves" (per class
+    the recall / precision arrays of its AP).
     """
     dets, sums, n = predict_loader(model, loader, device, conf_thresh, nms_thresh, max_detections)
     gathered = all_gather_object((dets, sums, n))
@@ -64,11 +67,13 @@ def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConf
     order = sorted(all_dets)
     detections = [all_dets[i] for i in order]
     truths = [dataset.ground_truth(i) for i in order]
-    result = evaluate_detections(detections, truths, dataset.num_classes)
+    result = evaluate_detections(detections, truths, dataset.num_classes, return_curves=keep_detections)
     if coco:
         from .coco import evaluate_coco
         result["coco"] = evaluate_coco(detections, truths, dataset.num_classes,
                                        [tuple(dataset.original_size(i)) for i in order])
     result["loss"] = {k: v / max(count, 1) for k, v in total.items()}
     result["num_images"] = count
+    if keep_detections:
+        result["detections"], result["truths"] = detections, truths
     return result

@@ -61,7 +61,9 @@ def user_errors() -> Tuple[type, ...]:
     from gnetmdk.config.base import ConfigError          # ChipModelError, ConversionError, ChipLimitError
     from gnetmdk.dataset.dataset import ImageReadError
     from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
-    return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, FileNotFoundError)
+    from gnetmdk.evaluation.plots import PlotError
+    return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, FileNotFoundError,
+            PlotError)
 
 
 def fail(msg: str, code: int = 2) -> int:
