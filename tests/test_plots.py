@@ -328,3 +328,35 @@ def test_run_pipeline_plots_stages_after_the_table_device_cpu(tmp_path, capsys, 
         data = json.load(fh)
     assert data == {"stages": [{"stage": s, "entry_map": summaries[s]["entry_map"],
                                 "best_map": summaries[s]["best_map"]} for s in ("step1", "step2")]}
+
+
+def test_training_curves_of_a_stage_and_of_its_resume_device_cpu(tmp_path_factory):
+    """A 2-epoch step 1 draws log/step1/curves.png with one JSON entry per epoch, the val mAP the
+    checkpoint holds and the mean loss terms; a run cut inside epoch 2 and resumed draws both epochs
+    again (the history of finished epochs travels in last.pth)."""
+    from test_pipeline import make_cards_workdir
+    from gnetmdk.checkpoint.io import load_checkpoint
+    from gnetmdk.config import build_config, load_config_class
+    from gnetmdk.engine.cli import run_stage
+    torch.set_num_threads(1)
+    root, path = make_cards_workdir(tmp_path_factory, "curves")
+    tmp = tmp_path_factory.mktemp("curves-runs")
+
+    def cfg(name, *over):
+        return build_config(load_config_class(path), ["checkpoint_root", str(tmp / name), "log_root",
+                                                      str(tmp / ("log-" + name)), "num_epochs", "2",
+                                                      "eval_interval", "1", *over], step=1)
+    summary = run_stage(cfg("full"))
+    png = tmp / "log-full" / "step1" / "curves.png"
+    decodes_as_image(str(png))
+    data = json.loads(png.with_suffix(".json").read_text())["epochs"]
+    assert [e["epoch"] for e in data] == [1, 2]
+    assert max(e["val_map"] for e in data) == pytest.approx(summary["best_map"], abs=0)
+    last = load_checkpoint(str(tmp / "full" / "step1" / "last.pth"))
+    assert [e["epoch"] for e in last["curves"]] == [1, 2]
+    assert {"total", "loc", "cls"} <= set(data[0]["train"]) and data[0]["lr"] > 0
+    run_stage(cfg("cut", "max_iters", "3", "eval_before", "false"))     # epoch 1 (2 iterations) and 1 more
+    assert [e["epoch"] for e in load_checkpoint(str(tmp / "cut" / "step1" / "last.pth"))["curves"]] == [1]
+    run_stage(cfg("cut", "resume", "true", "eval_before", "false"))
+    cut = json.loads((tmp / "log-cut" / "step1" / "curves.json").read_text())["epochs"]
+    assert [e["epoch"] for e in cut] == [1, 2]

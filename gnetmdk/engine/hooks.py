@@ -1,6 +1,6 @@
 """The trainer's concerns beside training, one hook each (detectron2's engine/hooks.py pattern): the EMA
-of the weights, evaluation and best.pth, last.pth and the stage's outputs, tensorboard, the epoch log
-line. Record/replay (gnetmdk.align.record.AlignmentHook) is a hook too.
+of the weights, evaluation and best.pth, early stopping, training curves, last.pth and the stage's
+outputs, tensorboard, the epoch log line. Record/replay (gnetmdk.align.record.AlignmentHook) is a hook too.
 
 The trainer (gnetmdk.engine.trainer.Trainer) calls, in the order the hooks are listed:
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from .ema import ModelEMA
 
@@ -168,6 +168,58 @@ class EarlyStopHook(HookBase):
         if epoch + 1 - best_epoch >= patience:
             result["stop"] = (f"early stop after epoch {epoch + 1}: no better val mAP than {t.best_map:.4f} "
                               f"(epoch {best_epoch}) for {epoch + 1 - best_epoch} epochs (patience {patience})")
+
+
+class CurvesHook(HookBase):
+    """Training curves of the stage (gnetmdk.evaluation.plots.plot_training_curves):
+    ``<log_root>/<stage>/curves.png`` and ``curves.json``, redrawn after every evaluation and at the
+    end (rank 0). The epochs' history goes into every checkpoint (``curves``), so a resumed run draws
+    the whole stage. Without matplotlib the run goes on and says once that no curves are drawn."""
+
+    def __init__(self):
+        self.history: List[Dict[str, object]] = []
+        self.warned = False
+
+    def before_train(self) -> None:
+        st = self.trainer.resume_state
+        if st is not None and isinstance(st.get("curves"), list):
+            self.history = [dict(h) for h in st["curves"]]
+
+    def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        t = self.trainer
+        tr = result["train"]
+        entry: Dict[str, object] = {"epoch": epoch + 1, "iteration": t.iteration,
+                                    "lr": float(t.optimizer.param_groups[0]["lr"]),
+                                    "train": {k: float(v) for k, v in tr.items() if k not in ("seconds", "images_per_s")}}
+        res = result.get("eval")
+        if res is not None:
+            entry["val_map"] = float(res["map"])
+            if "coco" in res:
+                entry["coco_map"] = float(res["coco"]["map"])
+        self.history.append(entry)
+        if res is not None:
+            self.draw()
+
+    def after_train(self) -> None:
+        if self.history:
+            self.draw()
+
+    def draw(self) -> None:
+        t = self.trainer
+        if not t.main:
+            return
+        from gnetmdk.evaluation.plots import PlotError, plot_training_curves
+        try:
+            os.makedirs(t.cfg.log_dir, exist_ok=True)
+            plot_training_curves(self.history, os.path.join(t.cfg.log_dir, "curves.png"),
+                                 title=f"{t.stage.name}: {t.cfg.DS_NAME}")
+        except (PlotError, OSError) as exc:
+            if not self.warned:
+                t.log(f"[{t.stage.name}] note: training curves not drawn ({exc})")
+                self.warned = True
+
+    def checkpoint_state(self, full: bool) -> Dict[str, object]:
+        return {"curves": [dict(h) for h in self.history]}
 
 
 class CheckpointHook(HookBase):

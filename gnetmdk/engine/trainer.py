@@ -30,7 +30,7 @@ from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
                                reduce_mean_dict)
 from .calibration import calibrate_caps
-from .hooks import CheckpointHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
+from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import prepare_model, wrap_ddp
 from .device import configure_backends, resolve_device
 from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler, check_batch_split
@@ -105,8 +105,8 @@ class Trainer:
         # in call order: the EMA is updated before anything reads it; the evaluation writes best.pth
         # before last.pth; the log line comes last
         self.hooks = []
-        for hook in (self.ema_hook, self.align, EvalHook(), EarlyStopHook(), CheckpointHook(), self.tensorboard,
-                     LoggerHook()):
+        for hook in (self.ema_hook, self.align, EvalHook(), EarlyStopHook(), CurvesHook(), CheckpointHook(),
+                     self.tensorboard, LoggerHook()):
             if hook is not None:
                 self.register(hook)
 

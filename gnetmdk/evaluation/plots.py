@@ -382,6 +382,60 @@ def plot_stages(rows: Sequence[Mapping[str, Any]], path: str, title: Optional[st
     return _write_pair(fig, path, data)
 
 
+# ------------------------------------------------------------------------------ training curves
+def plot_training_curves(history: Sequence[Mapping[str, Any]], path: str, title: Optional[str] = None) -> List[str]:
+    """A stage's training curves: the mean training loss terms per epoch, the learning rate at each
+    epoch's end, and val mAP@0.5 (and COCO mAP@[.5:.95] where measured) at each evaluation.
+
+    Args:
+        history: one mapping per epoch, in order: ``"epoch"`` (int, 1-based), ``"train"`` ({term: mean
+            loss over the epoch}, ``"total"`` among them), ``"lr"`` (float), and where that epoch was
+            evaluated ``"val_map"`` and optionally ``"coco_map"`` (floats in ``[0, 1]``). What
+            gnetmdk.engine.hooks.CurvesHook collects.
+        path: the PNG file (``.png``); the JSON goes beside it with the same stem.
+        title: figure title.
+
+    JSON written: ``{"epochs": [...]}``, the history as given (NaN as null).
+
+    Returns:
+        ``[png path, json path]``.
+    Raises:
+        ValueError: an entry lacks ``"epoch"`` or ``"train"``.
+        PlotError: matplotlib missing, or the files cannot be written (nothing was replaced).
+    """
+    rows = []
+    for k, h in enumerate(history):
+        if "epoch" not in h or "train" not in h:
+            raise ValueError(f"history[{k}] needs 'epoch' and 'train'")
+        rows.append({"epoch": int(h["epoch"]), "lr": _finite_or_none(h.get("lr")),
+                     "train": {str(t): _finite_or_none(v) for t, v in h["train"].items()},
+                     "val_map": _finite_or_none(h.get("val_map")), "coco_map": _finite_or_none(h.get("coco_map"))})
+    fig = _new_figure((7.5, 8.0))
+    ax_loss, ax_lr, ax_map = fig.subplots(3, 1, sharex=True)
+    epochs = [r["epoch"] for r in rows]
+    terms = sorted({t for r in rows for t in r["train"]}, key=lambda t: (t != "total", t))
+    for t in terms:
+        ax_loss.plot(epochs, [np.nan if r["train"].get(t) is None else r["train"][t] for r in rows],
+                     label=t, linewidth=2.0 if t == "total" else 1.0)
+    ax_loss.set_ylabel("training loss (epoch mean)")
+    ax_loss.legend(fontsize="x-small", ncol=4)
+    ax_lr.plot(epochs, [np.nan if r["lr"] is None else r["lr"] for r in rows])
+    ax_lr.set_ylabel("learning rate")
+    for key, label in (("val_map", "val mAP@0.5"), ("coco_map", "val COCO mAP@[.5:.95]")):
+        pts = [(r["epoch"], r[key]) for r in rows if r[key] is not None]
+        if pts:
+            ax_map.plot(*zip(*pts), marker="o", label=label)
+    ax_map.set_ylim(0.0, 1.02)
+    ax_map.set_ylabel("mAP")
+    ax_map.set_xlabel("epoch")
+    if ax_map.lines:
+        ax_map.legend(fontsize="small")
+    for ax in (ax_loss, ax_lr, ax_map):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title or "training curves")
+    return _write_pair(fig, path, {"epochs": rows})
+
+
 # ------------------------------------------------------------------------------ the tools' set
 def write_eval_plots(folder: str, result: Mapping[str, Any], detections: Sequence[Mapping[str, Any]],
                      ground_truths: Sequence[Mapping[str, Any]], class_names: Sequence[str],
