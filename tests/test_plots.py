@@ -360,3 +360,33 @@ def test_training_curves_of_a_stage_and_of_its_resume_device_cpu(tmp_path_factor
     run_stage(cfg("cut", "resume", "true", "eval_before", "false"))
     cut = json.loads((tmp / "log-cut" / "step1" / "curves.json").read_text())["epochs"]
     assert [e["epoch"] for e in cut] == [1, 2]
+
+
+def test_predictions_drawn_into_tensorboard_at_each_evaluation_device_cpu(tmp_path_factory):
+    """tb_images 2: after each of 2 evaluations tensorboard holds the same 2 val images (named by file)
+    as RGB images at most 640 px a side; tb_images 0 writes none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_pipeline import make_cards_workdir
+    from gnetmdk.config import build_config, load_config_class
+    from gnetmdk.engine.cli import run_stage
+    torch.set_num_threads(1)
+    root, path = make_cards_workdir(tmp_path_factory, "tbimages")
+    tmp = tmp_path_factory.mktemp("tb-runs")
+    tags = {}
+    for n in (2, 0):
+        cfg = build_config(load_config_class(path), ["checkpoint_root", str(tmp / f"c{n}"), "log_root",
+                                                     str(tmp / f"l{n}"), "num_epochs", "2", "eval_interval", "1",
+                                                     "eval_before", "false", "tb_images", str(n)], step=1)
+        run_stage(cfg)
+        acc = EventAccumulator(str(tmp / f"l{n}" / "step1"), size_guidance={"images": 0})
+        acc.Reload()
+        tags[n] = acc.Tags()["images"]
+        if n:
+            names = [os.path.splitext(os.path.basename(l.split()[0]))[0]
+                     for l in open(os.path.join(root, "meta", "cards_valid.txt")).read().splitlines()[:2]]
+            assert sorted(tags[n]) == sorted(f"step1/predictions/{m}" for m in names)
+            for tag in tags[n]:
+                events = acc.Images(tag)
+                assert [e.step for e in events] == [1, 2]
+                assert max(events[0].width, events[0].height) <= 640 and events[0].encoded_image_string
+    assert tags[0] == []

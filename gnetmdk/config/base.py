@@ -161,6 +161,7 @@ class BaseConfig:
     max_detections: int = 100
     predict_thresh: float = 0.3             # drawing threshold of tools/predict.py
     eval_coco: bool = False                 # also COCO mAP@[.5:.95] (pycocotools) at every evaluation
+    tb_images: int = 4                      # val images drawn with their predictions into tensorboard at each evaluation
 
     # ---------------------------------------------------------------- outputs
     checkpoint_root: str = "checkpoint"

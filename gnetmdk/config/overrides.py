@@ -331,6 +331,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("threads", "must be >= 0 (0 leaves torch's default number of threads)")
     if cfg.eval_interval < 1:
         bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
+    if cfg.tb_images < 0:
+        bad("tb_images", "must be >= 0 (val images drawn into tensorboard at each evaluation; 0 = none)")
     if cfg.patience < 0:
         bad("patience", "must be 0 (no early stopping) or a number of epochs without a better val mAP")
     elif 0 < cfg.patience < cfg.eval_interval:

@@ -21,6 +21,8 @@ import os
 import time
 from typing import Dict, List, Optional
 
+import numpy as np
+
 from .ema import ModelEMA
 
 
@@ -109,6 +111,35 @@ class TensorboardHook(HookBase):
             if "coco" in res:
                 self.scalar(f"{name}/COCO_mAP", res["coco"]["map"], epoch + 1)
             self.scalar(f"{name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
+            self.predictions(res, epoch + 1)
+
+    def predictions(self, res: Dict[str, object], step: int) -> None:
+        """The first ``tb_images`` val images (dataset order: the same images at every evaluation) with
+        their ground truth (white) and the detections scoring at least ``predict_thresh`` (class
+        colours, name and score), as ``<stage>/predictions/<image>``; at most 640 pixels a side."""
+        t = self.trainer
+        n = min(t.cfg.tb_images, len(res.get("detections", ())))
+        if not t.main or n == 0:
+            return
+        import cv2
+        from gnetmdk.dataset.dataset import decode_image
+        from gnetmdk.gti.chip.predictor import draw_detections
+        self.scalar(f"{t.stage.name}/mAP", res["map"], step)          # opens the writer if needed
+        for i in range(n):
+            det, gt = res["detections"][i], res["truths"][i]
+            keep = det["scores"] >= t.cfg.predict_thresh
+            img = decode_image(t.val_set.image_path(i))
+            thick = max(1, round(min(img.shape[:2]) / 300))
+            for x1, y1, x2, y2 in np.asarray(gt["boxes"]).round().astype(int).tolist():
+                cv2.rectangle(img, (x1, y1), (x2, y2), (255, 255, 255), thick)
+            img = draw_detections(img, {k: v[keep] for k, v in det.items()}, t.cfg.VOC_CLASSES)
+            scale = 640 / max(img.shape[:2])
+            if scale < 1:
+                img = cv2.resize(img, (round(img.shape[1] * scale), round(img.shape[0] * scale)),
+                                 interpolation=cv2.INTER_AREA)
+            name = os.path.splitext(os.path.basename(t.val_set.image_path(i)))[0]
+            self.writer.add_image(f"{t.stage.name}/predictions/{name}", img[:, :, ::-1].copy(), step,
+                                  dataformats="HWC")
 
     def after_train(self) -> None:
         if self.writer is not None:

@@ -225,7 +225,8 @@ class Trainer:
         cfg = self.cfg
         t0 = time.time()
         res = evaluate_model(self.eval_model, self.val_loader, self.val_set, self.device, cfg.conf_thresh,
-                             cfg.nms_thresh, cfg.max_detections, coco=cfg.eval_coco)
+                             cfg.nms_thresh, cfg.max_detections, coco=cfg.eval_coco,
+                             keep_detections=cfg.tb_images > 0)
         res["seconds"] = time.time() - t0
         return res
 
