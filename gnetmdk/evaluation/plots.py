@@ -10,7 +10,7 @@ matplotlib is not a dependency of the package (``pip install matplotlib``, or ``
 ".[plots]"``); it is imported when a plot is drawn, and its absence is reported as a
 :class:`PlotError` naming that command. The figures are drawn on ``matplotlib.figure.Figure`` objects
 with the Agg canvas, never through pyplot's global figure list, so nothing is left open and an
-interactive session's backend is not switched (``matplotlib.use("Agg")`` is called only when pyplot has
+interactive user's backend is not switched (``matplotlib.use("Agg")`` is called only when pyplot has
 not been imported yet).
 
 Used by ``tools/eval_voc.py --plots DIR`` and ``tools/chip_eval.py --plots DIR`` (``pr_curves`` and
