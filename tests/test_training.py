@@ -296,3 +296,5 @@ def test_patience_shorter_than_the_evaluation_interval_is_refused(workdir, tmp_p
         _cfg(path, tmp_path, "bad", "eval_interval", 5, "patience", 3)
     with pytest.raises(ConfigError, match="patience"):
         _cfg(path, tmp_path, "bad", "patience", -1)
+    with pytest.raises(ConfigError, match="tb_images"):
+        _cfg(path, tmp_path, "bad", "tb_images", -1)
