@@ -245,6 +245,21 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         return y.to(x.dtype) if low else y
 
 
+def share_bn_state(src: nn.Module, dst: nn.Module) -> nn.Module:
+    """Make BatchNorm ``dst`` use ``src``'s parameters and running buffers (the same tensor objects, so
+    optimizers, EMA copies and state_dict keys are unchanged) and its train/eval mode; returns ``dst``.
+    Both must have been built with the same ``affine`` and ``track_running_stats``."""
+    if src.affine:
+        dst.weight = src.weight
+        dst.bias = src.bias
+    if src.track_running_stats:
+        dst.running_mean = src.running_mean
+        dst.running_var = src.running_var
+        dst.num_batches_tracked = src.num_batches_tracked
+    dst.train(src.training)
+    return dst
+
+
 def convert_sync_batchnorm(module: nn.Module, use_cuda: bool = False) -> nn.Module:
     """Return ``module`` with every BatchNorm2d replaced by a synchronised one (in place where possible).
 
@@ -255,17 +270,8 @@ def convert_sync_batchnorm(module: nn.Module, use_cuda: bool = False) -> nn.Modu
     if use_cuda:
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, nn.BatchNorm2d) and not isinstance(module, DistBatchNorm2d):
-        new = DistBatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
-                              module.track_running_stats)
-        if module.affine:
-            new.weight = module.weight
-            new.bias = module.bias
-        if module.track_running_stats:
-            new.running_mean = module.running_mean
-            new.running_var = module.running_var
-            new.num_batches_tracked = module.num_batches_tracked
-        new.train(module.training)
-        return new
+        return share_bn_state(module, DistBatchNorm2d(module.num_features, module.eps, module.momentum,
+                                                      module.affine, module.track_running_stats))
     for name, child in module.named_children():
         new_child = convert_sync_batchnorm(child, use_cuda)
         if new_child is not child:

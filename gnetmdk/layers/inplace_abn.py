@@ -101,7 +101,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from gnetmdk.dist.syncbn import (DistBatchNorm2d, _all_reduce_, batch_moments, channel_grad_sums,
-                                 combine_moments, input_grad_coefficients, update_running_stats_)
+                                 combine_moments, input_grad_coefficients, share_bn_state,
+                                 update_running_stats_)
 
 __all__ = ["BatchNormAct2d", "convert_inplace_abn", "count_inplace_abn", "ACTIVATIONS"]
 
@@ -494,17 +495,8 @@ def _abn_from(bn, activation: str, slope: float, sync: Optional[bool]) -> BatchN
     """A BatchNormAct2d computing ``activation(bn(x))``, sharing bn's parameters and buffers."""
     if sync is None:
         sync = isinstance(bn, (DistBatchNorm2d, nn.SyncBatchNorm))
-    new = BatchNormAct2d(bn.num_features, activation, slope, bn.eps, bn.momentum, bn.affine,
-                         bn.track_running_stats, sync=sync)
-    if bn.affine:
-        new.weight = bn.weight
-        new.bias = bn.bias
-    if bn.track_running_stats:
-        new.running_mean = bn.running_mean
-        new.running_var = bn.running_var
-        new.num_batches_tracked = bn.num_batches_tracked
-    new.train(bn.training)
-    return new
+    return share_bn_state(bn, BatchNormAct2d(bn.num_features, activation, slope, bn.eps, bn.momentum, bn.affine,
+                                             bn.track_running_stats, sync=sync))
 
 
 class _ReluAfterABN:
