@@ -202,8 +202,8 @@ class OnnxChipRunner:
             data = build_onnx(model, all_layers).SerializeToString()
         else:
             data = model
-        self.session = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.runtime = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        self.output_names = [o.name for o in self.runtime.get_outputs()]
 
     def run(self, images, return_all: bool = False):
         """Run on 8-bit images.
@@ -216,16 +216,16 @@ class OnnxChipRunner:
         """
         x = np.ascontiguousarray(np.asarray(images, dtype=np.uint8).transpose(0, 3, 1, 2))
         if not return_all:
-            return self.session.run([CODES_NAME], {INPUT_NAME: x})[0]
+            return self.runtime.run([CODES_NAME], {INPUT_NAME: x})[0]
         layer_names = [n for n in self.output_names if n.startswith("layer")]
         if not layer_names:
             raise ChipModelError("this ONNX model has no per-layer outputs: export it with all_layers=True")
-        res = self.session.run([CODES_NAME] + layer_names, {INPUT_NAME: x})
+        res = self.runtime.run([CODES_NAME] + layer_names, {INPUT_NAME: x})
         return res[0], res[1:]
 
     def predictions(self, images) -> np.ndarray:
         """The host-side predictions output "pred": (N, S, S, 10 + C) float32."""
         x = np.ascontiguousarray(np.asarray(images, dtype=np.uint8).transpose(0, 3, 1, 2))
-        return self.session.run([PRED_NAME], {INPUT_NAME: x})[0]
+        return self.runtime.run([PRED_NAME], {INPUT_NAME: x})[0]
 
     __call__ = run
