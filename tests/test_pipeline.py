@@ -407,3 +407,66 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
     res = evaluate_chip(ChipEmulator(cm).run, cm, val, conf_thresh=1e-6)
     assert sum(ref["num_det"]) > 0
     assert res["map"] == ref["map"] and res["num_det"] == ref["num_det"]
+
+
+def test_layer_drift_from_step1_to_the_chip_device_cpu(pipeline, tmp_path, capsys):
+    """Per-layer drift of the pipeline's real checkpoints: 0 for step 1, step 4 and the chip model
+    equal (the same codes, the same caps), and the last layer's drift equals the relative error of
+    the two models' forward outputs computed here without the report; tools/stage_report.py --plots
+    writes the chart whose JSON holds the printed numbers."""
+    import numpy as np
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.gti.chip import convert_checkpoint
+    from gnetmdk.gti.chip.cli_util import load_eval_model
+    from gnetmdk.gti.chip.report import layer_drift
+    root, path, _ = pipeline
+    cfg = _cfg(path, step=4)
+    ckpts = {f"step{k}": os.path.join(root, "checkpoint", f"step{k}", "best.pth") for k in range(1, 5)}
+    chip, _ = convert_checkpoint(ckpts["step4"], CLASSES)
+    ds = build_dataset(cfg, "valid")
+    ds.augment = False
+    drift = layer_drift(ds, ckpts, chip, batch_size=3, cfg=cfg, max_images=None)
+    assert drift.reference == "step1" and drift.num_images == len(ds) == 4 and not drift.skipped
+    assert list(drift.stages) == ["step1", "step2", "step3", "step4", "chip"]
+    assert len(drift.layers) == 16 and drift.stages["step1"] == [0.0] * 16
+    assert drift.stages["chip"] == drift.stages["step4"]
+    for stage in ("step2", "step3", "step4"):
+        assert all(v > 0 for v in drift.stages[stage])
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    with torch.no_grad():
+        p1 = load_eval_model(ckpts["step1"], cfg)[0](x).double()
+        p4 = load_eval_model(ckpts["step4"], cfg)[0](x).double()
+    expected = float((p4 - p1).norm() / p1.norm())
+    # the report scales codes by cap / 31 in float64, forward by output_scale (float32): 1e-6 covers that
+    assert drift.stages["step4"][-1] == pytest.approx(expected, rel=1e-6)
+
+    spec = importlib.util.spec_from_file_location("stage_report", os.path.join(ROOT, "tools", "stage_report.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--config", path, "--batch-size", "3", "--plots", str(tmp_path / "plots")]) == 0
+    text = capsys.readouterr().out
+    with open(tmp_path / "plots" / "stage_report.json") as fh:
+        data = json.load(fh)
+    assert os.path.getsize(tmp_path / "plots" / "stage_report.png") > 0
+    table = text[text.index("per-layer output drift"):].splitlines()
+    printed = {l.split()[0]: [float(v) for v in l.split()[1:]] for l in table[3:19]}
+    assert list(printed) == drift.layers
+    for j, stage in enumerate(data["drift"]):
+        assert np.allclose([printed[n][j] for n in drift.layers], [100 * v for v in data["drift"][stage]],
+                           atol=0.006)
+    assert data["drift"]["step4"] == drift.stages["step4"]
+    rows = {l.split()[0]: float(l.split()[1]) for l in text.splitlines()
+            if l.split() and l.split()[0] in ("step1", "step2", "step3", "step4", "chip") and len(l.split()) > 2
+            and l.split()[1][0].isdigit() and "." in l.split()[1] and len(l.split()) >= 6}
+    assert data["maps"] == pytest.approx(rows, abs=5e-5)
+    # tools/run_pipeline.py --plots draws the same drift (all val images here: 4 < 64)
+    spec = importlib.util.spec_from_file_location("run_pipeline", os.path.join(ROOT, "tools", "run_pipeline.py"))
+    pipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipe)
+    written = pipe.drift_plot(load_config_class(path), [], str(tmp_path / "pipe"))
+    assert [os.path.basename(w) for w in written] == ["layer_drift.png", "layer_drift.json"]
+    with open(written[1]) as fh:
+        got = json.load(fh)["drift"]
+    assert list(got) == list(drift.stages)
+    for stage, vals in drift.stages.items():      # batches of 4 there, of 3 here: float64 sums reordered
+        assert got[stage] == pytest.approx(vals, rel=1e-12)

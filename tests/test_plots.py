@@ -319,11 +319,12 @@ def test_run_pipeline_plots_stages_after_the_table_device_cpu(tmp_path, capsys, 
     assert ran == [] and capsys.readouterr().err.startswith("error: plots folder")
     out_dir = tmp_path / "p"
     assert tool.main(["--config", os.path.join(REPO, "examples", "shapes.py"), "--stages", "step1,step2",
-                      "--plots", str(out_dir)]) == 0
+                      "--plots", str(out_dir), "checkpoint_root", str(tmp_path / "no-checkpoints")]) == 0
     text = capsys.readouterr().out
     assert ran == ["step1", "step2"]
     assert text.index("Per-stage mAP") < text.index("plots: ")
     decodes_as_image(str(out_dir / "stages.png"))
+    assert sorted(os.listdir(out_dir)) == ["stages.json", "stages.png"]     # no checkpoints: no drift chart
     with open(out_dir / "stages.json") as fh:
         data = json.load(fh)
     assert data == {"stages": [{"stage": s, "entry_map": summaries[s]["entry_map"],

@@ -7,7 +7,10 @@
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
 `--make-shapes` first generates the synthetic shapes dataset and its meta files.
-`--plots DIR` writes stages.png/.json after the table: entry and best mAP per stage as bars (needs matplotlib).
+`--plots DIR` writes stages.png/.json after the table: entry and best mAP per stage as bars; for GNetDet
+also layer_drift.png/.json: each sublayer's output drift from step 1 along the stages to the chip model
+(converted in memory from step 4) on the first 64 val images, as tools/stage_report.py computes it
+(needs matplotlib).
 """
 import argparse
 import json
@@ -44,6 +47,31 @@ def format_table(rows):
         at = "-" if best_epoch is None or best_secs is None else f"{best_epoch}, {best_secs:.0f}"
         lines.append(f"{name:<7}  {e:>10}  {b:>9}  {at:>18}  {secs:7.0f}")
     return "\n".join(lines)
+
+
+def drift_plot(klass, overrides, folder, max_images=64):
+    """Write ``folder``/layer_drift.png/.json from the run's GNetDet checkpoints (step1..step4 best.pth,
+    and the chip model converted in memory from step 4); returns the paths written ([] for a family
+    without the chip's stages, or when fewer than two stages are there to compare)."""
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.evaluation.plots import plot_layer_drift
+    from gnetmdk.gti.chip import convert_checkpoint
+    from gnetmdk.gti.chip.report import layer_drift
+    cfg = build_config(klass, overrides, step=4)
+    from gnetmdk.models import get_family
+    if get_family(cfg.model_name).name != "gnetdet":
+        return []
+    ckpts = {f"step{k}": os.path.join(cfg.checkpoint_dir(k), "best.pth") for k in range(1, 5)}
+    ckpts = {k: (v if os.path.isfile(v) else None) for k, v in ckpts.items()}
+    chip = convert_checkpoint(ckpts["step4"], list(cfg.VOC_CLASSES))[0] if ckpts["step4"] else None
+    if sum(v is not None for v in ckpts.values()) + (chip is not None) < 2:
+        return []
+    dataset = build_dataset(cfg, "valid")
+    dataset.augment = False
+    drift = layer_drift(dataset, ckpts, chip, 4, cfg, max_images)
+    return plot_layer_drift(drift.layers, drift.stages, os.path.join(folder, "layer_drift.png"), drift.reference,
+                            title=f"{cfg.DS_NAME}: output drift per layer from {drift.reference} "
+                                  f"({drift.num_images} val images)")
 
 
 def main(argv=None):
@@ -96,13 +124,19 @@ def main(argv=None):
     records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5])
                for r in rows]
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(records, fh, indent=2)
+        from gnetmdk.checkpoint.io import atomic_write_text
+        try:
+            atomic_write_text(args.json, json.dumps(records, indent=2) + "\n")   # all or nothing
+        except OSError as exc:
+            print(f"error: --json '{args.json}' cannot be written ({exc}); the table above is the run's result",
+                  file=sys.stderr)
+            return 2
     if args.plots is not None:
-        from gnetmdk.evaluation.plots import PlotError, plot_stages
+        from gnetmdk.evaluation.plots import plot_stages
         try:
             written = plot_stages(records, os.path.join(args.plots, "stages.png"))
-        except PlotError as exc:
+            written += drift_plot(klass, overrides, args.plots)
+        except user_errors() as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(f"plots: {', '.join(written)}")

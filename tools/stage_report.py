@@ -11,6 +11,11 @@ absent, the step-4 checkpoint converted in memory. All stages see the same image
 with the config's thresholds. Columns: mAP@0.5, its change from the stage before, mean and max
 |prediction difference| from the stage before, and mean |difference| from the first stage (step 1,
 the float model). Step 4 -> chip must read exactly 0.
+
+A second table gives each sublayer's output drift from step 1 (relative L2 error, in value units:
+code-domain stages scaled back by their calibrated caps) on the first --drift-images images, so a
+user sees in which layer accuracy leaves; `--drift-images 0` leaves it out. `--plots DIR` writes
+stage_report.png/.json: mAP per stage above the per-layer drift (needs matplotlib).
 Exit status: 0 ok (1 when step 4 and the chip model differ); 2 a user error.
 """
 from __future__ import annotations
@@ -38,6 +43,10 @@ def parse_args(argv):
                                                 "from the step-4 checkpoint)")
     p.add_argument("--no-chip", action="store_true", help="leave out the chip row")
     p.add_argument("--batch-size", type=at_least(1), default=16)
+    p.add_argument("--drift-images", type=at_least(0), default=64,
+                   help="images for the per-layer drift table (default 64; 0 leaves the table out)")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="write stage_report.png/.json in DIR: mAP per stage and per-layer drift (needs matplotlib)")
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
 
@@ -52,6 +61,10 @@ def main(argv=None) -> int:
         from gnetmdk.dataset.dataset import build_dataset
         from gnetmdk.gti.chip import ChipModelError, convert_checkpoint, load_chip_model
         from gnetmdk.gti.chip.report import format_report, stage_report
+        if args.plots is not None:                 # refused before the evaluation, not after it
+            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+            prepare_plot_dir(args.plots)
+            require_matplotlib()
         cfg = load_config(args.config, overrides)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -83,6 +96,10 @@ def main(argv=None) -> int:
         t0 = time.time()
         rows = stage_report(dataset, ckpts, chip, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
                             args.batch_size, cfg)
+        drift = None
+        if args.drift_images > 0:
+            from gnetmdk.gti.chip.report import layer_drift
+            drift = layer_drift(dataset, ckpts, chip, min(args.batch_size, 4), cfg, args.drift_images)
     except user_errors() as exc:
         return fail(str(exc))
     missing = [k for k, v in ckpts.items() if v is None]
@@ -91,6 +108,20 @@ def main(argv=None) -> int:
     if chip_note:
         print(f"chip model: {chip_note}")
     print(format_report(rows))
+    if drift is not None:
+        from gnetmdk.gti.chip.report import format_drift
+        print()
+        print(format_drift(drift))
+    if args.plots is not None:
+        from gnetmdk.evaluation.plots import plot_layer_drift
+        try:
+            written = plot_layer_drift(drift.layers if drift else [], drift.stages if drift else {},
+                                       os.path.join(args.plots, "stage_report.png"),
+                                       drift.reference if drift else "step1", {r.name: r.map for r in rows},
+                                       title=f"{cfg.DS_NAME} {args.split}: mAP and per-layer drift per stage")
+        except user_errors() as exc:
+            return fail(str(exc))
+        print(f"plots: {', '.join(written)}")
     by = {r.name: r for r in rows}
     if "chip" in by and "step4" in by and rows.index(by["chip"]) == rows.index(by["step4"]) + 1:
         if by["chip"].max_diff_prev != 0.0 or by["chip"].d_map != 0.0:

@@ -1,5 +1,6 @@
 """Plots of the numbers the tools compute: per-class precision-recall curves, a detection confusion
-matrix, and the per-stage mAP of a pipeline run (PNG, matplotlib's Agg renderer).
+matrix, the per-stage mAP of a pipeline run, the per-layer output drift along the stages, and training
+curves (PNG, matplotlib's Agg renderer).
 
 Every plot function writes two files as one set, ``NAME.png`` and ``NAME.json`` (the plotted numbers,
 so tests and users can read them without decoding the image), through
@@ -14,7 +15,8 @@ interactive user's backend is not switched (``matplotlib.use("Agg")`` is called 
 not been imported yet).
 
 Used by ``tools/eval_voc.py --plots DIR`` and ``tools/chip_eval.py --plots DIR`` (``pr_curves`` and
-``confusion_matrix``) and ``tools/run_pipeline.py --plots DIR`` (``stages``); docs/pipeline.md, "Plots".
+``confusion_matrix``), ``tools/run_pipeline.py --plots DIR`` (``stages``, ``layer_drift``),
+``tools/stage_report.py --plots DIR`` (``stage_report``) and the trainer (``curves``); docs/pipeline.md, "Plots".
 """
 from __future__ import annotations
 
@@ -379,6 +381,77 @@ def plot_stages(rows: Sequence[Mapping[str, Any]], path: str, title: Optional[st
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize="small", frameon=False)
     ax.set_title(title or "val mAP per stage")
+    return _write_pair(fig, path, data)
+
+
+def plot_layer_drift(layers: Sequence[str], drift: Mapping[str, Sequence[float]], path: str, reference: str = "step1",
+                     maps: Optional[Mapping[str, Optional[float]]] = None, title: Optional[str] = None) -> List[str]:
+    """Per-layer output drift from the float model along the stages, and optionally mAP per stage.
+
+    Args:
+        layers: sublayer names, in network order.
+        drift: stage name -> per-layer relative L2 error from ``reference`` (floats >= 0, one per layer;
+            what gnetmdk.gti.chip.report.layer_drift computes), in pipeline order. The reference's own
+            line (all 0) is not drawn.
+        path: the PNG file (``.png``); the JSON goes beside it with the same stem.
+        reference: the stage the errors are measured from.
+        maps: stage name -> val mAP@0.5 (or None); when given, a bar panel of mAP per stage is drawn
+            above the drift panel.
+        title: figure title.
+
+    JSON written: ``{"layers": [...], "reference": str, "drift": {stage: [relative error, ...]},
+    "maps": {stage: mAP} or null}``.
+
+    Returns:
+        ``[png path, json path]``.
+    Raises:
+        ValueError: a stage's list does not have one value per layer.
+        PlotError: matplotlib missing, or the files cannot be written (nothing was replaced).
+    """
+    layers = [str(n) for n in layers]
+    rows = {}
+    for stage, vals in drift.items():
+        vals = [_finite_or_none(v) for v in vals]
+        if len(vals) != len(layers):
+            raise ValueError(f"drift[{stage!r}] has {len(vals)} values for {len(layers)} layers")
+        rows[str(stage)] = vals
+    map_rows = None if maps is None else {str(k): _finite_or_none(v) for k, v in maps.items()}
+    data = {"layers": layers, "reference": str(reference), "drift": rows, "maps": map_rows}
+
+    fig = _new_figure((max(7.0, 0.45 * len(layers) + 3.0), 7.5 if map_rows else 4.5))
+    if map_rows:
+        ax_map, ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [1, 1.6]})
+        names = list(map_rows)
+        vals = [map_rows[n] for n in names]
+        bars = ax_map.bar(range(len(names)), [np.nan if v is None else v for v in vals], 0.6)
+        for b, v in zip(bars, vals):
+            ax_map.text(b.get_x() + b.get_width() / 2, 0.0 if v is None else v, "-" if v is None else f"{v:.4f}",
+                        ha="center", va="bottom", fontsize="x-small")
+        ax_map.set_xticks(range(len(names)), names)
+        ax_map.set_ylim(0.0, 1.08)
+        ax_map.set_ylabel("mAP@0.5")
+        ax_map.grid(True, axis="y", alpha=0.3)
+    else:
+        ax = fig.add_subplot()
+    x = np.arange(len(layers))
+    positive = []
+    for k, (stage, vals) in enumerate(rows.items()):
+        if stage == reference:
+            continue
+        y = np.array([np.nan if v is None else 100.0 * v for v in vals])
+        positive.extend(v for v in y if np.isfinite(v) and v > 0)
+        chip_like = stage == "chip"
+        ax.plot(x, y, marker="o", linestyle="--" if chip_like else "-", fillstyle="none" if chip_like else "full",
+                label=stage)
+    if positive:
+        ax.set_yscale("log")
+    ax.set_xticks(x, layers, rotation=90 if len(layers) > 12 else 0, fontsize="small")
+    ax.set_xlabel("sublayer (output after the pool)")
+    ax.set_ylabel(f"relative L2 error from {reference} (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small")
+    fig.suptitle(title or f"output drift per layer from {reference}")
     return _write_pair(fig, path, data)
 
 

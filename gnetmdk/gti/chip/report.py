@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from gnetmdk.config.base import BaseConfig
@@ -121,4 +122,144 @@ def format_report(rows: Sequence[StageRow]) -> str:
     for r in rows:
         lines.append(f"{r.name:<6} {r.map:>8.4f} {f(r.d_map, '+.4f'):>8} {f(r.mean_diff_prev, '.3g'):>16} "
                      f"{f(r.max_diff_prev, '.3g'):>15} {f(r.mean_diff_float, '.3g'):>17}  {r.source}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ per-layer drift
+@dataclass
+class LayerDrift:
+    """Per-sublayer output drift of the stages from a reference stage (the float model, step 1).
+
+    Attributes:
+        layers: sublayer names ("conv1".."convN"), outputs after the pool.
+        reference: the stage the others are compared with.
+        stages: stage name -> per-sublayer relative error ||a - a_ref||_2 / ||a_ref||_2 over every
+            element of the images used (a float; 0 for the reference itself). Activations are compared
+            as values: the code-domain stages (step 4, gain-aware step 3, the chip model) are scaled
+            back by cap / 31 with each conv's calibrated cap (gti-chip.md), the others are taken as
+            they are. The relative error is 1 / sqrt(SQNR), the usual measure of quantization noise.
+        num_images: images used.
+        skipped: stage -> why it has no drift (e.g. a chip model without calibrated caps).
+    """
+    layers: List[str]
+    reference: str
+    stages: Dict[str, List[float]]
+    num_images: int
+    skipped: Dict[str, str]
+
+
+def _stage_value_outputs(model, x: torch.Tensor, caps: Optional[Sequence[float]]) -> List[torch.Tensor]:
+    """Sublayer outputs of a GNetDet as values (float64, CPU): code-domain layers times cap / 31."""
+    _, outs = model.features(x, return_all=True)
+    res = []
+    for i, (o, relu) in enumerate(zip(outs, model.relus())):
+        o = o.double().cpu().contiguous()
+        if relu.integer or relu.code_domain:
+            if caps is None:
+                raise ValueError("code-domain outputs without calibrated caps")
+            o = o * (float(caps[i]) / 31.0)
+        res.append(o)
+    return res
+
+
+@torch.no_grad()
+def layer_drift(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, batch_size: int = 4, cfg=None,
+                max_images: Optional[int] = 64) -> LayerDrift:
+    """How far each sublayer's output moves from the float model's along step1 -> ... -> chip.
+
+    Args:
+        dataset: a DetectionDataset (evaluation preprocessing, no augmentation).
+        checkpoints: "step1".."step4" -> GNetDet checkpoint path or None (missing stages are skipped;
+            the first present one is the reference, step 1 when there is one).
+        chip_model: a ChipModel for the "chip" row (integer emulator), or None. It needs its
+            calibrated caps (written by the converter) to be put in value units.
+        batch_size: images per forward pass (every stage holds its sublayer outputs for a batch).
+        cfg: a config the checkpoints must fit (optional; also picks the device).
+        max_images: use the first ``max_images`` images of the dataset (None: all).
+    Returns:
+        LayerDrift.
+    Raises:
+        CheckpointError: a checkpoint cannot be read or does not fit ``cfg``, or the stages' layer
+            shapes differ (checkpoints of different models).
+        ValueError: no stage present.
+    """
+    from .cli_util import eval_device, load_eval_model
+    from .convert import _calibrated_caps_from
+    from .emulator import ChipEmulator
+    runs = []                       # (name, kind, object, caps)
+    skipped: Dict[str, str] = {}
+    device = eval_device(cfg)
+    for name in ("step1", "step2", "step3", "step4"):
+        src = checkpoints.get(name)
+        if src is None:
+            continue
+        model, ckpt = load_eval_model(src, cfg)
+        model.to(device)
+        if any(r.integer for r in model.relus()):      # step 4: the caps before gain editing
+            caps = _calibrated_caps_from(ckpt, float(model.output_scale), len(model.relus()))
+        else:                                          # step 3: its caps are the calibrated ones
+            caps = [float(r.cap.detach()) for r in model.relus()]
+        if any(r.integer for r in model.relus()) and not caps:
+            skipped[name] = "the checkpoint does not record its calibrated caps (codes cannot be scaled back)"
+            continue
+        runs.append((name, "model", model, caps))
+    if chip_model is not None:
+        caps = chip_model.calibrated_caps()
+        if caps is None:
+            skipped["chip"] = "the chip model does not record its calibrated caps (codes cannot be scaled back)"
+        else:
+            runs.append(("chip", "chip", ChipEmulator(chip_model, batch_size=batch_size), caps))
+    if not runs:
+        raise ValueError("no stage to compare: pass at least one checkpoint or a chip model")
+    n_img = len(dataset) if max_images is None else min(len(dataset), int(max_images))
+    sq_err: Dict[str, Optional[List[float]]] = {r[0]: None for r in runs}
+    sq_ref: Optional[List[float]] = None
+    names: List[str] = []
+    done = 0
+    for _, imgs, _ in iter_dataset_batches(dataset, batch_size):
+        imgs = imgs[:n_img - done]
+        if len(imgs) == 0:
+            break
+        x = image_to_codes(torch.from_numpy(imgs)).permute(0, 3, 1, 2).float().to(device)
+        ref = None
+        for name, kind, obj, caps in runs:
+            if kind == "chip":
+                _, layers = obj.run(imgs, return_all=True)
+                used = chip_model.used_channels
+                outs = [torch.from_numpy(np.ascontiguousarray(c)).double() * (float(caps[i]) / 31.0)
+                        for i, c in enumerate(layers)]
+                outs[-1] = outs[-1][:, :used].contiguous()
+            else:
+                outs = _stage_value_outputs(obj, x, caps)
+            if ref is None:
+                ref = outs
+                names = [f"conv{i + 1}" for i in range(len(outs))]
+                if sq_ref is None:
+                    sq_ref = [0.0] * len(outs)
+                for i, o in enumerate(outs):
+                    sq_ref[i] += float((o * o).sum())
+            if len(outs) != len(ref) or any(a.shape != b.shape for a, b in zip(outs, ref)):
+                from gnetmdk.checkpoint.io import CheckpointError
+                raise CheckpointError(f"stage {name}'s sublayer outputs have other shapes than {runs[0][0]}'s: "
+                                      "the checkpoints are of different models; pass one pipeline's checkpoints")
+            acc = sq_err[name] or [0.0] * len(outs)
+            for i, (o, r) in enumerate(zip(outs, ref)):
+                acc[i] += float(((o - r) ** 2).sum())
+            sq_err[name] = acc
+        done += len(imgs)
+    stages = {name: [float(np.sqrt(e / r)) if r > 0 else (0.0 if e == 0 else float("inf"))
+                     for e, r in zip(sq_err[name], sq_ref)] for name, *_ in runs}
+    return LayerDrift(names, runs[0][0], stages, done, skipped)
+
+
+def format_drift(drift: LayerDrift) -> str:
+    """The drift as a table: one row per sublayer, one column per stage, relative error in percent."""
+    cols = list(drift.stages)
+    head = f"{'layer':<7}" + "".join(f" {c:>9}" for c in cols)
+    lines = [f"per-layer output drift from {drift.reference} (relative L2 error, %), {drift.num_images} images",
+             head, "-" * len(head)]
+    for i, layer in enumerate(drift.layers):
+        lines.append(f"{layer:<7}" + "".join(f" {100.0 * drift.stages[c][i]:>9.2f}" for c in cols))
+    for name, why in drift.skipped.items():
+        lines.append(f"{name}: left out: {why}")
     return "\n".join(lines)
