@@ -198,3 +198,32 @@ def test_running_mean_judged_on_the_activation_scale():
     lone_a = {"m.running_mean": torch.tensor([0.1 + 1.1e-5])}
     lone_b = {"m.running_mean": torch.tensor([0.1])}
     assert not diff_state_dicts(lone_a, lone_b, atol=1e-6, rtol=1e-5).ok
+
+
+def test_d_value_rule_of_the_notes_device_cpu(tmp_path):
+    """--d-value judges a tensor by its sum of squared differences (the PP-YOLO notes' rule), alone or
+    together with --atol; both figures are listed and the exit codes stay 0 / 1 / 2."""
+    f64 = torch.float64
+    a = {"w": torch.zeros(100, dtype=f64), "v": torch.zeros(4, dtype=f64)}
+    b = {"w": torch.full((100,), 2e-3, dtype=f64), "v": torch.tensor([0.03, 0.0, 0.0, 0.0], dtype=f64)}
+    # w: max 2e-3, sum sq 100 * 4e-6 = 4e-4; v: max 0.03, sum sq 9e-4
+    rep = diff_state_dicts(a, b, atol=None, d_value=5e-4)
+    by = {r.name: r for r in rep.rows}
+    assert by["w"].sum_sq == pytest.approx(4e-4, rel=1e-12) and by["w"].ok
+    assert by["v"].sum_sq == pytest.approx(9e-4, rel=1e-12) and not by["v"].ok
+    both = {r.name: r.ok for r in diff_state_dicts(a, b, atol=1e-3, d_value=5e-4).rows}
+    assert both == {"w": False, "v": False}               # w passes the notes' rule, not |a-b| <= 1e-3
+    assert diff_state_dicts(a, b, atol=None, d_value=1e-3).ok
+    with pytest.raises(ValueError):
+        diff_state_dicts(a, b, atol=None, d_value=None)
+    pa, pb = _save(tmp_path / "a.pth", a), _save(tmp_path / "b.pth", b)
+    r = run([DIFF_WEIGHTS, pa, pb, "--d_value", "0.0005", "--all"], ROOT)
+    assert r.returncode == 1 and "NOT ALIGNED" in r.stdout
+    assert "sum (a-b)^2 <= 0.0005" in r.stdout and "|a-b| <=" not in r.stdout
+    assert "largest sum sq 9.000e-04 (v)" in r.stdout and "largest max|a-b| 3.000e-02 (v)" in r.stdout
+    r = run([DIFF_WEIGHTS, pa, pb, "--d-value", "0.001"], ROOT)
+    assert r.returncode == 0 and "ALIGNED: all within tolerance" in r.stdout
+    r = run([DIFF_WEIGHTS, pa, pb, "--d-value", "0.001", "--atol", "0.01"], ROOT)
+    assert r.returncode == 1 and "and sum (a-b)^2" in r.stdout
+    r = run([DIFF_WEIGHTS, pa, pb, "--d-value", "-1"], ROOT)
+    assert r.returncode == 2 and "must be >= 0" in r.stderr

@@ -2,12 +2,16 @@
 """Compare the weights of two checkpoints, tensor by tensor (docs/alignment.md, docs/distributed.md).
 
     python3 tools/diff_weights.py A.pth B.pth [--atol 1e-6] [--rtol 0] [--all]
+    python3 tools/diff_weights.py A.pth B.pth --d-value 0.0005          # the PP-YOLO notes' rule
 
 Prints, per tensor, max |a - b|, the max relative difference and the sum of squared differences
 (only the tensors outside the tolerance unless --all), names tensors present in only one file, skips
 bookkeeping buffers (num_batches_tracked). A tensor is within tolerance when every element has
 |a - b| <= atol + rtol * |b| (for a BatchNorm running_mean: rtol * max(|b|, sqrt(running_var)), the
-scale of the activations it averages). Exit code: 0 all within tolerance, 1 otherwise, 2 a file cannot be read.
+scale of the activations it averages). `--d-value D` (also spelt `--d_value`, as in the PP-YOLO
+alignment notes) judges each tensor by its sum of squared differences instead, aligned when it is
+<= D (the notes use 5e-4); given with --atol, a tensor must pass both rules. Both figures are listed
+either way. Exit code: 0 all within tolerance, 1 otherwise, 2 a file cannot be read.
 """
 import argparse
 import os
@@ -22,15 +26,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="first checkpoint (.pth: gnetmdk checkpoint or state_dict)")
     p.add_argument("b", help="second checkpoint, the reference for --rtol")
-    p.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance (default 1e-6)")
+    p.add_argument("--atol", type=float, default=None,
+                   help="absolute tolerance (default 1e-6, or none when --d-value is given alone)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--d-value", "--d_value", dest="d_value", type=float, default=None, metavar="D",
+                   help="per tensor: aligned when the sum of squared differences is <= D (the notes: 0.0005)")
     p.add_argument("--all", action="store_true", help="print every tensor, not only those that differ")
     args = p.parse_args(argv)
-    if args.atol < 0 or args.rtol < 0:
-        print("error: --atol and --rtol must be >= 0", file=sys.stderr)
+    if args.atol is None and args.d_value is None:
+        args.atol = 1e-6
+    if (args.atol is not None and args.atol < 0) or args.rtol < 0 or (args.d_value is not None and args.d_value < 0):
+        print("error: --atol, --rtol and --d-value must be >= 0", file=sys.stderr)
         return 2
     try:
-        rep = diff_files(args.a, args.b, args.atol, args.rtol)
+        rep = diff_files(args.a, args.b, args.atol, args.rtol, args.d_value)
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

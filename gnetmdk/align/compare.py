@@ -9,12 +9,16 @@ A BatchNorm ``running_mean`` is the one exception to "relative to |b|": it estim
 activations whose spread is sqrt(running_var), and float32 rounding of those activations errs in
 proportion to that spread, not to the mean (a channel with mean 0.1 and std 7 carries errors of
 1e-5 from summation order alone). Its relative term is ``rtol * max(|b|, sqrt(running_var_b))``.
+
+The PP-YOLO alignment notes (docs/alignment.md) judge a tensor by its sum of squared differences
+instead: aligned when ``sum((a - b)^2) <= d_value`` (their threshold: ``d_value = 5e-4``). With
+``d_value`` given that rule is applied per tensor; with ``atol`` given too, a tensor must pass both.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,8 +46,9 @@ class DiffReport:
     only_a: List[str] = field(default_factory=list)
     only_b: List[str] = field(default_factory=list)
     skipped: List[str] = field(default_factory=list)
-    atol: float = 0.0
+    atol: Optional[float] = 0.0
     rtol: float = 0.0
+    d_value: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -64,10 +69,14 @@ class DiffReport:
         for n in self.only_b:
             lines.append(f"{n:<40} only in {b_name}")
         worst = max(self.rows, key=lambda r: r.max_abs, default=None)
+        worst_sq = max(self.rows, key=lambda r: r.sum_sq, default=None)
+        rules = ([f"|a-b| <= {self.atol:g} + {self.rtol:g}*|b|"] if self.atol is not None else []) + \
+            ([f"sum (a-b)^2 <= {self.d_value:g}"] if self.d_value is not None else [])
         lines.append(f"{len(self.rows)} tensors compared ({len(self.skipped)} bookkeeping skipped), "
-                     f"{len(self.failed)} outside |a-b| <= {self.atol:g} + {self.rtol:g}*|b|, "
+                     f"{len(self.failed)} outside {' and '.join(rules)}, "
                      f"{len(self.only_a)} only in {a_name}, {len(self.only_b)} only in {b_name}; largest max|a-b| "
-                     f"{worst.max_abs:.3e} ({worst.name})" if worst else "no tensors in common")
+                     f"{worst.max_abs:.3e} ({worst.name}), largest sum sq {worst_sq.sum_sq:.3e} ({worst_sq.name})"
+                     if worst else "no tensors in common")
         lines.append("ALIGNED: all within tolerance" if self.ok else "NOT ALIGNED")
         return "\n".join(lines)
 
@@ -99,10 +108,25 @@ def load_state(path: str) -> Dict[str, torch.Tensor]:
     return out
 
 
-def diff_state_dicts(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: float = 1e-6,
-                     rtol: float = 0.0) -> DiffReport:
-    """Compare two state dicts tensor by tensor (see the module docstring); b is the reference for rtol."""
-    rep = DiffReport(atol=atol, rtol=rtol)
+def diff_state_dicts(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], atol: Optional[float] = 1e-6,
+                     rtol: float = 0.0, d_value: Optional[float] = None) -> DiffReport:
+    """Compare two state dicts tensor by tensor (see the module docstring); b is the reference for rtol.
+
+    Args:
+        a, b: name -> tensor (any dtype, compared in float64).
+        atol, rtol: the element rule ``|a - b| <= atol + rtol * |b|``; ``atol=None`` leaves it out
+            (then ``d_value`` must be given).
+        d_value: the notes' rule, ``sum((a - b)^2) <= d_value`` per tensor, or None.
+    Returns:
+        DiffReport (``ok`` when every tensor passes every rule given and no name is in one file only).
+    Raises:
+        ValueError: neither rule given, or a negative tolerance.
+    """
+    if atol is None and d_value is None:
+        raise ValueError("give atol, d_value or both")
+    if (atol is not None and atol < 0) or rtol < 0 or (d_value is not None and d_value < 0):
+        raise ValueError("tolerances must be >= 0")
+    rep = DiffReport(atol=atol, rtol=rtol, d_value=d_value)
     for name in sorted(set(a) | set(b)):
         if name.endswith(SKIP_SUFFIXES):
             rep.skipped.append(name)
@@ -132,12 +156,14 @@ def diff_state_dicts(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], ato
         var_name = name[: -len("running_mean")] + "running_var" if name.endswith("running_mean") else None
         if var_name is not None and var_name in b and b[var_name].shape == tb.shape:
             scale = torch.maximum(scale, b[var_name].double().clamp(min=0).sqrt())
-        ok = bool(torch.all(d <= atol + rtol * scale))
-        rep.rows.append(TensorDiff(name, tuple(ta.shape), float(d.max()), float(rel.max()),
-                                   float((d * d).sum()), ok))
+        sum_sq = float((d * d).sum())
+        ok = atol is None or bool(torch.all(d <= atol + rtol * scale))
+        ok = ok and (d_value is None or sum_sq <= d_value)
+        rep.rows.append(TensorDiff(name, tuple(ta.shape), float(d.max()), float(rel.max()), sum_sq, ok))
     return rep
 
 
-def diff_files(path_a: str, path_b: str, atol: float = 1e-6, rtol: float = 0.0) -> DiffReport:
+def diff_files(path_a: str, path_b: str, atol: Optional[float] = 1e-6, rtol: float = 0.0,
+               d_value: Optional[float] = None) -> DiffReport:
     """diff_state_dicts of two .pth files (see load_state for what they may hold)."""
-    return diff_state_dicts(load_state(path_a), load_state(path_b), atol, rtol)
+    return diff_state_dicts(load_state(path_a), load_state(path_b), atol, rtol, d_value)
