@@ -34,6 +34,7 @@ class Config(BaseConfig):
     optimizer = "sgd"
     learning_rate = 0.0004
     momentum = 0.9
+    nesterov = False                     # PaddleDetection's Momentum optimizer is plain momentum
     weight_decay = 5e-4
     grad_clip = 0.0                      # PaddleDetection's PP-YOLO clips nothing
     lr_scheduler = "multistep"

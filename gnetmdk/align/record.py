@@ -44,7 +44,8 @@ RECORD_FORMAT = "gnetmdk-npz-record"
 _NAME = re.compile(r"iter_(\d{6,})_rank(\d+)\.npz$")
 #: config fields that change what an iteration computes: a replay that differs warns about them
 _RELEVANT = ("model_name", "image_size", "width_mult", "use_bn", "chip", "mask_bits", "weight_scale", "l_coord",
-             "l_noobj", "l_class", "batch_size", "learning_rate", "optimizer", "momentum", "weight_decay",
+             "l_noobj", "l_class", "batch_size", "learning_rate", "optimizer", "momentum", "nesterov",
+             "weight_decay",
              "grad_clip", "num_epochs", "lr_scheduler", "warmup_epochs", "warmup_factor", "min_lr_ratio",
              "lr_step_size", "lr_milestones", "lr_gamma", "sync_bn")
 
@@ -273,6 +274,10 @@ class AlignmentHook(HookBase):
             raise AlignmentError(f"'{self.replay_dir}' was recorded with batch_size {meta['global_batch']} "
                                  f"({meta['world_size']} x {meta['local_batch']}); replay with batch_size "
                                  f"{meta['global_batch']} (any process count that divides it)")
+        last_epoch = max(loader._epochs.values())
+        if last_epoch >= cfg.num_epochs:
+            raise AlignmentError(f"'{self.replay_dir}' records iterations of epoch {last_epoch + 1}, this run trains "
+                                 f"num_epochs {cfg.num_epochs}: replay with num_epochs {last_epoch + 1} or more")
         if meta.get("stage") != trainer.stage.name:
             raise AlignmentError(f"'{self.replay_dir}' records stage {meta.get('stage')}, this run is "
                                  f"{trainer.stage.name}: use the same --step / --cal")

@@ -106,6 +106,8 @@ class BaseConfig:
     learning_rate: float = 1e-4
     optimizer: str = "adamw"                # adamw | adam | sgd
     momentum: float = 0.9
+    nesterov: bool = True                   # sgd: Nesterov momentum; false = plain momentum (PaddleDetection's
+                                            # Momentum optimizer, which the PP-YOLO recipes use)
     weight_decay: float = 5e-4
     grad_clip: float = 10.0                 # max gradient norm, 0 = off
     num_epochs: int = 30
@@ -147,6 +149,9 @@ class BaseConfig:
 
     # ---------------------------------------------------------------- distributed and alignment
     dist_timeout: float = 300.0             # seconds to wait for peers to join, and for each collective
+    bn_running_var: str = "unbiased"        # BatchNorm running variance from the unbiased batch variance
+                                            # (torch) or the biased one ("biased": PaddlePaddle, for the
+                                            # alignment with PaddleDetection; docs/alignment.md)
     sync_bn: bool = True                    # world size > 1: BatchNorm statistics of the global batch
     save_npz: str = ""                      # alignment: record batches, losses, starting weights here
     replay_npz: str = ""                    # alignment: train on the batches recorded here, compare losses

@@ -347,6 +347,11 @@ def validate_config(cfg: BaseConfig) -> None:
             f"{', '.join(RESUME_CHANGEABLE)}")
     if cfg.optimizer not in ("adamw", "adam", "sgd"):
         bad("optimizer", "must be adamw, adam or sgd")
+    if cfg.bn_running_var not in ("unbiased", "biased"):
+        bad("bn_running_var", "must be unbiased (torch's BatchNorm) or biased (PaddlePaddle's)")
+    elif cfg.bn_running_var == "biased" and not cfg.sync_bn:
+        bad("bn_running_var", "biased is computed by the project's DistBatchNorm2d, which sync_bn false turns "
+                              "off: set sync_bn true (one process computes the same either way)")
     if cfg.lr_scheduler not in ("cosine", "cosine_restarts", "step", "multistep", "constant"):
         bad("lr_scheduler", "must be cosine, cosine_restarts, step, multistep or constant")
     if cfg.warmup_epochs < 0 or not 0 < cfg.warmup_factor <= 1:

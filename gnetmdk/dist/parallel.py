@@ -33,13 +33,20 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     In-place activated BatchNorm (``cfg.inplace_abn``): every BatchNorm followed by a ReLU / leaky
     ReLU becomes a :class:`gnetmdk.layers.inplace_abn.BatchNormAct2d` (synchronised when the
     BatchNorm was), converted after the synchronisation above.
+
+    ``cfg.bn_running_var == "biased"``: every BatchNorm becomes DistBatchNorm2d (on CUDA too) and its
+    running variance takes the biased batch variance, as PaddlePaddle's BatchNorm (the training
+    forward and backward do not change).
     """
     notes: List[str] = []
     world = get_world_size()
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if getattr(cfg, "sync_bn", True) and has_bn and (device.type != "cuda" or world > 1):
-        convert_sync_batchnorm(model, use_cuda=device.type == "cuda")
-        kind = ("torch.nn.SyncBatchNorm" if device.type == "cuda" else
+    biased = getattr(cfg, "bn_running_var", "unbiased") == "biased"
+    if getattr(cfg, "sync_bn", True) and has_bn and (device.type != "cuda" or world > 1 or biased):
+        # bn_running_var biased: DistBatchNorm2d on CUDA too (torch's kernels update with the unbiased one)
+        cuda_kernel = device.type == "cuda" and not biased
+        convert_sync_batchnorm(model, use_cuda=cuda_kernel)
+        kind = ("torch.nn.SyncBatchNorm" if cuda_kernel else
                 "DistBatchNorm2d, the same arithmetic for any process count")
         notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} process(es) ({kind})")
     if getattr(cfg, "inplace_abn", False):
@@ -50,6 +57,14 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
         if n:
             notes.append(f"in-place activated BatchNorm: {n} BatchNorm + activation pairs fused "
                          "(the same function; less kept for the backward pass)")
+    if biased:
+        from gnetmdk.dist.syncbn import DistBatchNorm2d
+        from gnetmdk.layers.inplace_abn import BatchNormAct2d
+        for m in model.modules():
+            if isinstance(m, (DistBatchNorm2d, BatchNormAct2d)):
+                m.unbiased_running_var = False
+        notes.append("BatchNorm running variance from the biased batch variance (bn_running_var biased, "
+                     "as PaddlePaddle)")
     frozen = freeze_biases_before_bn(model)
     if frozen:
         notes.append(f"froze the bias of {frozen} convs followed by BatchNorm (zero gradient in exact arithmetic)")

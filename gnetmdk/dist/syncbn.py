@@ -103,15 +103,17 @@ def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d
 
 def update_running_stats_(running_mean: torch.Tensor, running_var: torch.Tensor,
                           num_batches_tracked: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-                          n: float, momentum) -> None:
+                          n: float, momentum, unbiased: bool = True) -> None:
     """BatchNorm2d's running-statistics update, in place: ``num_batches_tracked += 1``, factor
     ``momentum`` (or ``1 / num_batches_tracked`` when momentum is None: cumulative average),
     ``running_mean = (1 - f) running_mean + f mean``, ``running_var = (1 - f) running_var + f var n / (n - 1)``
-    (the unbiased batch variance, as torch)."""
+    (the unbiased batch variance, as torch), or ``+ f var`` with ``unbiased=False`` (the biased batch
+    variance, as PaddlePaddle's BatchNorm updates its moving variance: paddle.nn.BatchNorm2D's docs)."""
     num_batches_tracked.add_(1)
     factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
     running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-    running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=factor)
+    batch_var = var * (n / (n - 1)) if unbiased else var
+    running_var.mul_(1 - factor).add_(batch_var.to(running_var.dtype), alpha=factor)
 
 
 def channel_grad_sums(dy: torch.Tensor, dev_dy: torch.Tensor) -> torch.Tensor:
@@ -161,13 +163,14 @@ class _SyncBNFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync):
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync,
+                unbiased=True):
         c = x.shape[1]
         view = (1, c, 1, 1)
         local, dev = batch_moments(x)
         n, mean, var = combine_moments(local, sync, "DistBatchNorm2d")
         if running_mean is not None:
-            update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum)
+            update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum, unbiased)
         mean_f = mean.to(x.dtype)
         invstd = torch.rsqrt(var + eps)
         scale = invstd if weight is None else invstd * weight.detach().double()
@@ -191,14 +194,14 @@ class _SyncBNFunction(torch.autograd.Function):
         grad_weight = (sums[c:] * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sums[:c].to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if not ctx.needs_input_grad[0]:
-            return None, grad_weight, grad_bias, None, None, None, None, None, None
+            return None, grad_weight, grad_bias, None, None, None, None, None, None, None
         total = _all_reduce_(sums.clone(), ctx.sync)
         a, b, base = input_grad_coefficients(total, ctx.n, weight, invstd)
         # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * x + (-a * mean(dy) - b * m)
         const = base - b * mean_f.double()
         grad_x = torch.addcmul(const.to(x.dtype).view(view), x, b.to(x.dtype).view(view), out=buf)
         grad_x.addcmul_(dy, a.to(x.dtype).view(view))
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class DistBatchNorm2d(nn.BatchNorm2d):
@@ -208,7 +211,9 @@ class DistBatchNorm2d(nn.BatchNorm2d):
     ``sum (x - mean)^2``; the backward all-reduces ``sum dy`` and ``sum dy * (x - mean)``
     (see :class:`_SyncBNFunction`); the running
     statistics are updated like BatchNorm2d (momentum, unbiased variance ``var * n / (n - 1)``,
-    ``num_batches_tracked``), identically on every rank. In a single process the same arithmetic runs
+    ``num_batches_tracked``), identically on every rank; with ``unbiased_running_var = False`` (set by
+    the config's ``bn_running_var biased``) the running variance takes the biased batch variance, as
+    PaddlePaddle's BatchNorm does. In a single process the same arithmetic runs
     without the collectives, so 1 and N processes compute the same thing (torch's own CPU BatchNorm
     accumulates channels-last statistics in float32: errors near 1e-4 on activations with a large
     mean, enough to break a 1e-5 alignment). Evaluation: exactly ``nn.BatchNorm2d`` (running statistics).
@@ -224,6 +229,9 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         ValueError: not 4-d input, or at most one value per channel over the global batch in training.
     """
 
+    #: running variance from the unbiased (torch) or the biased (PaddlePaddle) batch variance
+    unbiased_running_var: bool = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and self.track_running_stats:
             return super().forward(x)
@@ -231,7 +239,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             raise ValueError(f"DistBatchNorm2d expects (N, C, H, W) input, got {tuple(x.shape)}")
         sync = _world() > 1
         low = x.dtype in (torch.bfloat16, torch.float16)
-        if low and not sync:
+        if low and not sync and self.unbiased_running_var:
             # mixed precision (amp), one process: torch's kernel (float32 statistics, vectorised for
             # bfloat16 and about 4x faster here than the float64 path on bfloat16 tensors); amp runs are
             # not bit-aligned between 1 and N processes anyway (docs/distributed.md)
@@ -239,7 +247,8 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         track = self.track_running_stats and self.training
         y = _SyncBNFunction.apply(x.float() if low else x, self.weight, self.bias,
                                   self.running_mean if track else None, self.running_var if track else None,
-                                  self.num_batches_tracked if track else None, self.eps, self.momentum, sync)
+                                  self.num_batches_tracked if track else None, self.eps, self.momentum, sync,
+                                  self.unbiased_running_var)
         # mixed precision over N processes: statistics from the float32 values (a bfloat16 sum keeps
         # 8 bits), the output handed back in the input's precision
         return y.to(x.dtype) if low else y

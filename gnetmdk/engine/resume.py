@@ -15,7 +15,7 @@ RESUME_FIXED = ("batch_size", "accumulate", "optimizer", "cap_lr")
 #: depend on the process count, docs/distributed.md)
 RESUME_CHANGEABLE = ("world_size", "num_epochs", "lr_scheduler", "learning_rate", "warmup_epochs", "warmup_factor",
                      "min_lr_ratio", "lr_step_size", "lr_milestones", "lr_gamma", "lr_restart_epochs",
-                     "lr_restart_mult", "momentum", "weight_decay")
+                     "lr_restart_mult", "momentum", "nesterov", "weight_decay")
 RESUME_CHECKED = RESUME_FIXED + RESUME_CHANGEABLE
 
 

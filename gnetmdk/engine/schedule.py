@@ -13,7 +13,8 @@ from torch.optim import lr_scheduler as S
 
 
 def build_optimizer(model: torch.nn.Module, cfg, caps=(), cap_lr: float = 0.0) -> torch.optim.Optimizer:
-    """AdamW / Adam / SGD over the trainable parameters; weight decay on conv weights only
+    """AdamW / Adam / SGD (Nesterov momentum unless ``nesterov`` is false) over the trainable
+    parameters; weight decay on conv weights only
     (biases and BatchNorm parameters get none). Frozen parameters are left out entirely.
 
     ``caps``: learned activation caps (step 3 with ``cap_lr`` > 0, GNetDet's ``gnetdet.cap_lr``; 0-d
@@ -28,7 +29,8 @@ def build_optimizer(model: torch.nn.Module, cfg, caps=(), cap_lr: float = 0.0) -
     if caps:
         groups.append({"params": list(caps), "weight_decay": 0.0, "lr": cap_lr})
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=cfg.momentum, nesterov=True)
+        return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=cfg.momentum,
+                               nesterov=bool(getattr(cfg, "nesterov", True)))
     if cfg.optimizer == "adam":
         return torch.optim.Adam(groups, lr=cfg.learning_rate)
     return torch.optim.AdamW(groups, lr=cfg.learning_rate)

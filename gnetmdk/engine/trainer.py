@@ -524,7 +524,7 @@ class Trainer:
         cfg = self.cfg
         fresh = build_optimizer(self.model, cfg, self.learned_caps, getattr(cfg.section(), "cap_lr", 0.0))
         for group, new in zip(self.optimizer.param_groups, fresh.param_groups):
-            for key in ("lr", "weight_decay", "momentum"):
+            for key in ("lr", "weight_decay", "momentum", "nesterov"):
                 if key in new:
                     group[key] = new[key]
             group["initial_lr"] = new["lr"]

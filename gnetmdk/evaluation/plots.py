@@ -444,7 +444,10 @@ def plot_layer_drift(layers: Sequence[str], drift: Mapping[str, Sequence[float]]
         ax.plot(x, y, marker="o", linestyle="--" if chip_like else "-", fillstyle="none" if chip_like else "full",
                 label=stage)
     if positive:
+        from matplotlib.ticker import FormatStrFormatter
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))       # 20, 30, 40 rather than 2 x 10^1
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xticks(x, layers, rotation=90 if len(layers) > 12 else 0, fontsize="small")
     ax.set_xlabel("sublayer (output after the pool)")
     ax.set_ylabel(f"relative L2 error from {reference} (%)")

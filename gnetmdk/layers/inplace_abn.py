@@ -168,14 +168,15 @@ class _InPlaceABNFunction(torch.autograd.Function):
     """BatchNorm (batch or running statistics) + activation whose backward reads the output.
 
     forward(x, weight, bias, running_mean, running_var, num_batches_tracked, batch_stats, update,
-    eps, momentum, sync, act, slope, cond_max, record):
+    eps, momentum, sync, act, slope, cond_max, record, unbiased=True):
         x (N, C, H, W) float16 / bfloat16 / float32 / float64, any memory format; weight, bias (C,)
         or None. ``batch_stats``: normalise with the (global, with ``sync``) batch statistics
         (float64, gnetmdk.dist.syncbn) and, with ``update``, update the running statistics as
         torch; otherwise the running statistics (``F.batch_norm`` in eval mode, bit for bit).
         Low-precision input: statistics and the affine map in float32, ``z`` rounded to the input
         dtype, the activation applied in that dtype (as torch's BatchNorm kernel + activation under
-        autocast). ``record``: whether a backward can follow (else nothing is stored).
+        autocast). ``record``: whether a backward can follow (else nothing is stored). ``unbiased``:
+        the running variance takes the unbiased (torch) or the biased (PaddlePaddle) batch variance.
     Saved: the output y, per-channel statistics, and (see the module docstring) z where y == 0
     (ReLU, batch statistics, input gradient wanted) and the input of ill-conditioned channels.
     backward: gradients of x (x's dtype), weight and bias; with ``sync`` the per-channel sums are
@@ -184,7 +185,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, batch_stats, update,
-                eps, momentum, sync, act, slope, cond_max, record):
+                eps, momentum, sync, act, slope, cond_max, record, unbiased=True):
         c = x.shape[1]
         view = (1, c, 1, 1)
         low = x.dtype in _LOW
@@ -196,7 +197,8 @@ class _InPlaceABNFunction(torch.autograd.Function):
                 local, scratch = batch_moments(xs)
                 n, mean, var = combine_moments(local, sync, "BatchNormAct2d")
                 if update:
-                    update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum)
+                    update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum,
+                                          unbiased)
                 invstd = torch.rsqrt(var + eps)
                 scale = invstd if weight is None else invstd * weight.detach().double()
                 shift = -mean * scale if bias is None else bias.detach().double() - mean * scale
@@ -274,7 +276,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
         grad_w = (sums[c:] * invstd).to(weight.dtype) if weight is not None and need_w else None
         grad_b = sums[:c].to(bias.dtype) if bias is not None and need_b else None
         if not need_x:
-            return (None, grad_w, grad_b) + (None,) * 12
+            return (None, grad_w, grad_b) + (None,) * 13
         if ctx.batch_stats:
             total = _all_reduce_(sums.clone(), ctx.sync)
             a, b, base = input_grad_coefficients(total, ctx.n, weight, invstd)
@@ -285,7 +287,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
                 dz.mul_(a.to(cdt).view(view)).add_(base.to(cdt).view(view)).addcmul_(dev, b.to(cdt).view(view))
         else:
             dz.mul_((g64 * invstd).to(cdt).view(view))                  # running statistics
-        return (dz.to(ctx.x_dtype), grad_w, grad_b) + (None,) * 12
+        return (dz.to(ctx.x_dtype), grad_w, grad_b) + (None,) * 13
 
 
 def _recover_dev(y, cdt, act, slope, z_neg, r, shift, ill, x_ill, mean_c) -> torch.Tensor:
@@ -478,7 +480,7 @@ class BatchNormAct2d(nn.BatchNorm2d):
             self.running_var if (track or not bn_training) else None,
             self.num_batches_tracked if track else None,
             bn_training, track, self.eps, self.momentum, self.sync and bn_training and _world() > 1,
-            self.activation, self.slope, self.cond_max, grad)
+            self.activation, self.slope, self.cond_max, grad, getattr(self, "unbiased_running_var", True))
 
     def extra_repr(self) -> str:
         act = self.activation + (f"({self.slope:g})" if self.activation == "leaky_relu" else "")
