@@ -123,3 +123,16 @@ def test_reference_script_without_paddle_device_cpu(tmp_path, capsys):
     assert "paddle cannot be imported" in capsys.readouterr().err
     assert ref.main(["--out", str(tmp_path / "ref"), "--dataset", str(tmp_path)]) == 2
     assert "is not a VOC folder" in capsys.readouterr().err
+
+
+def test_align_paddle_script_refusals_device_cpu(tmp_path):
+    """tools/align_paddle.sh: usage without arguments, and a paddle python that cannot run the
+    reference ends in one error line with exit 2, before anything of gnetmdk runs."""
+    import subprocess
+    script = os.path.join(ROOT, "tools", "align_paddle.sh")
+    r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage: bash tools/align_paddle.sh" in r.stderr
+    r = subprocess.run(["bash", script, str(tmp_path / "no-python"), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "error: the step above failed" in r.stderr
+    assert not (tmp_path / "out" / "gnetmdk").exists()

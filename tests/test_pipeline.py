@@ -443,6 +443,10 @@ def test_layer_drift_from_step1_to_the_chip_device_cpu(pipeline, tmp_path, capsy
     spec = importlib.util.spec_from_file_location("stage_report", os.path.join(ROOT, "tools", "stage_report.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert tool.main(["--config", path, "--plots", str(a_file)]) == 2         # refused before evaluating
+    assert "error: plots folder" in capsys.readouterr().err and a_file.read_text() == "x"
     assert tool.main(["--config", path, "--batch-size", "3", "--plots", str(tmp_path / "plots")]) == 0
     text = capsys.readouterr().out
     with open(tmp_path / "plots" / "stage_report.json") as fh:
