@@ -437,8 +437,10 @@ def test_layer_drift_from_step1_to_the_chip_device_cpu(pipeline, tmp_path, capsy
         p1 = load_eval_model(ckpts["step1"], cfg)[0](x).double()
         p4 = load_eval_model(ckpts["step4"], cfg)[0](x).double()
     expected = float((p4 - p1).norm() / p1.norm())
-    # the report scales codes by cap / 31 in float64, forward by output_scale (float32): 1e-6 covers that
-    assert drift.stages["step4"][-1] == pytest.approx(expected, rel=1e-6)
+    # the report scales codes by cap / 31 in float64; forward multiplies by output_scale (cap / 31
+    # rounded to float32) and rounds the product to float32: each element of p4 is off by at most
+    # 2 u ||p4|| (u = 2^-24), so the ratio is off by at most 2 u ||p4|| / ||p1||; 3e-7 > 2 u
+    assert abs(drift.stages["step4"][-1] - expected) <= 3e-7 * float(p4.norm() / p1.norm())
 
     spec = importlib.util.spec_from_file_location("stage_report", os.path.join(ROOT, "tools", "stage_report.py"))
     tool = importlib.util.module_from_spec(spec)
@@ -473,4 +475,5 @@ def test_layer_drift_from_step1_to_the_chip_device_cpu(pipeline, tmp_path, capsy
         got = json.load(fh)["drift"]
     assert list(got) == list(drift.stages)
     for stage, vals in drift.stages.items():      # batches of 4 there, of 3 here: float64 sums reordered
-        assert got[stage] == pytest.approx(vals, rel=1e-12)
+        # worst case n u for n <= 2e6 summed squares (u = 2^-53): 2.2e-10, halved by the square root
+        assert got[stage] == pytest.approx(vals, rel=1e-9)
