@@ -1,9 +1,15 @@
 """PP-YOLO at CPU size (ResNet18-vd, PaddleDetection's ppyolo_r18vd) trained from scratch on the real
-cards dataset (../shared/data/cards: 6 classes, 296 train / 67 val), float only (step 1).
+cards dataset (../shared/data/cards: 6 classes, 296 train / 67 val), then through the quantized stages
+to the integer model (gnetmdk.intq: int8 weights per output channel, uint8 activations).
 
     python3 tools/xml_2_txt.py --config examples/ppyolo_cards.py
     python3 train.py --config examples/ppyolo_cards.py --step 1
     python3 tools/eval_voc.py checkpoint/step1/best.pth --config examples/ppyolo_cards.py --coco
+    python3 train.py --config examples/ppyolo_cards.py --step 2
+    python3 train.py --config examples/ppyolo_cards.py --cal
+    python3 train.py --config examples/ppyolo_cards.py --step 3
+    python3 train.py --config examples/ppyolo_cards.py --step 4
+    python3 tools/export_int.py --config examples/ppyolo_cards.py --check
 Results and wall time: docs/results.md ("PP-YOLO on cards").
 """
 from gnetmdk.config import BaseConfig
@@ -32,3 +38,10 @@ class Config(BaseConfig):
     ema = True
     ema_decay = 0.995
     progress = False
+    per_step = {
+        # the quantized stages fine-tune at a tenth of step 1's rate, without warm-up; step 4 trains as
+        # step 3 does (fake quantization), so it only converts: its evaluation is the integer model
+        2: dict(learning_rate=1e-4, num_epochs=8, warmup_epochs=0, eval_interval=2),
+        3: dict(learning_rate=1e-4, num_epochs=8, warmup_epochs=0, eval_interval=2),
+        4: dict(num_epochs=0),
+    }

@@ -74,8 +74,7 @@ def _out(root, name):
 @needs_cards
 def test_ppyolo_trains_evaluates_and_rebuilds_from_its_checkpoint(ws, capsys):
     """train.py --step 1 on PP-YOLO: the family's loss terms on the epoch line, COCO and VOC mAP, a
-    checkpoint whose model rebuilds (strict) and evaluates with tools/eval_voc.py; the chip's stages are
-    refused with the reason."""
+    checkpoint whose model rebuilds (strict) and evaluates with tools/eval_voc.py."""
     from gnetmdk.engine.cli import main
     root, path = ws
     assert main(["--config", path, "--step", "1", "eval_coco", "true", *_out(root, "a")]) == 0
@@ -95,8 +94,51 @@ def test_ppyolo_trains_evaluates_and_rebuilds_from_its_checkpoint(ws, capsys):
     spec.loader.exec_module(tool)
     assert tool.main([os.path.join(root, "a", "checkpoint", "step1", "best.pth"), "--config", path, "--coco"]) == 0
     assert "COCO mAP@[.5:.95]" in capsys.readouterr().out
-    assert main(["--config", path, "--step", "2", *_out(root, "a")]) == 2
-    assert "the ppyolo family runs the stages step1" in capsys.readouterr().err
+
+
+def _tool(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", name + ".py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@needs_cards
+def test_ppyolo_quantized_stages_integer_export_and_check_device_cpu(ws, capsys):
+    """PP-YOLO through step 2, cal, step 3 and step 4 (BatchNorm folded, per-channel weights, uint8
+    ranges, integer evaluation); tools/export_int.py writes the integer ONNX model and its --check finds
+    0 mismatches on every layer; convert_to_chip refuses with the reason; step 3 without calibration
+    and a deformable-conv config are refused."""
+    from gnetmdk.engine.cli import main
+    root, path = ws
+    out = _out(root, "q")
+    assert main(["--config", path, "--step", "1", *out]) == 0
+    assert main(["--config", path, "--step", "3", *out]) == 2                 # no cal.pth yet
+    assert "run calibration first" in capsys.readouterr().err
+    assert main(["--config", path, "--step", "2", *out]) == 0
+    log = capsys.readouterr().out
+    assert "folded 28 BatchNorm layers" in log and "38 activation quantizers" in log
+    ck = load_checkpoint(os.path.join(root, "q", "checkpoint", "step2", "best.pth"))
+    assert ck["model_meta"]["quant"] == {"weight_bits": 8, "weight_scale": "max"}
+    assert not any(k.endswith("running_var") for k in ck["model"])
+    assert main(["--config", path, "--cal", *out]) == 0
+    assert "range widths (least squared uint8 error" in capsys.readouterr().out
+    ranges = open(os.path.join(root, "q", "model", "act_ranges.txt")).read().split("\n")
+    assert len([r for r in ranges if r]) == 38 and ranges[0].startswith("input -")
+    assert main(["--config", path, "--step", "3", *out]) == 0
+    assert main(["--config", path, "--step", "4", *out]) == 0
+    assert "evaluation runs the integer model" in capsys.readouterr().out
+    step4 = os.path.join(root, "q", "checkpoint", "step4", "best.pth")
+    tool = _tool("export_int")
+    assert tool.main([step4, "--config", path, "--check", "--out", os.path.join(root, "q", "model")]) == 0
+    text = capsys.readouterr().out
+    assert "EQUAL: 0 code mismatches in 44 layers, 0 output differences" in text
+    assert os.path.isfile(os.path.join(root, "q", "model", "int_model.onnx"))
+    assert _tool("convert_to_chip").main([step4, "--out", os.path.join(root, "q", "chip")]) == 2
+    assert "PP-YOLO model, which the chip cannot run" in capsys.readouterr().err
+    assert main(["--config", path, "--step", "2", "ppyolo.dcn_v2_stages", "[3]", *_out(root, "dcn")]) == 2
+    assert "deformable convs (DCNv2) have no integer form" in capsys.readouterr().err
 
 
 @needs_cards

@@ -46,7 +46,8 @@ class ModelEMA:
         avg, new = [], []
         for k, v in self.module.state_dict().items():
             w = src[k]
-            if v.dtype.is_floating_point and (not k.endswith(".cap") or k in learned) and not k.endswith("output_scale"):
+            fixed = k.endswith(".cap") or k.startswith("quant.") or k.endswith("output_scale")   # calibrated ranges
+            if v.dtype.is_floating_point and (not fixed or k in learned):
                 avg.append(v)
                 new.append(w.detach().to(v.dtype))
             else:
@@ -58,7 +59,8 @@ class ModelEMA:
     def sync_switches(self, model: torch.nn.Module) -> None:
         """Copy layer switches (quantization on/off, caps mode) from the trained model."""
         for a, b in zip(self.module.modules(), model.modules()):
-            for attr in ("quant_weight", "use_cap", "quant_act", "integer", "calibrating", "exact_eval"):
+            for attr in ("quant_weight", "use_cap", "quant_act", "integer", "calibrating", "exact_eval", "q_weights",
+                         "q_integer", "qmode"):
                 if hasattr(b, attr):
                     setattr(a, attr, getattr(b, attr))
 

@@ -94,6 +94,11 @@ def apply_stage(model, stage: Stage, calibrating: bool = False) -> None:
     ``calibrating`` puts the ReLUs in measuring mode (cal pass); afterwards call again with False and
     the step-3 switches (see Trainer.calibrate).
     """
+    if getattr(model, "qgraph", None) is not None:     # a gnetmdk.intq model (PP-YOLO from step 2)
+        # calibration observes through gnetmdk.intq.calibrate, which switches the quantizers itself
+        model.set_quant_mode(stage.quant_weight, "fake" if stage.quant_act else "off", stage.integer)
+        model.train(model.training)
+        return
     if not hasattr(model, "convs"):      # a family without the chip's quantized layers (float stages only)
         model.train(model.training)
         return

@@ -29,7 +29,6 @@ from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
 from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
                                reduce_mean_dict)
-from .calibration import calibrate_caps
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import prepare_model, wrap_ddp
 from .device import configure_backends, resolve_device
@@ -201,10 +200,8 @@ class Trainer:
                 self.model = model_from_config(cfg)
                 self.log(f"[{stage.name}] starting from a fresh {cfg.model_name} "
                          f"({sum(p.numel() for p in self.model.parameters())} parameters)")
-            for hook in stage.enter:
-                msg = hook(self.model, self.source_stage)
-                if msg:
-                    self.log(f"[{stage.name}] {msg}")
+            for msg in self.family.enter_stage(self.model, stage, self.source_stage, cfg):
+                self.log(f"[{stage.name}] {msg}")
         self.model.to(self.device)
         if cfg.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -309,16 +306,16 @@ class Trainer:
                 "free disk space or set checkpoint_root to another disk")
 
     # ------------------------------------------------------------------ calibration
-    def calibrate(self) -> List[float]:
-        """Measure and set every cap over the training data (gnetmdk.engine.calibration: the family
-        section's ``cap_method``); returns the caps."""
-        sec = self.cfg.section()
+    def calibrate(self) -> Dict[str, object]:
+        """Measure and set the activation ranges over the training data (the family's calibration:
+        GNetDet's ReLU caps, gnetmdk.engine.calibration; PP-YOLO's uint8 ranges, gnetmdk.intq.calibrate);
+        returns DetectorFamily.calibrate's dict."""
 
         def batches():
             self.train_sampler.set_epoch(0)
             return (images for images, _, _, _ in self.train_loader)
 
-        return calibrate_caps(self.model, batches, sec.cap_method, self.device, self._progress)
+        return self.family.calibrate(self.model, batches, self.cfg, self.device, self._progress)
 
     def caps_file(self) -> str:
         """model/relu_cap.txt: one cap per conv (the chip files' caps)."""
@@ -697,19 +694,20 @@ class Trainer:
             res = self.evaluate("entry")
             self.summary["entry_map"] = res["map"]
             self.log(f"[cal] step-2 model mAP {res['map']:.4f}")
-        caps = self.calibrate()
-        sec = cfg.section()
-        how = (f"MSE-best for 5-bit codes over a histogram of {len(self.train_loader)} batches" if sec.cap_method == "mse"
-               else f"{sec.cap_percentile:g}th percentile, running max over {len(self.train_loader)} batches")
-        self.log(f"[cal] caps ({how}): " + " ".join(f"{c:.3g}" for c in caps))
+        cal = self.calibrate()
+        caps = cal["caps"]
+        how = cal["how"].format(batches=len(self.train_loader))
+        self.log(f"[cal] {cal['label']} ({how}): " + " ".join(f"{c:.3g}" for c in caps))
         res = self.evaluate("cal")
         self.best_map = self.last_map = res["map"]
-        self.log(f"[cal] mAP with 5-bit activations and these caps (step 3 before training): {res['map']:.4f}")
-        # cal.pth and model/relu_cap.txt as one set: both new, or (on any failure) both as they were
-        path, cap_file = os.path.join(self.out_dir, "cal.pth"), self.caps_file()
+        self.log(f"[cal] mAP with quantized activations and these {cal['label']} (step 3 before training): "
+                 f"{res['map']:.4f}")
+        # cal.pth and the ranges file (model/relu_cap.txt for the chip) as one set: both new, or (on any
+        # failure) both as they were
+        path, cap_file = os.path.join(self.out_dir, "cal.pth"), os.path.join(cfg.model_root, cal["file"][0])
         if self.main:
             state = self.state(0, 0, False)
-            self.outputs.save_set({"cal.pth": state}, {cap_file: self.caps_text(caps)})
+            self.outputs.save_set({"cal.pth": state}, {cap_file: cal["file"][1]})
         barrier()
         self.summary.update(best_map=res["map"], final_map=res["map"], caps=caps, seconds=time.time() - t_start,
                             best_path=path, cap_file=cap_file)

@@ -99,6 +99,38 @@ class DetectorFamily:
         has no such notion."""
         return []
 
+    def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
+        """The stage's entry edits on a model loaded from an earlier stage's checkpoint (not on
+        resume): by default the stage table's hooks (gnetmdk.engine.stages: BatchNorm folding, the
+        caps check, gain editing). Returns log lines.
+
+        Raises:
+            CheckpointError / RuntimeError: the model cannot enter the stage (e.g. uncalibrated).
+        """
+        out = []
+        for hook in stage.enter:
+            msg = hook(model, source_stage)
+            if msg:
+                out.append(msg)
+        return out
+
+    def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
+        """The cal stage's measurement on ``model`` (weights quantized), which it leaves in step 3's
+        mode (training). By default the chip's ReLU caps (gnetmdk.engine.calibration.calibrate_caps,
+        the section's ``cap_method``).
+
+        Returns:
+            {"caps": list of floats (logged, in the summary), "how": words for the log line
+            (``{batches}`` is replaced by the number of batches), "label": what the values are ("caps"),
+            "file": (name under model_root, text) written beside cal.pth}.
+        """
+        from gnetmdk.engine.calibration import calibrate_caps
+        sec = cfg.section()
+        caps = calibrate_caps(model, batches, sec.cap_method, device, progress)
+        how = ("MSE-best for 5-bit codes over a histogram of {batches} batches" if sec.cap_method == "mse"
+               else f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
+        return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
+
     def loss_line(self, terms: Dict[str, float]) -> str:
         """The epoch log line's loss part, e.g. ``loss 1.23 (loc 0.5 cls 0.2)``."""
         parts = " ".join(f"{k} {v:.3f}" for k, v in sorted(terms.items()) if k != "total")

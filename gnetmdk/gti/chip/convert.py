@@ -80,11 +80,17 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
         ConversionError: naming the checkpoint, the reason and the fix.
     """
     stage = ckpt.get("stage")
+    meta = dict(ckpt.get("model_meta") or {})
+    if meta.get("name") == "ppyolo":
+        raise ConversionError(
+            f"checkpoint '{path}' is a PP-YOLO model, which the chip cannot run: the chip computes only GNetDet-style "
+            "3x3 stride-1 convolutions with ReLU and 2x2 max pooling, and PP-YOLO has 1x1 and strided convs, "
+            "residual adds, average pooling, upsampling and concatenation (and leaky ReLU; deformable convs in "
+            "r50vd). Export its integer model instead: python3 tools/export_int.py checkpoint/step4/best.pth")
     if stage != "step4":
         raise ConversionError(
             f"checkpoint '{path}' is a {stage!r} checkpoint; the chip runs step-4 models (integer activations, "
             "gain-edited): run 'python3 train.py --step 4' and convert checkpoint/step4/best.pth")
-    meta = dict(ckpt.get("model_meta") or {})
     if meta.get("name") != "gnetdet":
         raise ConversionError(f"checkpoint '{path}': model {meta.get('name')!r} is not supported by the chip "
                               "converter (only gnetdet)")

@@ -56,6 +56,11 @@ class PPYOLOConfig(ConfigSection):
     mixup_alpha: float = 1.5
     mixup_beta: float = 1.5
     max_boxes: int = 50                      # padded ground truth rows per image
+    # ---------------------------------------------------------------- quantized stages (gnetmdk.intq)
+    weight_bits: int = 8                     # conv weights from step 2: symmetric, per output channel, 4..8
+    weight_scale: str = "max"                # per-channel scale: "max" (max |W|) or "mse" (least squared error)
+    act_method: str = "mse"                  # cal: activation ranges by "mse", "percentile" or "minmax"
+    act_percentile: float = 99.99            # for act_method "percentile"
 
 
 register_section("ppyolo", PPYOLOConfig)
@@ -105,3 +110,17 @@ def check_ppyolo_config(cfg) -> None:
         bad("max_boxes", "must be at least 1")
     if p.freeze_at < -1 or p.freeze_at > 3:
         bad("freeze_at", "-1 (nothing) or a stage 0..3")
+    if not isinstance(p.weight_bits, int) or not 4 <= p.weight_bits <= 8:
+        bad("weight_bits", "an int in 4..8 (bits per conv weight from step 2)")
+    if p.weight_scale not in ("max", "mse"):
+        bad("weight_scale", '"max" or "mse"')
+    if p.act_method not in ("mse", "percentile", "minmax"):
+        bad("act_method", '"mse", "percentile" or "minmax"')
+    if not 50.0 < p.act_percentile <= 100.0:
+        bad("act_percentile", "a percentile in (50, 100]")
+    if cfg.stage_name != "step1":
+        from .quant import quant_limits
+        limits = quant_limits(p.dcn_v2_stages, p.coord_conv)
+        if limits:
+            raise ConfigError(f"PP-YOLO {cfg.stage_name} quantizes the model to integers, which this architecture "
+                              "cannot take: " + "; ".join(limits))

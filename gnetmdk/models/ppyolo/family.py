@@ -1,12 +1,13 @@
-"""PP-YOLO as a model family: float training (step 1) on RGB images with padded ground truth; the
-integer stages for a model the chip cannot run come with the issue that adds them."""
+"""PP-YOLO as a model family: RGB images with padded ground truth, every stage of the pipeline; from
+step 2 on the stages target the standard integer model of gnetmdk.intq (the chip cannot run PP-YOLO;
+gnetmdk.models.ppyolo.quant)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
 
-from gnetmdk.models.base import DetectorFamily
+from gnetmdk.models.base import ALL_STAGES, DetectorFamily
 
 #: the section fields that are the architecture (a checkpoint must share them with the config)
 ARCH_FIELDS = ("depth", "return_idx", "dcn_v2_stages", "coord_conv", "coord_range", "spp", "conv_block_num", "anchors",
@@ -18,9 +19,10 @@ TRAIN_FIELDS = ("freeze_at", "freeze_norm", "drop_block", "block_size", "keep_pr
 
 
 class PPYOLOFamily(DetectorFamily):
-    """PP-YOLO (gnetmdk.models.ppyolo): RGB pixels in, padded targets, step 1 only for now."""
+    """PP-YOLO (gnetmdk.models.ppyolo): RGB pixels in, padded targets; step 1 float, steps 2..4 toward
+    the integer model of gnetmdk.intq (per-channel int8 weights, uint8 activations)."""
     name = "ppyolo"
-    stages = ("step1",)
+    stages = ALL_STAGES
     input_kind = "rgb"
     target_kind = "padded"
 
@@ -74,6 +76,51 @@ class PPYOLOFamily(DetectorFamily):
             model.set_drop_block(False)
             return ["deterministic mode: DropBlock off (the identity)"]
         return []
+
+    def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
+        """Step 2 and later from a float checkpoint: fold BatchNorm and add the quantizers
+        (PPYOLO.prepare_quant with ``ppyolo.weight_bits`` / ``weight_scale``); step 3 and 4 need
+        calibrated ranges.
+
+        Raises:
+            CheckpointError: step 3 / 4 from a checkpoint without calibrated ranges.
+        """
+        from gnetmdk.checkpoint.io import CheckpointError
+        out = []
+        if stage.name == "step1":
+            return out
+        p = cfg.ppyolo
+        if model.qgraph is None:
+            n = model.prepare_quant(p.weight_bits, p.weight_scale)
+            out.append(f"folded {n} BatchNorm layers into their convs; conv weights quantized to {p.weight_bits} bits "
+                       f"per output channel ({p.weight_scale} scales), {len(model.quant)} activation quantizers")
+        if stage.quant_act:
+            missing = [k for k, q in model.quant.items() if not q.calibrated]
+            if missing:
+                raise CheckpointError(f"{stage.name} needs calibrated activation ranges, and {len(missing)} of "
+                                      f"{len(model.quant)} quantizers have none (e.g. {missing[0]}): run calibration "
+                                      "first (train.py --cal), or load its checkpoint/step2/cal.pth")
+        if stage.integer:
+            out.append("evaluation runs the integer model (int8 weights, uint8 activations, int32 accumulators; "
+                       "gnetmdk.intq.program); training runs step 3's fake quantization")
+        return out
+
+    def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
+        """uint8 activation ranges (gnetmdk.intq.calibrate, ``ppyolo.act_method``) with the weights
+        quantized and the model in eval mode; leaves the model in step 3's mode (training)."""
+        from gnetmdk.intq.calibrate import calibrate_ranges
+        p = cfg.ppyolo
+        model.set_quant_mode(True, "off", False)
+        model.eval()
+        ranges = calibrate_ranges(model, model.quant, batches, p.act_method, p.act_percentile, device, progress)
+        model.set_quant_mode(True, "fake", False)
+        model.train()
+        how = {"mse": "least squared uint8 error over a histogram of {batches} batches",
+               "percentile": f"{p.act_percentile:g}th percentile of a histogram of {{batches}} batches",
+               "minmax": "minimum and maximum over {batches} batches"}[p.act_method]
+        text = "".join(f"{k} {lo:.8g} {hi:.8g}\n" for k, (lo, hi) in ranges.items())
+        return {"caps": [hi - lo for lo, hi in ranges.values()], "how": how, "label": "range widths",
+                "file": ("act_ranges.txt", text)}
 
     def loss_line(self, terms: Dict[str, float]) -> str:
         keys = [k for k in ("xy", "wh", "obj", "cls", "iou", "iou_aware") if k in terms]

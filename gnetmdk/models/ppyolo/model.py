@@ -86,6 +86,9 @@ class PPYOLO(nn.Module):
             (0.01, -1, False, 2.0); the score threshold and keep_top_k come from :meth:`decode`.
         coord_range: CoordConv channel range, "full" [-1, 1] or "paddle" [-1, -0.5] (PaddleDetection's
             ``add_coord`` since 2021; :func:`~.neck.coord_channels`).
+        quant: None (float model), or ``{"weight_bits": b, "weight_scale": "max" | "mse"}``: the folded,
+            quantizable structure of stages 2..4 (:meth:`prepare_quant` without folding: the layout of
+            a quantized checkpoint, whose state dict then gives the weights and ranges).
 
     Input: ``(N, 3, H, W)`` float RGB pixel values 0..255, H and W multiples of the deepest stride
     (32 for both presets). The model normalises inside: ``(x / 255 - mean) / std`` with ImageNet
@@ -114,7 +117,7 @@ class PPYOLO(nn.Module):
                  iou_thresh: float = 1.0, iou_loss_weight: float = 2.5, iou_loss_square: bool = True,
                  iou_aware_loss_weight: float = 1.0, obj_thresh: float = 0.01, nms_post_threshold: float = 0.01,
                  nms_top_k: int = -1, use_gaussian: bool = False, gaussian_sigma: float = 2.0,
-                 coord_range: str = "full"):
+                 coord_range: str = "full", quant: Optional[Dict[str, object]] = None):
         super().__init__()
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -145,6 +148,11 @@ class PPYOLO(nn.Module):
             iou_loss_square=bool(iou_loss_square), iou_aware_loss_weight=float(iou_aware_loss_weight),
             obj_thresh=float(obj_thresh), nms_post_threshold=float(nms_post_threshold), nms_top_k=int(nms_top_k),
             use_gaussian=bool(use_gaussian), gaussian_sigma=float(gaussian_sigma), coord_range=str(coord_range))
+        self.qgraph = None              # the gnetmdk.intq graph once quantizable (stages 2..4)
+        self.q_weights = False          # fake-quantize conv weights in the forward
+        self.q_integer = False          # evaluation runs the integer program (step 4)
+        if quant is not None:
+            self.prepare_quant(int(quant["weight_bits"]), str(quant["weight_scale"]), fold=False)
 
     # ------------------------------------------------------------------ description
     def meta(self) -> Dict[str, object]:
@@ -153,7 +161,68 @@ class PPYOLO(nn.Module):
         out = {"name": "ppyolo"}
         for k, v in self._meta.items():
             out[k] = [list(x) if isinstance(x, list) else x for x in v] if isinstance(v, list) else v
+        if "quant" in out:
+            out["quant"] = dict(out["quant"])
         return out
+
+    # ------------------------------------------------------------------ quantized stages (gnetmdk.intq)
+    def prepare_quant(self, weight_bits: int = 8, weight_scale: str = "max", fold: bool = True) -> int:
+        """Make the model quantizable (stage 2 on), in place: fold every BatchNorm into its conv
+        (``fold``; else only the folded layout, for loading a quantized checkpoint), build its graph
+        (:func:`~.quant.ppyolo_graph`) and one uncalibrated activation quantizer per quantization
+        point (``self.quant``, in the state dict). Returns the number of BatchNorms folded.
+
+        Args:
+            weight_bits: 2..8 bits per conv weight (symmetric, per output channel).
+            weight_scale: "max" or "mse" (gnetmdk.intq.fake.weight_scales).
+
+        Raises:
+            ValueError: deformable convs or CoordConv (:func:`~.quant.quant_limits`), bad bits or rule.
+        """
+        from gnetmdk.intq.fake import WEIGHT_SCALES, weight_qmax
+        from gnetmdk.intq.graph import make_quantizers
+        from .quant import fold_bn_, ppyolo_graph, quant_limits
+        limits = quant_limits(self._meta["dcn_v2_stages"], self._meta["coord_conv"])
+        if limits:
+            raise ValueError("PP-YOLO cannot be quantized: " + "; ".join(limits))
+        weight_qmax(weight_bits)
+        if weight_scale not in WEIGHT_SCALES:
+            raise ValueError(f"weight_scale must be one of {WEIGHT_SCALES}, got {weight_scale!r}")
+        if self.qgraph is not None:
+            return 0
+        n = fold_bn_(self, structure_only=not fold)
+        self.qgraph = ppyolo_graph(self)
+        self.quant = make_quantizers(self.qgraph).to(self.pixel_mean.device)
+        self._meta["quant"] = {"weight_bits": int(weight_bits), "weight_scale": str(weight_scale)}
+        return n
+
+    def set_quant_mode(self, weights: bool, acts: str, integer: bool) -> None:
+        """The quantized stages' switches: ``weights`` fake-quantized; ``acts`` "off", "observe" or
+        "fake" (every activation quantizer); ``integer``: evaluation (eval mode) runs the integer
+        program, training the fake-quantized graph.
+
+        Raises:
+            RuntimeError: the model is not quantizable yet (:meth:`prepare_quant`).
+        """
+        if self.qgraph is None:
+            raise RuntimeError("PPYOLO.set_quant_mode before prepare_quant (the float model has no quantizers)")
+        self.q_weights, self.q_integer = bool(weights), bool(integer)
+        for q in self.quant.values():
+            q.qmode = acts
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``(x / 255 - mean) / std`` (float32): the model's input normalisation."""
+        return (x / 255.0 - self.pixel_mean) / self.pixel_std
+
+    def integer_program(self) -> Dict[str, object]:
+        """The integer model of the current weights and ranges (gnetmdk.intq.program.build_program).
+
+        Raises:
+            ProgramError: uncalibrated ranges or values out of the integer ranges.
+        """
+        from gnetmdk.intq.program import build_program
+        q = self._meta["quant"]
+        return build_program(self, self.qgraph, self.quant, q["weight_bits"], q["weight_scale"], self.normalize)
 
     @property
     def max_stride(self) -> int:
@@ -190,7 +259,15 @@ class PPYOLO(nn.Module):
         if h % s or w % s or h == 0 or w == 0:
             raise ValueError(f"input size {h}x{w} is not a multiple of the deepest stride {s}; resize or pad to "
                              f"{max(s, math.ceil(h / s) * s)}x{max(s, math.ceil(w / s) * s)}")
-        x = (x / 255.0 - self.pixel_mean) / self.pixel_std
+        if self.qgraph is not None:
+            if self.q_integer and not self.training:
+                from gnetmdk.intq.program import run_program
+                return run_program(self.integer_program(), x)[0]
+            from gnetmdk.intq.graph import run_graph
+            q = self._meta["quant"]
+            return run_graph(self, self.qgraph, x, self.quant, q["weight_bits"] if self.q_weights else None,
+                             q["weight_scale"], self.normalize)
+        x = self.normalize(x)
         return self.head(self.neck(self.backbone(x)))
 
     def loss(self, outputs: Sequence[torch.Tensor], targets: torch.Tensor) -> Dict[str, torch.Tensor]:

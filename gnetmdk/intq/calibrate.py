@@ -1,0 +1,154 @@
+"""Calibration of the activation ranges of gnetmdk.intq quantizers (the "cal" stage).
+
+Two passes over the training data, the weights fake-quantized and the activations float:
+
+1. each quantizer's input minimum and maximum (all-reduced with MIN / MAX over the ranks);
+2. a histogram of each input over ``[min, max]`` (:data:`HIST_BINS` bins; counts all-reduced by sum,
+   exact in float64), from which the range is chosen:
+
+   * "mse": the range ``a [min, max]`` (``a`` in :data:`MSE_RATIOS`; both ends shrink together, the
+     zero point moves with them) whose uint8 quantization of the histogram's bin centres has the least
+     squared error, counting clipping and rounding;
+   * "percentile": ``[the (100 - p)th percentile, the pth percentile]`` of the histogram (bin edges
+     outward), ``p`` = ``percentile``;
+   * "minmax": ``[min, max]``.
+
+Every range then holds 0 (``lo <= 0 <= hi``). The bin of a value depends on that value alone and the
+counts are integers, so N processes find the ranges one process finds, bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from gnetmdk.dist.comm import all_reduce
+from .fake import ACT_QMAX, round_half_up
+
+__all__ = ["METHODS", "HIST_BINS", "MSE_RATIOS", "calibrate_ranges", "range_from_histogram"]
+
+METHODS = ("mse", "percentile", "minmax")
+HIST_BINS = 2048
+MSE_RATIOS = tuple(1.0 - 0.0125 * i for i in range(73))          # 1.0 .. 0.1
+
+
+def range_from_histogram(counts: torch.Tensor, lo: float, hi: float, method: str = "mse",
+                         percentile: float = 99.99) -> Tuple[float, float]:
+    """The quantization range a histogram asks for (module docstring).
+
+    Args:
+        counts: ``(bins,)`` float64 counts over ``[lo, hi]`` (equal-width bins).
+        lo, hi: the observed minimum and maximum (``lo <= hi``).
+        method: "mse", "percentile" or "minmax".
+        percentile: for "percentile", in (50, 100].
+
+    Returns:
+        (lo', hi') as floats with ``lo' <= 0 <= hi'``.
+
+    Raises:
+        ValueError: unknown method, or a percentile outside (50, 100].
+    """
+    if method not in METHODS:
+        raise ValueError(f"calibration method must be one of {METHODS}, got {method!r}")
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    if method == "minmax" or hi <= lo or float(counts.sum()) == 0:
+        return lo, hi
+    bins = counts.numel()
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    if method == "percentile":
+        if not 50.0 < percentile <= 100.0:
+            raise ValueError(f"calibration percentile must be in (50, 100], got {percentile}")
+        cum = torch.cumsum(counts.double(), 0) / counts.sum()
+        top = int(torch.searchsorted(cum, torch.tensor(percentile / 100.0, dtype=torch.float64)))
+        bottom = int(torch.searchsorted(cum, torch.tensor(1.0 - percentile / 100.0, dtype=torch.float64)))
+        return min(float(edges[min(bottom, bins - 1)]), 0.0), max(float(edges[min(top + 1, bins)]), 0.0)
+    centres = (edges[:-1] + edges[1:]) / 2
+    best, best_err = (lo, hi), None
+    for a in MSE_RATIOS:
+        l, h = lo * a, hi * a
+        s = (h - l) / ACT_QMAX
+        z = min(max(float(round_half_up(torch.tensor(-l / s))), 0.0), float(ACT_QMAX))
+        q = torch.clamp(round_half_up(centres / s) + z, 0, ACT_QMAX)
+        err = float((counts.double() * ((q - z) * s - centres) ** 2).sum())
+        if best_err is None or err < best_err:
+            best, best_err = (l, h), err
+    return best
+
+
+@torch.no_grad()
+def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[], Iterable[torch.Tensor]],
+                     method: str = "mse", percentile: float = 99.99, device: Optional[torch.device] = None,
+                     progress: Callable = lambda it, desc: it) -> Dict[str, Tuple[float, float]]:
+    """Measure every quantizer's range over ``batches`` and set it (``lo``, ``hi`` buffers).
+
+    The caller sets the model's mode (weights fake-quantized, eval mode); this function switches the
+    quantizers to "observe" for the passes and leaves them "off".
+
+    Args:
+        model: called on each batch (its forward must run the quantizers).
+        quant: the quantizers (gnetmdk.intq.fake.ActQuant), by key.
+        batches: returns an iterable of ``(N, 3, H, W)`` image batches (called once per pass).
+        method, percentile: :func:`range_from_histogram`.
+        device: where the batches go (default: the model's).
+        progress: wraps each pass's iterable, ``progress(iterable, description)``.
+
+    Returns:
+        {key: (lo, hi)} as set (float32 values).
+
+    Raises:
+        ValueError: unknown method; RuntimeError: a quantizer that saw no value.
+    """
+    if method not in METHODS:
+        raise ValueError(f"calibration method must be one of {METHODS}, got {method!r}")
+    device = device or next(model.parameters()).device
+    keys = list(quant.keys())
+    big = torch.finfo(torch.float32).max
+    mins = torch.full((len(keys),), big, dtype=torch.float32, device=device)
+    maxs = torch.full((len(keys),), -big, dtype=torch.float32, device=device)
+
+    def run(desc: str) -> None:
+        for images in progress(batches(), desc):
+            model(images.to(device, non_blocking=True).float())
+
+    def min_max(i):
+        def obs(x):
+            mins[i] = torch.minimum(mins[i], x.min().float())
+            maxs[i] = torch.maximum(maxs[i], x.max().float())
+        return obs
+
+    for i, k in enumerate(keys):
+        quant[k].qmode, quant[k].observer = "observe", min_max(i)
+    try:
+        run("cal (range)")
+        neg = -mins
+        all_reduce(neg, "max")
+        all_reduce(maxs, "max")
+        mins = -neg
+        if bool((maxs < mins).any()):
+            raise RuntimeError("calibration saw no activations (empty training set?)")
+        counts = torch.zeros((len(keys), HIST_BINS), dtype=torch.float64, device=device)
+        if method != "minmax":
+            def hist(i):
+                lo, hi = float(mins[i]), float(maxs[i])
+                scale = HIST_BINS / (hi - lo) if hi > lo else 0.0
+
+                def obs(x):
+                    idx = torch.clamp(((x.float() - lo) * scale).floor(), 0, HIST_BINS - 1).long().flatten()
+                    counts[i] += torch.bincount(idx, minlength=HIST_BINS).double()
+                return obs
+
+            for i, k in enumerate(keys):
+                quant[k].observer = hist(i)
+            run("cal (histogram)")
+            all_reduce(counts, "sum")
+    finally:
+        for k in keys:
+            quant[k].qmode, quant[k].observer = "off", None
+    out: Dict[str, Tuple[float, float]] = {}
+    for i, k in enumerate(keys):
+        lo, hi = range_from_histogram(counts[i].cpu(), float(mins[i]), float(maxs[i]), method, percentile)
+        quant[k].lo.fill_(lo)
+        quant[k].hi.fill_(hi)
+        out[k] = (float(quant[k].lo), float(quant[k].hi))
+    return out

@@ -1,0 +1,148 @@
+"""Fake quantization of weights (per output channel, symmetric) and activations (per tensor, uint8
+with a zero point), with straight-through gradients. Formulas: gnetmdk.intq (package docstring).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+
+__all__ = ["ACT_QMAX", "WEIGHT_SCALES", "round_half_up", "weight_qmax", "weight_scales", "quantize_weight",
+           "fake_quant_weight", "act_qparams", "ActQuant"]
+
+#: uint8 activations: codes 0..255
+ACT_QMAX = 255
+#: per-channel weight scale rules
+WEIGHT_SCALES = ("max", "mse")
+#: clip ratios tried by the "mse" weight scale rule (of max |W_c|)
+MSE_RATIOS = tuple(1.0 - 0.025 * i for i in range(17))          # 1.0 .. 0.6
+
+
+def round_half_up(x: torch.Tensor) -> torch.Tensor:
+    """``floor(x + 0.5)``: the rounding of the integer model's requantization (ties up), also used by
+    the fake quantizers so both round alike."""
+    return torch.floor(x + 0.5)
+
+
+def weight_qmax(bits: int) -> int:
+    """Largest weight code ``2^(bits-1) - 1`` of a symmetric ``bits``-bit weight (127 at 8 bits).
+
+    Raises:
+        ValueError: bits outside 2..8.
+    """
+    if not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"weight bits must be an int in 2..8, got {bits!r}")
+    return (1 << (bits - 1)) - 1
+
+
+@torch.no_grad()
+def weight_scales(w: torch.Tensor, bits: int = 8, method: str = "max") -> torch.Tensor:
+    """Per-output-channel scales of a conv weight.
+
+    Args:
+        w: ``(C_out, ...)`` float weight.
+        bits: 2..8; codes are ``-Q..Q``, ``Q = 2^(bits-1) - 1``.
+        method: "max" (``max|W_c| / Q``) or "mse" (the clip ratio among :data:`MSE_RATIOS` of
+            ``max|W_c|`` with the least squared quantization error of the channel).
+
+    Returns:
+        ``(C_out,)`` float32, positive (an all-zero channel gets scale 1).
+
+    Raises:
+        ValueError: unknown method or bits.
+    """
+    if method not in WEIGHT_SCALES:
+        raise ValueError(f"weight scale method must be one of {WEIGHT_SCALES}, got {method!r}")
+    qmax = weight_qmax(bits)
+    flat = w.detach().float().reshape(w.shape[0], -1)
+    amax = flat.abs().amax(dim=1)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    if method == "max":
+        return amax / qmax
+    best_err, best = None, None
+    for r in MSE_RATIOS:
+        s = amax * r / qmax
+        q = torch.clamp(round_half_up(flat / s[:, None]), -qmax, qmax)
+        err = (q * s[:, None] - flat).square().sum(dim=1)
+        if best is None:
+            best_err, best = err, s
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, s, best)
+    return best
+
+
+def quantize_weight(w: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes ``clamp(floor(W / s_c + 1/2), -Q, Q)`` of a weight (float tensor of integers,
+    W's shape) for per-channel ``scales`` ``(C_out,)``."""
+    qmax = weight_qmax(bits)
+    view = (-1,) + (1,) * (w.dim() - 1)
+    return torch.clamp(round_half_up(w / scales.view(view)), -qmax, qmax)
+
+
+def fake_quant_weight(w: torch.Tensor, bits: int = 8, method: str = "max") -> torch.Tensor:
+    """``s_c W_q`` with the straight-through estimator (the gradient of the result is passed to W
+    unchanged, Bengio et al. 2013). Shape and dtype of ``w``."""
+    s = weight_scales(w, bits, method).to(w.dtype)
+    view = (-1,) + (1,) * (w.dim() - 1)
+    wq = quantize_weight(w.detach(), s, bits) * s.view(view)
+    return w + (wq - w).detach()
+
+
+def act_qparams(lo: float, hi: float) -> Tuple[float, int]:
+    """(scale, zero point) of a uint8 tensor with range [lo, hi], lo <= 0 <= hi: ``s = (hi - lo) /
+    255`` in float32, ``z = clamp(floor(-lo / s + 1/2), 0, 255)``; an empty range gives (1.0, 0)."""
+    lo32 = torch.tensor(float(lo), dtype=torch.float32)
+    hi32 = torch.tensor(float(hi), dtype=torch.float32)
+    s = (hi32 - lo32) / ACT_QMAX
+    if not float(s) > 0:
+        return 1.0, 0
+    z = int(torch.clamp(round_half_up(-lo32 / s), 0, ACT_QMAX))
+    return float(s), z
+
+
+class ActQuant(nn.Module):
+    """A per-tensor uint8 activation quantizer with its calibrated range.
+
+    Buffers ``lo``, ``hi`` (0-d float32; ``lo <= 0 <= hi`` once calibrated; both 0 before). ``qmode``:
+    "off" (identity), "observe" (identity; each input is passed to ``observer``), "fake" (quantize
+    and dequantize: ``s (clamp(floor(x / s + 1/2) + z, 0, 255) - z)``, gradient 1 where the input
+    lies inside ``[s (0 - z), s (255 - z)]`` and 0 outside).
+
+    Input and output: any shape, float32 (computed in float32 also under autocast).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("lo", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("hi", torch.zeros((), dtype=torch.float32))
+        self.qmode = "off"
+        self.observer = None
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.hi > self.lo)
+
+    def qparams(self) -> Tuple[float, int]:
+        """(scale, zero point) of the current range (:func:`act_qparams`)."""
+        return act_qparams(float(self.lo), float(self.hi))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qmode == "observe":
+            if self.observer is not None:
+                self.observer(x.detach())
+            return x
+        if self.qmode != "fake":
+            return x
+        s, z = self.qparams()
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            q = torch.clamp(round_half_up(xf / s) + z, 0, ACT_QMAX)
+            y = (q - z) * s
+            inside = torch.clamp(xf, (0 - z) * s, (ACT_QMAX - z) * s)
+            return (inside + (y - inside).detach()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"qmode={self.qmode}, lo={float(self.lo):.4g}, hi={float(self.hi):.4g}"

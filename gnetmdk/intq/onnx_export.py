@@ -1,0 +1,188 @@
+"""ONNX model of an integer program (gnetmdk.intq.program), built node by node with onnx.helper, and
+its evaluation with onnxruntime.
+
+Graph (opset 13; integer operators from the image to the head's accumulators):
+
+    image  uint8 (N, 3, H, W)  RGB pixels
+      -> Cast int64, Add 256 c, Gather from the 768-entry table      = the input codes (uint8)
+    conv:     Pad(codes, z_in) -> ConvInteger(codes, W + 128 as uint8, zero points z_in / 128)
+              -> Add b (int32) -> Cast int64 -> Mul M (Where(acc < 0, M_neg, M) under leaky ReLU)
+              -> Add 2^(n-1) + 2^61 -> Div 2^n -> Sub 2^(61-n)      = floor((acc M + 2^(n-1)) / 2^n)
+              -> Add z_out -> Clip(lo, 255) -> Cast uint8
+    add:      Cast int64, Sub z, Mul M per input, Add, then the same rounding tail
+    concat:   each input requantized as above (when its scale or zero point differs), Concat
+    maxpool:  Pad(codes, 0) -> MaxPool on uint8;  upsample: Resize nearest x2 on uint8
+    outputs:  accumulators (int32) -> Cast double -> Mul (s_x s_w,c) -> Cast float   ("out0", "out1", ..)
+
+The rounding offset 2^61 keeps the dividend non-negative (``|acc M| < 2^60``, checked when the
+program is built), so integer Div (which truncates) floors. Weights are stored as uint8 with zero
+point 128 (as the chip model's export, gnetmdk.gti.chip.onnx_export). The program's tensor names
+become the graph's; ``all_layers`` adds every op's codes as outputs (the per-layer check).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import numpy as np
+
+__all__ = ["build_onnx", "run_onnx", "OUTPUT_PREFIX", "INPUT_NAME", "META_KEY"]
+
+OPSET = 13
+IR_VERSION = 8
+INPUT_NAME = "image"
+OUTPUT_PREFIX = "out"
+META_KEY = "gnetmdk.int_model"
+OFFSET_BITS = 61
+
+
+def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, Any] = None):
+    """The ONNX ModelProto of an integer program.
+
+    Args:
+        prog: gnetmdk.intq.program.build_program's result.
+        all_layers: also output every op's uint8 codes under its tensor name.
+        meta: plain data stored as JSON in the model's metadata_props (key :data:`META_KEY`).
+
+    Returns:
+        onnx.ModelProto (checked with onnx.checker).
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits: List[Any] = []
+    nodes: List[Any] = []
+    counter = [0]
+
+    def uid(base: str) -> str:
+        counter[0] += 1
+        return f"{base}__{counter[0]}"
+
+    def const(name: str, value, dtype) -> str:
+        name = uid(name)
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def node(op: str, inputs: List[str], base: str, **attrs) -> str:
+        out = uid(base)
+        nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def round_shift(v64: str, shift: int, zp: int, lo: int, base: str, out_name: str) -> None:
+        """floor((v + 2^(n-1)) / 2^n) + zp, clipped to lo..255, as uint8 named out_name."""
+        off = (1 << (shift - 1)) + (1 << OFFSET_BITS)
+        v = node("Add", [v64, const("off", off, np.int64)], base)
+        v = node("Div", [v, const("div", 1 << shift, np.int64)], base)
+        v = node("Sub", [v, const("unoff", 1 << (OFFSET_BITS - shift), np.int64)], base)
+        v = node("Add", [v, const("zp", zp, np.int64)], base)
+        v = node("Clip", [v, const("lo", lo, np.int64), const("hi", 255, np.int64)], base)
+        nodes.append(helper.make_node("Cast", [v], [out_name], to=TensorProto.UINT8))
+
+    def pc(a) -> np.ndarray:
+        return np.asarray(a, dtype=np.int64).reshape(1, -1, 1, 1)
+
+    outputs: List[Any] = []
+    layer_outputs: List[Any] = []
+    n_out = 0
+    for op in prog["ops"]:
+        kind, name = op["op"], op["output"]
+        if kind == "input":
+            lut = op["lut"].reshape(-1)
+            px = node("Cast", [INPUT_NAME], "px", to=TensorProto.INT64)
+            idx = node("Add", [px, const("chan", np.arange(3).reshape(1, 3, 1, 1) * 256, np.int64)], "idx")
+            nodes.append(helper.make_node("Gather", [const("lut", lut, np.uint8), idx], [name], axis=0))
+        elif kind == "conv":
+            x = op["inputs"][0]
+            ph, pw = op["pad"]
+            if ph or pw:
+                x = node("Pad", [x, const("pads", [0, 0, ph, pw, 0, 0, ph, pw], np.int64),
+                                 const("padv", op["zp_in"], np.uint8)], "pad")
+            w = (op["w"].astype(np.int64) + 128).astype(np.uint8)
+            acc = node("ConvInteger", [x, const("w", w, np.uint8), const("xzp", op["zp_in"], np.uint8),
+                                       const("wzp", 128, np.uint8)], "acc",
+                       kernel_shape=list(w.shape[2:]), strides=list(op["stride"]))
+            acc = node("Add", [acc, const("b", op["b"].reshape(1, -1, 1, 1), np.int32)], "accb")
+            if "scale" in op:
+                f = node("Cast", [acc], "acc64", to=TensorProto.DOUBLE)
+                f = node("Mul", [f, const("scale", np.asarray(op["scale"]).reshape(1, -1, 1, 1), np.float64)], "deq")
+                out = f"{OUTPUT_PREFIX}{n_out}"
+                n_out += 1
+                nodes.append(helper.make_node("Cast", [f], [out], to=TensorProto.FLOAT))
+                outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * 4))
+                continue
+            a64 = node("Cast", [acc], "acc64", to=TensorProto.INT64)
+            if np.array_equal(op["m_pos"], op["m_neg"]):
+                m = const("m", pc(op["m_pos"]), np.int64)
+            else:
+                neg = node("Less", [a64, const("zero", 0, np.int64)], "neg")
+                m = node("Where", [neg, const("mneg", pc(op["m_neg"]), np.int64), const("mpos", pc(op["m_pos"]),
+                                                                                          np.int64)], "m")
+            round_shift(node("Mul", [a64, m], "prod"), op["shift"], op["zp"], op["lo"], "rq", name)
+        elif kind == "maxpool":
+            x = op["inputs"][0]
+            p = op["p"]
+            if p:
+                x = node("Pad", [x, const("pads", [0, 0, p, p, 0, 0, p, p], np.int64), const("padv", 0, np.uint8)],
+                         "pad")
+            nodes.append(helper.make_node("MaxPool", [x], [name], kernel_shape=[op["k"], op["k"]],
+                                          strides=[op["s"], op["s"]]))
+        elif kind == "upsample":
+            nodes.append(helper.make_node("Resize", [op["inputs"][0], "", const("scales", [1, 1, 2, 2], np.float32)],
+                                          [name], mode="nearest", coordinate_transformation_mode="asymmetric",
+                                          nearest_mode="floor"))
+        elif kind == "identity":
+            nodes.append(helper.make_node("Identity", [op["inputs"][0]], [name]))
+        elif kind == "add":
+            terms = []
+            for i, zp, m in zip(op["inputs"], (op["zp_a"], op["zp_b"]), (op["m_a"], op["m_b"])):
+                v = node("Cast", [i], "a64", to=TensorProto.INT64)
+                v = node("Sub", [v, const("zp", zp, np.int64)], "a")
+                terms.append(node("Mul", [v, const("m", m, np.int64)], "am"))
+            round_shift(node("Add", terms, "sum"), op["shift"], op["zp"], op["lo"], "rq", name)
+        else:                                                                      # concat
+            parts = []
+            for i, part in zip(op["inputs"], op["parts"]):
+                if part is None:
+                    parts.append(i)
+                    continue
+                v = node("Cast", [i], "c64", to=TensorProto.INT64)
+                v = node("Sub", [v, const("zp", part["zp_in"], np.int64)], "c")
+                v = node("Mul", [v, const("m", part["m"], np.int64)], "cm")
+                out = uid("part")
+                round_shift(v, part["shift"], op["zp"], 0, "rq", out)
+                parts.append(out)
+            nodes.append(helper.make_node("Concat", parts, [name], axis=1))
+        if all_layers:
+            layer_outputs.append(helper.make_tensor_value_info(name, TensorProto.UINT8, [None] * 4))
+    graph = helper.make_graph(nodes, "gnetmdk_int_model",
+                              [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", 3, "H", "W"])],
+                              outputs + layer_outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="gnetmdk")
+    model.ir_version = IR_VERSION
+    if meta is not None:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = META_KEY, json.dumps(meta)
+    onnx.checker.check_model(model)
+    return model
+
+
+def run_onnx(model, image: np.ndarray, threads: int = 0) -> Dict[str, np.ndarray]:
+    """Run an exported integer model with onnxruntime (CPU).
+
+    Args:
+        model: ModelProto, serialized bytes or a file path.
+        image: ``(N, 3, H, W)`` uint8 RGB pixels.
+        threads: intra-op threads (0: onnxruntime's default).
+
+    Returns:
+        {output name: array}: ``out0``.. float32, and with ``all_layers`` every op's uint8 codes.
+    """
+    import onnxruntime as ort
+    if not isinstance(model, (bytes, str)):
+        model = model.SerializeToString()
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, {INPUT_NAME: np.ascontiguousarray(image, dtype=np.uint8)})))

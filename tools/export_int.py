@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Export a PP-YOLO step-4 checkpoint as an integer ONNX model, and check it against step 4.
+
+    python3 tools/export_int.py --config examples/ppyolo_cards.py           # checkpoint/step4/best.pth -> model/int_model.onnx
+    python3 tools/export_int.py CKPT --config C --out DIR --name NAME
+    python3 tools/export_int.py --config C --check                          # + every layer on the valid split
+    python3 tools/export_int.py --config C --check --split train max_train_images=20
+
+The ONNX graph holds integer operators only from the uint8 image to the head's int32 accumulators
+(gnetmdk.intq.onnx_export), which it dequantizes to float32 ("out0", "out1", ..: the model's raw
+head outputs, decoded as the checkpoint's model decodes them). --check runs the split through the
+step-4 model's integer program (gnetmdk.intq.program, what step 4 evaluates) and through onnxruntime,
+and compares every layer's uint8 codes and the float outputs of every image (mismatch count per layer,
+0 required), then the mAP of both (must be equal). GNetDet checkpoints go to tools/convert_to_chip.py.
+Exit status: 0 ok; 1 the check found a difference; 2 a user error (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv):
+    """Parse the command line (module docstring); config overrides (KEY VALUE / KEY=VALUE) come back apart."""
+    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=__doc__)
+    p.add_argument("checkpoint", nargs="?", default=None, help="step-4 checkpoint (default checkpoint/step4/best.pth)")
+    p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
+    p.add_argument("--out", default=None, help="output folder (default the config's model_root)")
+    p.add_argument("--name", default="int_model", help="base name of the ONNX file (default int_model)")
+    p.add_argument("--check", action="store_true", help="compare every layer with step 4 on --split")
+    p.add_argument("--split", choices=["valid", "train"], default="valid")
+    p.add_argument("--batch-size", type=at_least(1), default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch / onnxruntime threads (0 = the config's)")
+    args, rest = p.parse_known_args(argv)
+    bad = [t for t in rest if t.startswith("--")]
+    if bad:
+        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
+    from gnetmdk.config.base import BaseConfig
+    fields = set(BaseConfig.field_types())
+    if args.checkpoint is not None and ("=" in args.checkpoint or args.checkpoint.replace("-", "_") in fields):
+        rest = [args.checkpoint] + rest
+        args.checkpoint = None
+    return args, rest
+
+
+class OnnxModel:
+    """The exported model behind the evaluator's model interface: ``forward`` runs onnxruntime on the
+    images (float pixels 0..255 -> uint8) and returns the head outputs as float32 tensors; ``decode``
+    and ``loss`` are the step-4 model's."""
+
+    def __init__(self, data: bytes, model, threads: int = 0):
+        from gnetmdk.intq.onnx_export import OUTPUT_PREFIX
+        import onnxruntime as ort
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        self.outs = sorted((o.name for o in self.sess.get_outputs() if o.name.startswith(OUTPUT_PREFIX)),
+                           key=lambda n: int(n[len(OUTPUT_PREFIX):]))
+        self.model, self.training = model, False
+
+    def __call__(self, images):
+        import numpy as np
+        import torch
+        res = self.sess.run(self.outs, {"image": images.cpu().round().clamp(0, 255).to(torch.uint8).numpy()})
+        return [torch.from_numpy(np.ascontiguousarray(r)) for r in res]
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def loss(self, pred, targets):
+        return self.model.loss(pred, targets.cpu())
+
+    def decode(self, *a, **kw):
+        return self.model.decode(*a, **kw)
+
+
+def main(argv=None) -> int:
+    """Run the tool; returns the exit status (0 ok, 1 check failed, 2 user error)."""
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from gnetmdk.gti.chip.cli_util import fail, load_eval_model, user_errors
+    try:
+        import torch
+        from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, load_checkpoint
+        from gnetmdk.config import load_config
+        from gnetmdk.intq.onnx_export import build_onnx
+        from gnetmdk.intq.program import ProgramError
+        cfg = load_config(args.config, overrides)
+        threads = args.threads or cfg.threads
+        if threads > 0:
+            torch.set_num_threads(threads)
+        path = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
+        ckpt = load_checkpoint(path, "train the PP-YOLO stages first (train.py --step 2, --cal, --step 3, --step 4)")
+        name = (ckpt.get("model_meta") or {}).get("name")
+        if name != "ppyolo":
+            raise CheckpointError(f"checkpoint '{path}' is a {name!r} model: tools/export_int.py exports PP-YOLO; a "
+                                  "GNetDet step-4 checkpoint becomes a chip model with tools/convert_to_chip.py")
+        model, ckpt = load_eval_model(path, cfg, require_stage="step4")
+        try:
+            prog = model.integer_program()
+        except ProgramError as exc:
+            raise CheckpointError(f"checkpoint '{path}': {exc}") from None
+        meta = {"classes": list(cfg.VOC_CLASSES), "model_meta": model.meta(), "stage": ckpt.get("stage"),
+                "best_map": ckpt.get("best_map"), "tensors": prog["tensors"]}
+        data = build_onnx(prog, meta=meta).SerializeToString()
+        out = args.out or cfg.model_root
+        os.makedirs(out, exist_ok=True)
+        onnx_path = os.path.join(out, args.name + ".onnx")
+        try:
+            atomic_write_set({onnx_path: lambda fh: fh.write(data)})
+        except OSError as exc:
+            raise CheckpointError(f"cannot write '{onnx_path}' ({exc.strerror or exc}): free disk space or pass "
+                                  "another --out; the previous file is unchanged") from None
+        n_ops = len(prog["ops"])
+        print(f"exported {path} (step4, best mAP {ckpt.get('best_map')}) -> {onnx_path}: {n_ops} integer ops, "
+              f"{len(prog['outputs'])} outputs, {len(data) / 2 ** 20:.1f} MiB")
+        if not args.check:
+            return 0
+        report = check(model, prog, cfg, args, threads)
+    except user_errors() as exc:
+        return fail(str(exc))
+    return 0 if report else 1
+
+
+def check(model, prog, cfg, args, threads) -> bool:
+    """Every layer's codes and every output, torch program vs onnxruntime, over the split; then mAP."""
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+    from gnetmdk.dataset.dataset import build_dataset, collate
+    from gnetmdk.evaluation.evaluator import evaluate_model
+    from gnetmdk.intq.onnx_export import build_onnx
+    from gnetmdk.intq.program import run_program
+    dataset = build_dataset(cfg, args.split)
+    dataset.augment = False
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=0, collate_fn=collate)
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(build_onnx(prog, all_layers=True).SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    t0 = time.time()
+    mismatches = {op["output"]: 0 for op in prog["ops"]}
+    values = {op["output"]: 0 for op in prog["ops"]}
+    out_bad = 0
+    n_images = 0
+    for images, _, _, _ in loader:
+        outs, kept = run_program(prog, images, keep=True)
+        res = dict(zip(names, sess.run(names, {"image": images.round().clamp(0, 255).to(torch.uint8).numpy()})))
+        for k, v in kept.items():
+            d = res[k].astype(np.int64) != v.numpy().astype(np.int64)
+            mismatches[k] += int(d.sum())
+            values[k] += int(d.size)
+        for i, o in enumerate(outs):
+            out_bad += int((res[f"out{i}"] != o.numpy()).sum())
+        n_images += images.shape[0]
+    print(f"check on {n_images} {args.split} images ({time.time() - t0:.1f}s): codes of every layer, step 4 (torch) vs "
+          "ONNX (onnxruntime)")
+    print(f"{'layer':<36} {'op':<8} {'values':>12} {'mismatches':>10}")
+    for op in prog["ops"]:
+        k = op["output"]
+        print(f"{k:<36} {op['op']:<8} {values[k]:>12} {mismatches[k]:>10}")
+    total = sum(mismatches.values())
+    print(f"outputs: {out_bad} float32 values differ")
+    m4 = evaluate_model(model, loader, dataset, torch.device("cpu"), cfg.conf_thresh, cfg.nms_thresh,
+                        cfg.max_detections)["map"]
+    mo = evaluate_model(OnnxModel(build_onnx(prog).SerializeToString(), model, threads), loader, dataset,
+                        torch.device("cpu"), cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections)["map"]
+    ok = total == 0 and out_bad == 0 and m4 == mo
+    print(f"mAP@0.5: step 4 {m4:.4f}, ONNX {mo:.4f}")
+    print(f"{'EQUAL' if ok else 'DIFFERENT'}: {total} code mismatches in {len(mismatches)} layers, {out_bad} output "
+          "differences")
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())
