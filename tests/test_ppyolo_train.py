@@ -126,6 +126,17 @@ def test_ppyolo_quantized_stages_integer_export_and_check_device_cpu(ws, capsys)
     assert "range widths (least squared uint8 error" in capsys.readouterr().out
     ranges = open(os.path.join(root, "q", "model", "act_ranges.txt")).read().split("\n")
     assert len([r for r in ranges if r]) == 38 and ranges[0].startswith("input -")
+    # 2 processes (gloo) calibrate to the same ranges bit for bit: MIN / MAX all-reduced, histogram
+    # counts summed
+    from dist_helpers import TRAIN_DIST, run
+    step2 = os.path.join(root, "q", "checkpoint", "step2", "best.pth")
+    r = run([TRAIN_DIST, "--config", path, "--cal", "--gpus", "2", "load", step2, *_out(root, "q2")], root,
+            timeout=300).check()
+    assert "batch 4 (2 x 2)" in r.stdout
+    assert open(os.path.join(root, "q2", "model", "act_ranges.txt")).read() == "\n".join(ranges)
+    q1 = load_checkpoint(os.path.join(root, "q", "checkpoint", "step2", "cal.pth"))["model"]
+    q2 = load_checkpoint(os.path.join(root, "q2", "checkpoint", "step2", "cal.pth"))["model"]
+    assert all(torch.equal(q1[k], q2[k]) for k in q1 if k.startswith("quant."))
     assert main(["--config", path, "--step", "3", *out]) == 0
     assert main(["--config", path, "--step", "4", *out]) == 0
     assert "evaluation runs the integer model" in capsys.readouterr().out
