@@ -440,3 +440,47 @@ def test_make_shapes_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     assert count(tmp_path / "meta" / "shapes_train.txt")[0] == 4
     assert count(tmp_path / "meta" / "shapes_valid.txt")[0] == 2
+
+
+def test_dense_shapes_small_crowded_objects(tmp_path):
+    """--dense: 448 px squares with 30-80 shapes of 4-16 px (a shape that finds no free place in 30
+    tries is dropped, so a few fewer at times); several box centres share a 32-px cell somewhere."""
+    res = run_tool(os.path.join(REPO, "tools", "make_shapes.py"), tmp_path / "d", "--dense", "--num-train", "6",
+                   "--num-val", "1")
+    assert res.returncode == 0, res.stderr
+    conv = convert_voc_to_meta(tmp_path / "d", SHAPES, tmp_path / "t.txt", tmp_path / "v.txt")
+    crowded = 0
+    for name, boxes, labels in read_meta(tmp_path / "t.txt"):
+        assert cv2.imread(str(tmp_path / "d" / "JPEGImages" / name)).shape[:2] == (448, 448)
+        assert 25 <= len(labels) <= 80
+        sides = np.maximum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
+        assert sides.min() >= 4 and sides.max() <= 17            # a circle's box is 2r + 1
+        cells = ((boxes[:, 0] + boxes[:, 2]) // 64) * 14 + (boxes[:, 1] + boxes[:, 3]) // 64
+        crowded = max(crowded, int(np.bincount(cells.astype(np.int64)).max()))
+    assert crowded >= 2
+    assert len(conv["splits"]["train"]["box_sizes"]) == conv["splits"]["train"]["boxes"]
+
+
+def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
+    """Box-size statistics at the config's image_size; the warning when more than 20% of the train
+    boxes are below one grid cell, with the remedy that fits the model's grid."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("xml_2_txt", os.path.join(REPO, "tools", "xml_2_txt.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    lines, warn = tool.box_size_lines([(0.02, 0.02)] * 10, 256, 16, True)
+    assert "median 5.1" in lines[0] and "100.0% of the boxes" in lines[1]
+    assert "image_size 800" in warn                               # 16 px / 0.02 = 800, a multiple of 32
+    lines, warn = tool.box_size_lines([(0.02, 0.02)] * 10, 448, 32, False)
+    assert "crop the images into tiles" in warn and "does not help" in warn
+    assert tool.box_size_lines([(0.3, 0.2)] * 10, 224, 16, False)[1] is None
+    make_shapes_dataset(tmp_path / "d", num_train=3, num_val=1, image_size=448, min_objects=30, max_objects=40,
+                        side_px=(4, 16))
+    cfg = tmp_path / "c.py"
+    cfg.write_text("from gnetmdk.config import BaseConfig\nclass Config(BaseConfig):\n    DS_NAME = 'dense'\n"
+                   f"    VOC_CLASSES = {list(SHAPES)!r}\n    dataset_path = {str(tmp_path / 'd')!r}\n"
+                   f"    meta_root = {str(tmp_path / 'meta')!r}\n    image_size = 448\n")
+    res = run_tool(XML_2_TXT, "--config", cfg)
+    assert res.returncode == 0, res.stderr
+    assert "box size sqrt(w h) at image_size 448" in res.stdout
+    assert "warning: 100% of the train boxes are smaller than one grid cell (32 px" in res.stderr

@@ -2,6 +2,7 @@
 """Write the synthetic shapes dataset (VOC layout) used for quick end-to-end checks.
 
     python3 tools/make_shapes.py [OUT_DIR] [--num-train N] [--num-val N] [--seed S]
+    python3 tools/make_shapes.py data/shapes_dense --dense     # 448 px, 30-80 shapes of 4-16 px each
 
 OUT_DIR defaults to data/shapes under the repository root. Classes: circle, square, triangle.
 Convert it afterwards with:
@@ -32,12 +33,19 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--min-size", type=int, default=256, help="smallest image side in pixels (default 256)")
     p.add_argument("--max-size", type=int, default=320, help="largest image side in pixels (default 320)")
+    p.add_argument("--dense", action="store_true",
+                   help="the dense small-object case: 448x448 images with 30-80 shapes of 4-16 px "
+                        "(several per 32-px grid cell at times); overrides --min-size/--max-size")
     args = p.parse_args(argv)
+    extra = {}
+    if args.dense:
+        args.min_size = args.max_size = 448
+        extra = dict(min_objects=30, max_objects=80, side_px=(4, 16))
 
     start = time.time()
     try:
         report = make_shapes_dataset(args.out_dir, num_train=args.num_train, num_val=args.num_val,
-                                     image_size=(args.min_size, args.max_size), seed=args.seed)
+                                     image_size=(args.min_size, args.max_size), seed=args.seed, **extra)
     except (ValueError, OSError) as exc:
         print(f"make_shapes: error: {exc}", file=sys.stderr)
         return 2

@@ -95,13 +95,78 @@ def resolve_settings(args) -> dict:
     if not classes:
         raise CLIError("the class list is empty")
     seed = args.seed if args.seed is not None else (getattr(cfg, "seed", 0) if cfg is not None else 0)
+    image_size, cell, fixed = _grid(cfg)
     return {
+        "image_size": image_size,
+        "cell": cell,
+        "fixed_cell": fixed,
         "name": str(pick(args.name, "DS_NAME")),
         "dataset_dir": str(pick(args.dataset_dir, "dataset_dir")),
         "classes": classes,
         "out_dir": str(pick(args.out_dir, "meta_dir")),
         "seed": int(seed),
     }
+
+
+def _grid(cfg):
+    """(image_size, the finest grid cell in input pixels, whether the cell keeps its pixel size when
+    image_size changes) of the config's model, or (None, None, None) without a config: GNetDet's
+    output grid (14 x 14 at 224 and 448, so its cell grows with the input; 32 px otherwise), PP-YOLO's
+    finest level (its stride)."""
+    if cfg is None or not hasattr(cfg, "image_size"):
+        return None, None, None
+    size = int(cfg.image_size)
+    if getattr(cfg, "model_name", "gnetdet") == "ppyolo":
+        return size, 4 * 2 ** min(cfg.ppyolo.return_idx), True
+    return size, size / cfg.grid_size, cfg.grid_size != 14
+
+
+#: warn when more than this share of the train boxes is smaller than one grid cell
+SMALL_SHARE = 0.2
+
+
+def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
+    """Box-size statistics of one split and the small-box warning.
+
+    Args:
+        sizes: [(w, h)] relative to the image (convert_voc_to_meta's ``box_sizes``).
+        image_size: the config's input side in pixels (None: sizes stay relative).
+        cell: the model's finest grid cell in input pixels at ``image_size``.
+        fixed_cell: the cell keeps its pixel size at other input sizes (a stride); False when the
+            grid has a fixed number of cells (GNetDet's 14 x 14).
+
+    Returns:
+        (lines to print, a warning or None). The size of a box is ``sqrt(w h)``; a box is "smaller
+        than a cell" when that is below ``cell``. With a fixed cell the warning names the input size
+        (a multiple of 32) at which at most :data:`SMALL_SHARE` of the boxes would be.
+    """
+    import numpy as np
+    if not sizes:
+        return [], None
+    rel = np.sqrt(np.prod(np.asarray(sizes, dtype=np.float64), axis=1))
+    q = np.percentile(rel, [0, 10, 50, 90, 100])
+    if image_size is None:
+        return ["  box size sqrt(w h), fraction of the image: min {:.3f}  p10 {:.3f}  median {:.3f}  p90 {:.3f}  "
+                "max {:.3f}".format(*q)], None
+    px = q * image_size
+    lines = [f"  box size sqrt(w h) at image_size {image_size}: min {px[0]:.1f}  p10 {px[1]:.1f}  median "
+             f"{px[2]:.1f}  p90 {px[3]:.1f}  max {px[4]:.1f} px"]
+    if not cell:
+        return lines, None
+    small = float(np.mean(rel * image_size < cell))
+    lines.append(f"  smaller than a grid cell ({cell:g} px): {100 * small:.1f}% of the boxes")
+    if small <= SMALL_SHARE:
+        return lines, None
+    msg = (f"{100 * small:.0f}% of the train boxes are smaller than one grid cell ({cell:g} px at image_size "
+           f"{image_size}): a cell predicts a few boxes, so small touching objects are lost. ")
+    if fixed_cell:
+        need = cell / max(float(np.quantile(rel, SMALL_SHARE)), 1e-9)
+        msg += f"Use image_size {int(np.ceil(need / 32.0) * 32)} (at most {100 * SMALL_SHARE:.0f}% below a cell), "
+        msg += "or crop the images into tiles"
+    else:
+        msg += ("The 14 x 14 grid grows with the input, so a larger image_size does not help: crop the images "
+                "into tiles, each with larger objects relative to the grid")
+    return lines, msg
 
 
 def print_summary(report: dict, out=sys.stdout) -> None:
@@ -128,7 +193,7 @@ def main(argv=None, coco: bool = False) -> int:
     args = parse_args(argv)
     tool = "xml_2_json" if coco else "xml_2_txt"
     try:
-        st = resolve_settings(args)
+        st = st_cfg = resolve_settings(args)
         ext = "json" if coco else "txt"
         out_train = os.path.join(st["out_dir"], f"{st['name']}_train.{ext}")
         out_valid = os.path.join(st["out_dir"], f"{st['name']}_valid.{ext}")
@@ -149,6 +214,17 @@ def main(argv=None, coco: bool = False) -> int:
     if report["skipped"]:
         print(f"{len(report['skipped'])} file(s) skipped", file=sys.stderr)
     print_summary(report)
+    warn = None
+    for split, st in report["splits"].items():
+        lines, w = box_size_lines(st.get("box_sizes", []), st_cfg["image_size"], st_cfg["cell"], st_cfg["fixed_cell"])
+        if lines:
+            print(f"{split}:")
+            for line in lines:
+                print(line)
+        if split == "train":
+            warn = w
+    if warn:
+        print(f"warning: {warn}", file=sys.stderr)
     return 0
 
 

@@ -75,7 +75,8 @@ def _draw(image: np.ndarray, kind: str, x: int, y: int, side: int, colour, flip:
     raise ValueError(f"unknown shape {kind!r}; choose from {SHAPE_CLASSES}")
 
 
-def _make_image(rng: np.random.Generator, size_range, classes, max_objects: int):
+def _make_image(rng: np.random.Generator, size_range, classes, max_objects: int, min_objects: int = 1,
+                side_px=None):
     lo, hi = size_range
     width, height = int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1))
 
@@ -89,12 +90,15 @@ def _make_image(rng: np.random.Generator, size_range, classes, max_objects: int)
 
     short = min(width, height)
     placed, objects = [], []
-    for _ in range(int(rng.integers(1, max_objects + 1))):
+    for _ in range(int(rng.integers(min_objects, max_objects + 1))):
         kind = classes[int(rng.integers(0, len(classes)))]
         colour = _pick_colour(rng, background)
         flip = bool(rng.integers(0, 2))
         for _try in range(30):
-            side = int(round(rng.uniform(0.15, 0.45) * short))
+            if side_px is None:
+                side = int(round(rng.uniform(0.15, 0.45) * short))
+            else:
+                side = int(rng.integers(side_px[0], side_px[1] + 1))
             x = int(rng.integers(2, width - side - 2))
             y = int(rng.integers(2, height - side - 2))
             probe = [x, y, x + side, y + side]
@@ -122,6 +126,8 @@ def make_shapes_dataset(
     classes: Sequence[str] = SHAPE_CLASSES,
     max_objects: int = 3,
     jpeg_quality: int = 95,
+    min_objects: int = 1,
+    side_px: tuple[int, int] | None = None,
 ) -> dict:
     """Write a synthetic VOC dataset of filled circles, squares and triangles.
 
@@ -131,9 +137,14 @@ def make_shapes_dataset(
 
     Each image: width and height drawn independently from ``image_size`` (``(lo, hi)`` pixels,
     inclusive, or one int for fixed squares), a random background colour with a gentle gradient and
-    Gaussian noise (sigma 6), 1 to ``max_objects`` shapes with sides of 15-45 % of the shorter image
-    side, random saturated colours, centres apart and only mild overlap. Boxes are tight integer
-    pixel boxes ``x1 y1 x2 y2`` (x2/y2 one past the last covered pixel).
+    Gaussian noise (sigma 6), ``min_objects`` to ``max_objects`` shapes (fewer when one finds no
+    place in 30 tries) with sides of 15-45 % of the shorter image side, or ``side_px`` = (lo, hi)
+    pixels when given, random saturated colours, centres apart and only mild overlap. Boxes are tight
+    integer pixel boxes ``x1 y1 x2 y2`` (x2/y2 one past the last covered pixel).
+
+    The dense small-object case (``tools/make_shapes.py --dense``): 448 px squares, 30-80 shapes of
+    4-16 px: several objects share a 32-px grid cell at times, and the smallest are a few pixels
+    wide once the image is resized.
 
     Deterministic: image ``i`` of a split depends only on ``(seed, split, i)`` and the size range.
 
@@ -152,8 +163,10 @@ def make_shapes_dataset(
     lo, hi = int(image_size[0]), int(image_size[1])
     if lo < 32 or hi < lo:
         raise ValueError(f"image_size range must satisfy 32 <= lo <= hi, got {image_size}")
-    if num_train < 0 or num_val < 0 or max_objects < 1:
-        raise ValueError("num_train/num_val must be >= 0 and max_objects >= 1")
+    if num_train < 0 or num_val < 0 or not 1 <= min_objects <= max_objects:
+        raise ValueError("num_train/num_val must be >= 0 and 1 <= min_objects <= max_objects")
+    if side_px is not None and not (2 <= int(side_px[0]) <= int(side_px[1]) <= lo - 8):
+        raise ValueError(f"side_px must satisfy 2 <= lo <= hi <= smallest image side - 8, got {side_px}")
 
     out_dir = str(out_dir)
     img_dir = os.path.join(out_dir, "JPEGImages")
@@ -169,7 +182,7 @@ def make_shapes_dataset(
         stats = {"images": 0, "boxes": 0, "per_class": OrderedDict((c, 0) for c in classes)}
         for i in range(count):
             rng = np.random.default_rng([int(seed), _SPLIT_CODE[split], i])
-            image, objects = _make_image(rng, (lo, hi), classes, max_objects)
+            image, objects = _make_image(rng, (lo, hi), classes, max_objects, min_objects, side_px)
             stem = f"{split}_{i:05d}"
             if not cv2.imwrite(os.path.join(img_dir, stem + ".jpg"), image, params):
                 raise OSError(f"could not write {os.path.join(img_dir, stem + '.jpg')}")

@@ -349,7 +349,8 @@ def convert_voc_to_meta(
     Returns:
         ``{"dataset_dir", "split_source", "classes", "skipped": [(path, reason), ...], "warnings": [...],
         "splits": {"train"|"valid": {"file", "ids", "images", "boxes", "per_class": {name: n},
-        "no_objects": [xml paths], "dropped_difficult": n}}}``.
+        "no_objects": [xml paths], "dropped_difficult": n, "box_sizes": [(w / image width, h / image
+        height) per kept box]}}}``.
 
     Raises:
         FileNotFoundError: ``dataset_dir``, its image folder or its annotation folder is missing.
@@ -387,7 +388,7 @@ def convert_voc_to_meta(
         stats = {
             "file": str(out), "ids": len(ids), "images": 0, "boxes": 0,
             "per_class": OrderedDict((c, 0) for c in class_names),
-            "no_objects": [], "dropped_difficult": 0,
+            "no_objects": [], "dropped_difficult": 0, "box_sizes": [],
         }
         split_lines = []
         for stem in ids:
@@ -430,6 +431,8 @@ def convert_voc_to_meta(
             split_lines.append((image_name, ann["boxes"], ann["labels"], (ann["width"], ann["height"])))
             stats["images"] += 1
             stats["boxes"] += len(ann["boxes"])
+            for x1, y1, x2, y2 in ann["boxes"]:
+                stats["box_sizes"].append(((x2 - x1) / max(ann["width"], 1), (y2 - y1) / max(ann["height"], 1)))
             for label in ann["labels"]:
                 stats["per_class"][class_names[label]] += 1
         splits[split] = stats

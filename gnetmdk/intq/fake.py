@@ -123,6 +123,7 @@ class ActQuant(nn.Module):
 
     @property
     def calibrated(self) -> bool:
+        """Whether calibration has set a non-empty range (``hi > lo``)."""
         return bool(self.hi > self.lo)
 
     def qparams(self) -> Tuple[float, int]:
