@@ -298,3 +298,42 @@ def test_patience_shorter_than_the_evaluation_interval_is_refused(workdir, tmp_p
         _cfg(path, tmp_path, "bad", "patience", -1)
     with pytest.raises(ConfigError, match="tb_images"):
         _cfg(path, tmp_path, "bad", "tb_images", -1)
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+def test_distill_loss_is_the_per_image_squared_difference_device_cpu():
+    from gnetmdk.models import get_family
+    fam = get_family("gnetdet")
+    s = torch.tensor([[1.0, 2.0], [0.0, 0.5]], requires_grad=True)
+    t = torch.tensor([[1.0, 0.0], [1.0, 0.5]])
+    loss = fam.distill_loss(s, t)
+    assert loss.item() == pytest.approx((4.0 + 1.0) / 2)                  # sum over values, mean over 2 images
+    loss.backward()
+    assert torch.equal(s.grad, (s - t).detach())                          # d/ds of sum (s - t)^2 / 2
+    assert fam.distill_loss([s, s], [t, t]).item() == pytest.approx(5.0)   # a list of levels: summed
+    assert fam.distill_loss(t, t).item() == 0.0
+
+
+def test_distillation_from_the_float_model_in_step_2(workdir, tmp_path, capsys):
+    """distill > 0: the step-1 model is loaded as the teacher, the epoch line shows the term, and the
+    trained weights differ from the run without it; a missing or non-float teacher is refused."""
+    _, path = workdir
+    run_stage(_cfg(path, tmp_path, "kd", "num_epochs", 1))
+    capsys.readouterr()
+    common = ["num_epochs", 1, "max_train_images", 16]
+    run_stage(_cfg(path, tmp_path, "kd", *common, "distill", 1.0, step=2))
+    out = capsys.readouterr().out
+    assert f"distillation from {tmp_path / 'kd' / 'step1' / 'best.pth'}" in out
+    line = next(l for l in out.splitlines() if "epoch 1/1" in l)
+    assert " distill " in line
+    with_kd = load_checkpoint(str(tmp_path / "kd" / "step2" / "last.pth"))["model"]
+    run_stage(_cfg(path, tmp_path, "kd", *common, "load", tmp_path / "kd" / "step1" / "best.pth", step=2))
+    without = load_checkpoint(str(tmp_path / "kd" / "step2" / "last.pth"))["model"]
+    assert any(not torch.equal(with_kd[k], without[k]) for k in with_kd if k.endswith("weight"))
+    with pytest.raises(CheckpointError, match="needs the float model"):
+        run_stage(_cfg(path, tmp_path, "kd", *common, "distill", 1.0, "distill_from", tmp_path / "none.pth", step=2))
+    with pytest.raises(CheckpointError, match="the teacher is the float"):
+        run_stage(_cfg(path, tmp_path, "kd", *common, "distill", 1.0, "distill_from",
+                       tmp_path / "kd" / "step2" / "best.pth", step=2))
+    with pytest.raises(ConfigError, match="distill_from"):
+        _cfg(path, tmp_path, "kd", "distill_from", "x.pth", step=2)

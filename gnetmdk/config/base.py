@@ -130,6 +130,8 @@ class BaseConfig:
     ema: bool = False                       # keep an EMA of the weights; evaluated and used for best.pth
     ema_decay: float = 0.999
     ema_ramp: float = 200.0                 # optimizer steps over which the EMA decay ramps up
+    distill: float = 0.0                    # steps 2-4: weight of the distillation term from the float model (0 = off)
+    distill_from: str = ""                  # the teacher checkpoint (default <checkpoint_root>/step1/best.pth)
     checkpoint_interval: int = 0            # also save last.pth every N optimizer steps (0 = epoch ends only)
     disk_reserve_mb: float = 0.0            # free disk required beyond the estimated checkpoint size
     device: str = "auto"                    # auto | cpu | cuda

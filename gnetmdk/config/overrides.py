@@ -377,6 +377,10 @@ def validate_config(cfg: BaseConfig) -> None:
             bad("accumulate", str(exc))
     if cfg.accumulate > 1 and (cfg.save_npz or cfg.replay_npz):
         bad("accumulate", "alignment record/replay (save_npz, replay_npz) needs accumulate 1")
+    if not cfg.distill >= 0:
+        bad("distill", "the distillation weight must be >= 0 (0 = off)")
+    if cfg.distill_from and not cfg.distill:
+        bad("distill_from", "names a teacher but distill is 0: set distill (e.g. 1.0) or drop distill_from")
     if not 0 <= cfg.ema_decay < 1 or cfg.ema_ramp < 0:
         bad("ema_decay" if not 0 <= cfg.ema_decay < 1 else "ema_ramp", "ema_decay must be in [0, 1), ema_ramp >= 0")
     if not 0 <= cfg.conf_thresh < 1:

@@ -97,6 +97,7 @@ class Trainer:
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.outputs = StageOutputs(self.out_dir, self.stage.name, self.main)   # run/ until the run finishes
         self.summary: Dict[str, object] = {"stage": self.stage.name}
+        self.teacher = None                                 # the float model when distill > 0 (load_teacher)
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
         self.align = AlignmentHook(cfg)                     # record / replay / max_iters (gnetmdk.align)
         self.tensorboard = TensorboardHook()
@@ -208,7 +209,35 @@ class Trainer:
         self.parallel_notes += self.family.configure(self.model, cfg)
         apply_stage(self.model, stage)
         self.model.train()
+        self.teacher = self.load_teacher()
         self.setup_parallel()
+
+    def load_teacher(self):
+        """``distill`` > 0 in steps 2-4: the float model (``distill_from``, default step1/best.pth, its
+        evaluated weights), in eval mode without gradients, on the device; else None.
+
+        Raises:
+            CheckpointError: the teacher is missing or does not fit the config.
+        """
+        cfg, stage = self.cfg, self.stage
+        if not cfg.distill or stage.step < 2 or stage.name == "cal":
+            return None
+        path = cfg.distill_from or os.path.join(cfg.checkpoint_dir(1), "best.pth")
+        ckpt = load_checkpoint(path, f"distill {cfg.distill:g} needs the float model: train step 1 first, or set "
+                                     "distill_from to a step-1 checkpoint (or distill 0)")
+        if ckpt.get("stage") != "step1":
+            raise CheckpointError(f"distill_from '{path}' is a {ckpt.get('stage')} checkpoint: the teacher is the "
+                                  "float (step-1) model")
+        check_compatible(ckpt, cfg, path)
+        teacher = build_model_from_checkpoint(ckpt, cfg, path)
+        from .stages import STAGES
+        apply_stage(teacher, STAGES["step1"])
+        teacher.to(self.device).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        self.log(f"[{stage.name}] distillation from {path} (weight {cfg.distill:g}: squared difference of the "
+                 "outputs, per image)")
+        return teacher
 
     def setup_parallel(self) -> None:
         """World size > 1: synchronised BatchNorm and global-batch calibration percentiles
@@ -375,6 +404,11 @@ class Trainer:
                 with self.precision.autocast():
                     pred = self.ddp_model(images)
                     terms = model.loss(pred, targets)
+                    if self.teacher is not None:
+                        with torch.no_grad():
+                            soft = self.teacher(images)
+                        terms["distill"] = self.cfg.distill * self.family.distill_loss(pred, soft)
+                        terms["total"] = terms["total"] + terms["distill"]
                 loss = terms["total"]
                 self.precision.backward(loss / accumulate if accumulate > 1 else loss)
             micro_totals.append(loss.detach().float())

@@ -131,6 +131,25 @@ class DetectorFamily:
                else f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
         return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
 
+    def distill_loss(self, student, teacher):
+        """The distillation term (``distill`` > 0, steps 2-4): the squared difference between the
+        quantized model's outputs and the float (step-1) model's on the same images, summed per image
+        and averaged over the batch like every loss term (Hinton et al. 2015, "Distilling the
+        Knowledge in a Neural Network", with the teacher's outputs as regression targets; the
+        outputs here are GNetDet's values, boxes and scores on the 0..1 scale).
+
+        Args:
+            student, teacher: ``forward`` outputs (a tensor (N, ...) or a list of them), float.
+        Returns:
+            0-d tensor (differentiable in the student).
+        """
+        import torch
+        s_list = student if isinstance(student, (list, tuple)) else [student]
+        t_list = teacher if isinstance(teacher, (list, tuple)) else [teacher]
+        n = s_list[0].shape[0]
+        total = sum((s.float() - t.float().detach()).square().sum() for s, t in zip(s_list, t_list))
+        return total / max(n, 1) if torch.is_tensor(total) else torch.zeros(())
+
     def loss_line(self, terms: Dict[str, float]) -> str:
         """The epoch log line's loss part, e.g. ``loss 1.23 (loc 0.5 cls 0.2)``."""
         parts = " ".join(f"{k} {v:.3f}" for k, v in sorted(terms.items()) if k != "total")

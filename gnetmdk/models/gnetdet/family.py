@@ -127,5 +127,5 @@ class GNetDetFamily(DetectorFamily):
         return [p for layer in layers[:n] for p in layer.parameters()]
 
     def loss_line(self, terms: Dict[str, float]) -> str:
-        keys = [k for k in ("loc", "conf", "noresp", "noobj", "cls", "range") if k in terms]
+        keys = [k for k in ("loc", "conf", "noresp", "noobj", "cls", "range", "distill") if k in terms]
         return (f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")")

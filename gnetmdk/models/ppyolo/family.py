@@ -123,7 +123,7 @@ class PPYOLOFamily(DetectorFamily):
                 "file": ("act_ranges.txt", text)}
 
     def loss_line(self, terms: Dict[str, float]) -> str:
-        keys = [k for k in ("xy", "wh", "obj", "cls", "iou", "iou_aware") if k in terms]
+        keys = [k for k in ("xy", "wh", "obj", "cls", "iou", "iou_aware", "distill") if k in terms]
         return f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")"
 
 
