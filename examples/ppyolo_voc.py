@@ -14,6 +14,9 @@ For alignment runs (one process against many, a run against its replay) add ``--
 (augmentation and DropBlock off, one training size) and ``ppyolo.freeze_at 3`` (the whole backbone
 frozen, as the notes do). The number of epochs and the decay milestones are ours: the notes do not
 give them (PaddleDetection's COCO schedule decays at 77% and 93% of training).
+
+This model stays float: its deformable convs and CoordConv have no integer form here, so steps 2-4
+are refused (docs/ppyolo.md, "Quantized stages"); r18vd (examples/ppyolo_cards.py) goes through them.
 """
 from gnetmdk.config import BaseConfig
 
