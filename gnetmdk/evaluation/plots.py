@@ -459,6 +459,56 @@ def plot_layer_drift(layers: Sequence[str], drift: Mapping[str, Sequence[float]]
 
 
 # ------------------------------------------------------------------------------ training curves
+def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
+                     title: Optional[str] = None) -> List[str]:
+    """Bars of the mAP change (points) per sublayer with only its weights quantized, and with only its
+    activation quantized (gnetmdk.gti.sensitivity.Sensitivity), on one axis; the suggested mask_bits
+    in the title.
+
+    Args:
+        sens: the measured :class:`~gnetmdk.gti.sensitivity.Sensitivity`.
+        path: the PNG file (``.png``); the JSON goes beside it with the same stem.
+        suggested: the suggested mask_bits (shown and stored), or None.
+        title: figure title.
+
+    JSON written: ``{"base_map", "layers": [{"name", "major", "weights_map", "weights_err", "acts_map",
+    "acts_err"}], "schemes": {major: {scheme: [map, err]}}, "current", "suggested"}`` (null where not measured).
+
+    Returns:
+        ``[png path, json path]``.
+    Raises:
+        PlotError: matplotlib missing, or the files cannot be written (nothing was replaced).
+    """
+    layers = []
+    for i, name in enumerate(sens.layers):
+        w = sens.weights[i] if i < len(sens.weights) else (None, None)
+        a = sens.acts[i] if i < len(sens.acts) else (None, None)
+        layers.append({"name": name, "major": int(sens.majors[i]) + 1, "weights_map": _finite_or_none(w[0]),
+                       "weights_err": _finite_or_none(w[1]), "acts_map": _finite_or_none(a[0]),
+                       "acts_err": _finite_or_none(a[1])})
+    data = {"base_map": _finite_or_none(sens.base_map), "layers": layers,
+            "schemes": {str(m + 1): {str(s): [_finite_or_none(v[0]), _finite_or_none(v[1])] for s, v in by.items()}
+                        for m, by in sens.schemes.items()},
+            "current": list(sens.current), "suggested": list(suggested) if suggested is not None else None}
+    fig = _new_figure((max(6.5, 0.55 * len(layers) + 2.0), 4.5))
+    ax = fig.add_subplot()
+    x = np.arange(len(layers))
+    width = 0.38
+    for offset, key, label in ((-width / 2, "weights_map", "weights of this sublayer only"),
+                               (width / 2, "acts_map", "activation of this layer only")):
+        vals = [np.nan if l[key] is None else 100.0 * (l[key] - sens.base_map) for l in layers]
+        ax.bar(x + offset, vals, width, label=label)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, [l["name"] for l in layers], rotation=45)
+    ax.set_xlabel("sublayer (major.sub)")
+    ax.set_ylabel("mAP@0.5 change from the float model (points)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="lower left", fontsize="small")
+    sub = f"; suggested mask_bits {list(suggested)}" if suggested is not None else ""
+    ax.set_title((title or "quantization sensitivity per layer") + sub, fontsize="medium")
+    return _write_pair(fig, path, data)
+
+
 def plot_training_curves(history: Sequence[Mapping[str, Any]], path: str, title: Optional[str] = None) -> List[str]:
     """A stage's training curves: the mean training loss terms per epoch, the learning rate at each
     epoch's end, and val mAP@0.5 (and COCO mAP@[.5:.95] where measured) at each evaluation.

@@ -1,0 +1,175 @@
+"""Per-layer quantization sensitivity of GNetDet: which sublayer's weights or activations cost accuracy
+when quantized alone, and the weight schemes (``mask_bits``) that follow from it.
+
+Three measurements on one split, each against the float model (BatchNorm folded, nothing quantized):
+
+* **weights, one sublayer at a time**: only that conv's weights quantized with its scheme (the
+  model's ``mask_bits``) and the model's ``weight_scale`` rule; activations float;
+* **weights, one major layer at a time, every scheme the chip has**: the major layer's convs share
+  one scheme on the chip (gti-chip.md), so this is the table ``mask_bits`` is chosen from;
+* **activations, one layer at a time**: only that ReLU capped with its calibrated cap and quantized
+  to 5-bit codes (needs a calibrated checkpoint); weights float.
+
+Each cell holds the val mAP@0.5 and the output error: the relative L2 difference ``||y - y_float|| /
+||y_float||`` of the model's outputs over every image (values, as ``forward`` returns them).
+
+:func:`suggest_mask_bits` picks per major layer the scheme with the fewest bits whose mAP lies within
+``tolerance`` of the float model's, else the scheme with the best mAP; the suggestion is what a user
+passes as ``gnetdet.mask_bits``. (Jacob et al. 2018 and the HAWQ line of work, Dong et al. 2019, rank
+layers by such sensitivities; this is the measured, one-layer-at-a-time form.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .spec import get_chip_spec, register_bits
+
+__all__ = ["Sensitivity", "measure_sensitivity", "suggest_mask_bits", "format_sensitivity"]
+
+
+@dataclass
+class Sensitivity:
+    """Results of :func:`measure_sensitivity`.
+
+    Attributes:
+        base_map / base_err: the float model's mAP (error 0 by definition).
+        layers: sublayer names "major.sub" (1-based), in order; ``majors`` the major index of each.
+        weights: per sublayer (mAP, output error) with only its weights quantized.
+        schemes: {major (0-based): {scheme: (mAP, output error)}} with only that major layer's
+            weights quantized with that scheme.
+        acts: per sublayer (mAP, output error) with only its activation quantized; empty without caps.
+        current: the model's mask_bits; weights_per_major: weight count of each major layer.
+    """
+    base_map: float
+    layers: List[str]
+    majors: List[int]
+    weights: List[Tuple[float, float]]
+    schemes: Dict[int, Dict[int, Tuple[float, float]]]
+    acts: List[Tuple[float, float]] = field(default_factory=list)
+    current: List[int] = field(default_factory=list)
+    weights_per_major: List[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float, List[torch.Tensor]]],
+                        chip: str, caps: Optional[Sequence[float]] = None,
+                        progress: Callable = lambda it, desc: it) -> Sensitivity:
+    """Measure the three tables of the module docstring.
+
+    Args:
+        model: a GNetDet with BatchNorm folded (step-2 layout), eval mode; its switches are changed
+            and restored to "nothing quantized".
+        evaluate: ``model -> (mAP, outputs)`` over the split (outputs: list of (N, S, S, 10 + C) float
+            tensors in a fixed image order).
+        chip: the chip whose schemes are tried.
+        caps: calibrated caps, one per ReLU (from a cal checkpoint), or None to skip activations.
+        progress: wraps the list of cases, ``progress(list, description)``.
+
+    Returns:
+        :class:`Sensitivity`.
+    """
+    convs, relus = model.convs(), model.relus()
+
+    def nothing_quantized():
+        for c in convs:
+            c.quant_weight = False
+        for r in relus:
+            r.use_cap = r.quant_act = r.integer = r.calibrating = False
+        model.exact_eval = False
+        model.set_gains()
+
+    nothing_quantized()
+    base_map, ref = evaluate(model)
+    ref_norm = torch.sqrt(sum((r.double() ** 2).sum() for r in ref))
+
+    def run() -> Tuple[float, float]:
+        model.set_gains()
+        m, outs = evaluate(model)
+        err = torch.sqrt(sum(((o.double() - r.double()) ** 2).sum() for o, r in zip(outs, ref))) / ref_norm
+        return float(m), float(err)
+
+    specs = model.specs
+    names = [f"{s.major + 1}.{s.index_in_major + 1}" for s in specs]
+    majors = [s.major for s in specs]
+    weights = []
+    for i in progress(list(range(len(convs))), "weights per sublayer"):
+        convs[i].quant_weight = True
+        weights.append(run())
+        convs[i].quant_weight = False
+    schemes: Dict[int, Dict[int, Tuple[float, float]]] = {}
+    spec = get_chip_spec(chip)
+    cases = [(m, s) for m in sorted(set(majors)) for s in sorted(spec.schemes)]
+    for m, scheme in progress(cases, "weights per major layer and scheme"):
+        idx = [i for i, mm in enumerate(majors) if mm == m]
+        saved = [(convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits) for i in idx]
+        bw, bb = register_bits(chip, scheme)
+        for i in idx:
+            convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits = scheme, bw, bb
+            convs[i].quant_weight = True
+        schemes.setdefault(m, {})[scheme] = run()
+        for i, (s0, w0, b0) in zip(idx, saved):
+            convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits = s0, w0, b0
+            convs[i].quant_weight = False
+    acts = []
+    if caps is not None:
+        if len(caps) != len(relus):
+            raise ValueError(f"{len(caps)} caps for {len(relus)} ReLUs: pass the calibration checkpoint of this model")
+        for r, c in zip(relus, caps):
+            r.cap.fill_(float(c))
+        for i in progress(list(range(len(relus))), "activations per layer"):
+            relus[i].use_cap = relus[i].quant_act = True
+            acts.append(run())
+            relus[i].use_cap = relus[i].quant_act = False
+    nothing_quantized()
+    per_major = [sum(convs[i].weight.numel() for i, mm in enumerate(majors) if mm == m) for m in sorted(set(majors))]
+    return Sensitivity(float(base_map), names, majors, weights, schemes, acts, list(model.mask_bits()), per_major)
+
+
+def suggest_mask_bits(sens: Sensitivity, tolerance: float = 0.005) -> List[int]:
+    """Per major layer, the scheme with the fewest bits whose mAP is at least ``base_map - tolerance``
+    (mAP units: 0.005 = half a point), else the scheme with the highest mAP (fewer bits on a tie).
+
+    Returns:
+        one scheme per major layer, in order (a valid ``gnetdet.mask_bits`` for the measured chip).
+    """
+    out = []
+    for m in sorted(sens.schemes):
+        by = sens.schemes[m]
+        ok = [s for s in sorted(by) if by[s][0] >= sens.base_map - tolerance]
+        out.append(ok[0] if ok else max(sorted(by), key=lambda s: (by[s][0], -s)))
+    return out
+
+
+def format_sensitivity(sens: Sensitivity, tolerance: float = 0.005) -> str:
+    """The tables as text (mAP, its change from the float model in points, output error in %)."""
+    lines = [f"float model (BatchNorm folded, nothing quantized): mAP {sens.base_map:.4f}", "",
+             "weights quantized in one sublayer only (its scheme from mask_bits):",
+             f"{'layer':<7} {'scheme':>6} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
+    for name, m, (mp, err) in zip(sens.layers, sens.majors, sens.weights):
+        lines.append(f"{name:<7} {sens.current[m]:>6} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} "
+                     f"{100 * err:>9.2f}")
+    schemes = sorted({s for by in sens.schemes.values() for s in by})
+    lines += ["", "weights quantized in one major layer only, each scheme of the chip (mAP / d mAP in points):",
+              f"{'major':<6} {'weights':>8} " + " ".join(f"{f'{s}-bit':>16}" for s in schemes)]
+    for m in sorted(sens.schemes):
+        cells = []
+        for s in schemes:
+            mp = sens.schemes[m].get(s, (float("nan"), 0.0))[0]
+            cells.append(f"{mp:.4f} ({100 * (mp - sens.base_map):+.2f})".rjust(16))
+        lines.append(f"{m + 1:<6} {sens.weights_per_major[m]:>8} " + " ".join(cells))
+    if sens.acts:
+        lines += ["", "activations quantized in one layer only (5-bit codes, calibrated cap):",
+                  f"{'layer':<7} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
+        for name, (mp, err) in zip(sens.layers, sens.acts):
+            lines.append(f"{name:<7} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} {100 * err:>9.2f}")
+    sug = suggest_mask_bits(sens, tolerance)
+    bits = sum(b * n for b, n in zip(sug, sens.weights_per_major))
+    now = sum(b * n for b, n in zip(sens.current, sens.weights_per_major))
+    lines += ["", f"suggested mask_bits: {sug} (per major layer the fewest bits within {100 * tolerance:g} points "
+                  f"of the float model; weight memory {bits / 8 / 1024:.1f} KiB against {now / 8 / 1024:.1f} KiB "
+                  f"with the current {sens.current})",
+              "    train with it: python3 train.py --step 2 gnetdet.mask_bits [" + ",".join(map(str, sug)) + "]"]
+    return "\n".join(lines)

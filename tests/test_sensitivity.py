@@ -1,0 +1,73 @@
+"""tools/sensitivity.py and gnetmdk.gti.sensitivity on a tiny GNetDet (device cpu)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from gnetmdk.config import build_config, load_config_class
+from gnetmdk.engine.cli import run_stage
+from gnetmdk.gti.sensitivity import Sensitivity, suggest_mask_bits
+
+from test_pipeline import ROOT, make_cards_workdir
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("sensitivity", os.path.join(ROOT, "tools", "sensitivity.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_suggest_mask_bits_takes_the_fewest_bits_within_the_tolerance():
+    s = Sensitivity(base_map=0.80, layers=["1.1", "2.1", "3.1"], majors=[0, 1, 2], weights=[(0.8, 0.0)] * 3,
+                    schemes={0: {1: (0.70, 0.3), 3: (0.797, 0.1), 8: (0.80, 0.0)},
+                             1: {1: (0.799, 0.2), 3: (0.80, 0.1), 8: (0.80, 0.0)},
+                             2: {1: (0.5, 0.5), 3: (0.6, 0.4), 8: (0.7, 0.3)}},
+                    current=[3, 3, 8], weights_per_major=[10, 20, 30])
+    assert suggest_mask_bits(s, 0.005) == [3, 1, 8]      # the last: none within, so the best mAP
+    assert suggest_mask_bits(s, 0.25) == [1, 1, 3]
+
+
+def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory, capsys):
+    """One step-1 epoch, a step-2 entry and calibration, then the tool: every sublayer appears in the
+    weight and activation tables; the one-sublayer row equals an independent evaluation of the model
+    with only that conv quantized; the JSON holds the suggested mask_bits, one allowed scheme per major."""
+    torch.set_num_threads(1)
+    root, path = make_cards_workdir(tmp_path_factory, "sens")
+    klass = load_config_class(path)
+    out = ["checkpoint_root", os.path.join(root, "ck"), "log_root", os.path.join(root, "log"), "model_root",
+           os.path.join(root, "model")]
+    run_stage(build_config(klass, [*out, "num_epochs", "1"], step=1))
+    run_stage(build_config(klass, [*out, "num_epochs", "0"], step=2))
+    run_stage(build_config(klass, out, cal=True))
+    capsys.readouterr()
+    plots = os.path.join(root, "plots")
+    tool = _tool()
+    assert tool.main(["--config", path, "--plots", plots, *out]) == 0
+    text = capsys.readouterr().out
+    cfg = build_config(klass, out, step=1)
+    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.gti.transforms import fold_bn
+    model = build_model_from_checkpoint(load_checkpoint(os.path.join(root, "ck", "step1", "best.pth")), cfg).eval()
+    fold_bn(model)
+    n = len(model.convs())
+    data = json.load(open(os.path.join(plots, "sensitivity.json")))
+    assert len(data["layers"]) == n and all(l["acts_map"] is not None for l in data["layers"])
+    ds = build_dataset(cfg, "valid")
+    ds.augment = False
+    evaluate = tool.make_evaluator(ds, cfg, 16)
+    base, _ = evaluate(model)
+    model.convs()[1].quant_weight = True
+    m1, _ = evaluate(model)
+    assert data["base_map"] == pytest.approx(base, abs=1e-12)
+    assert data["layers"][1]["weights_map"] == pytest.approx(m1, abs=1e-12)
+    assert len(data["suggested"]) == len(data["current"]) and set(data["suggested"]) <= {1, 3, 8}
+    assert f"suggested mask_bits: {data['suggested']}" in text
+    assert "activations quantized in one layer only" in text and os.path.isfile(os.path.join(plots, "sensitivity.png"))
+    assert tool.main(["--config", path, "--weights", os.path.join(root, "ck", "step2", "best.pth"), *out]) == 2
+    assert "pass the float (step-1) model" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Per-layer quantization sensitivity of a GNetDet model, and the weight schemes it suggests.
+
+    python3 tools/sensitivity.py --config examples/cards.py                  # step1/best.pth, step2/cal.pth
+    python3 tools/sensitivity.py --config C --weights CKPT --cal CAL --plots plots/sens --tolerance 0.01
+
+The float model is the step-1 checkpoint (--weights) with its BatchNorm folded. Three tables on the
+valid split (gnetmdk.gti.sensitivity): mAP@0.5 and output error with only one sublayer's weights
+quantized (its scheme from the model's mask_bits); with only one major layer's weights quantized, for
+each scheme the chip has; with only one layer's activation quantized to 5-bit codes, with the caps of
+the calibration checkpoint (--cal; left out when there is none). Then the suggested mask_bits: per
+major layer the fewest bits within --tolerance (mAP units, default 0.005 = half a point) of the float
+model. --plots DIR writes sensitivity.png/.json (bars of the mAP change per layer; needs matplotlib).
+Exit status: 0 ok; 2 a user error (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def parse_args(argv):
+    """Parse the command line (module docstring); config overrides come back apart."""
+    from gnetmdk.gti.chip.cli_util import Parser, at_least, parse_with_overrides
+    p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=__doc__)
+    p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
+    p.add_argument("--weights", default=None, help="the float model (default <checkpoint_root>/step1/best.pth)")
+    p.add_argument("--cal", default=None, help="calibration checkpoint for the caps (default "
+                                               "<checkpoint_root>/step2/cal.pth when it exists)")
+    p.add_argument("--split", choices=["valid", "train"], default="valid")
+    p.add_argument("--batch-size", type=at_least(1), default=16)
+    p.add_argument("--tolerance", type=float, default=0.005, help="mAP a scheme may lose (default 0.005)")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write sensitivity.png/.json in DIR")
+    return parse_with_overrides(p, argv)
+
+
+def make_evaluator(dataset, cfg, batch_size: int):
+    """``model -> (mAP@0.5, [outputs per batch])`` over ``dataset`` in order, on the CPU."""
+    import torch
+    from torch.utils.data import DataLoader
+    from gnetmdk.dataset.dataset import collate
+    from gnetmdk.evaluation.voc import evaluate_detections
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0, collate_fn=collate)
+    truths = [dataset.ground_truth(i) for i in range(len(dataset))]
+
+    @torch.no_grad()
+    def evaluate(model):
+        dets, outs = [], []
+        for images, _, _, sizes in loader:
+            pred = model(images.float())
+            outs.append(pred.detach().float().cpu())
+            for d, (w, h) in zip(model.decode(pred, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections),
+                                 sizes.tolist()):
+                scale = torch.tensor([w, h, w, h], dtype=torch.float32)
+                dets.append({"boxes": d["boxes"] * scale, "scores": d["scores"], "labels": d["labels"]})
+        return evaluate_detections(dets, truths, dataset.num_classes)["map"], outs
+    return evaluate
+
+
+def main(argv=None) -> int:
+    """Run the tool; returns the exit status (0 ok, 2 user error)."""
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    try:
+        import torch
+        from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint
+        from gnetmdk.config import load_config
+        from gnetmdk.dataset.dataset import build_dataset
+        from gnetmdk.gti.sensitivity import format_sensitivity, measure_sensitivity, suggest_mask_bits
+        from gnetmdk.gti.transforms import fold_bn
+        if args.plots is not None:
+            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+            prepare_plot_dir(args.plots)
+            require_matplotlib()
+        if not 0 <= args.tolerance < 1:
+            raise ValueError(f"--tolerance {args.tolerance}: an mAP difference in [0, 1), e.g. 0.005")
+        cfg = load_config(args.config, overrides)
+        if cfg.model_name != "gnetdet":
+            raise CheckpointError(f"tools/sensitivity.py measures GNetDet's chip quantization; the config's model is "
+                                  f"{cfg.model_name!r}")
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        path = args.weights or os.path.join(cfg.checkpoint_dir(1), "best.pth")
+        ckpt = load_checkpoint(path, "train step 1 first (python3 train.py --step 1) or pass --weights")
+        if ckpt.get("stage") != "step1":
+            raise CheckpointError(f"--weights '{path}' is a {ckpt.get('stage')} checkpoint: pass the float "
+                                  "(step-1) model")
+        check_compatible(ckpt, cfg, path)
+        model = build_model_from_checkpoint(ckpt, cfg, path).eval()
+        fold_bn(model)
+        caps, cal_path = None, args.cal or os.path.join(cfg.checkpoint_dir(2), "cal.pth")
+        if args.cal or os.path.isfile(cal_path):
+            cal = load_checkpoint(cal_path)
+            caps = [float(c) for c in cal.get("caps") or []]
+            if not caps or not all(c > 0 for c in caps):
+                raise CheckpointError(f"--cal '{cal_path}' holds no calibrated caps: run python3 train.py --cal")
+        dataset = build_dataset(cfg, args.split)
+        dataset.augment = False
+        t0 = time.time()
+        sens = measure_sensitivity(model, make_evaluator(dataset, cfg, args.batch_size), cfg.gnetdet.chip, caps)
+    except user_errors() as exc:
+        return fail(str(exc))
+    print(f"sensitivity: {cfg.DS_NAME} {args.split} split, {len(dataset)} images, float model {path}"
+          + (f", caps from {cal_path}" if caps else ", no calibration checkpoint (activations left out)")
+          + f"; {time.time() - t0:.1f}s")
+    print(format_sensitivity(sens, args.tolerance))
+    if args.plots is not None:
+        from gnetmdk.evaluation.plots import plot_sensitivity
+        try:
+            written = plot_sensitivity(sens, os.path.join(args.plots, "sensitivity.png"),
+                                       suggest_mask_bits(sens, args.tolerance),
+                                       title=f"{cfg.DS_NAME} {args.split}: mAP change with one layer quantized")
+        except user_errors() as exc:
+            return fail(str(exc))
+        print(f"plots: {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
