@@ -2,6 +2,7 @@
 import importlib.util
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -88,3 +89,20 @@ def test_step_time_autocast_applies_to_the_named_model_only():
     bench.train_step(a, torch.optim.SGD(a.parameters(), lr=0.1), *batch)
     bench.train_step(b, torch.optim.SGD(b.parameters(), lr=0.1), *batch)
     assert seen == [("a", False), ("b", True)]
+
+
+def test_accuracy_matrix_aggregates_seeds_and_checks_the_goal():
+    acc = _load("accuracy")
+    rows = lambda s1, s4: [{"stage": "step1", "best_map": s1}, {"stage": "cal", "best_map": None},
+                           {"stage": "step4", "best_map": s4}]
+    table = acc.aggregate({"a": {0: rows(0.90, 0.895), 1: rows(0.80, 0.79)},
+                           "b": {0: rows(0.90, 0.85), 1: rows(0.90, 0.91)}})
+    assert table["a"]["stages"]["step1"] == pytest.approx({"mean": 0.85, "min": 0.80, "max": 0.90})
+    assert table["a"]["delta_worst"] == pytest.approx(-0.01) and table["a"]["goal"]
+    assert table["b"]["delta_mean"] == pytest.approx(-0.02) and not table["b"]["goal"]   # one seed 5 points down
+    assert "cal" not in table["a"]["stages"]
+    text = acc.format_table(table)
+    assert "| a | 0,1 | 0.850 [0.800-0.900] |" in text and "not met" in text
+    cmd = acc.pipeline_command("cards", 2, "/o", ["threads", "1"])
+    assert cmd[-2:] == ["threads", "1"] and "seed" in cmd and cmd[cmd.index("seed") + 1] == "2"
+    assert cmd[cmd.index("--json") + 1] == os.path.join("/o", "cards", "seed2", "stages.json")

@@ -1,0 +1,42 @@
+"""The dense small-object case, offline: tools/make_shapes.py --dense (448 px images with 30-80 shapes of
+4-16 px, several to a 32-px grid cell at times), GNetDet at 448 px with the cards recipe unchanged.
+
+    python3 tools/make_shapes.py data/shapes_dense --dense
+    python3 tools/xml_2_txt.py --config examples/shapes_dense.py       # warns: most boxes are below a cell
+    python3 tools/run_pipeline.py --config examples/shapes_dense.py
+The accuracy matrix (benchmarks/accuracy.py) runs it beside cards, raccoon and the shapes demo.
+"""
+from gnetmdk.config import BaseConfig
+
+
+class Config(BaseConfig):
+    DEFAULT_STEP = 1
+    DS_NAME = "shapes_dense"
+    VOC_CLASSES = ["circle", "square", "triangle"]
+    dataset_path = "data/shapes_dense"
+    image_size = 448
+    batch_size = 16
+    num_workers = 0
+    threads = 2
+    eval_interval = 5
+    max_detections = 100
+    gnetdet = dict(
+        width_mult=0.25,
+        chip="5801",
+        score_head="logit",   # the cards recipe (examples/cards.py), not tuned for this set
+        score_offset=0.5,
+        score_scale=10.0,
+        l_class=1.0,
+        l_noobj=0.05,
+        l_range=1.0,
+        box_slots=1,
+        cap_method="mse",
+        weight_scale="mse",
+        mask_bits=[8, 3, 3, 3, 3, 3, 8],
+    )
+    per_step = {
+        1: dict(learning_rate=2e-3, num_epochs=60, warmup_epochs=3, ema=True, ema_decay=0.995),
+        2: dict(learning_rate=1e-4, num_epochs=5, warmup_epochs=0.2),
+        3: dict(learning_rate=1e-4, num_epochs=5, warmup_epochs=0.2),
+        4: dict(learning_rate=2e-5, num_epochs=3, warmup_epochs=0.2),
+    }
