@@ -260,3 +260,43 @@ def test_two_processes_with_accumulation_equal_one_process(ws):
     assert max(diffs.values()) <= ALIGN_ATOL_ADAM
     assert max(moved.values()) > 100 * max(max(diffs.values()), 1e-8)
     assert torch.load(a_ck, weights_only=True)["iteration"] == 6
+
+
+def test_cal_output_error_search_two_processes_same_caps(ws):
+    """cap_method output: the MSE caps refined against the network's output error; per-image errors
+    gathered and summed in sorted order, so 2 processes choose one process's caps."""
+    root = ws["root"]
+    caps = {}
+    for name, launcher, extra in (("o1", TRAIN, []), ("o2", TRAIN_DIST, ["--gpus", "2"])):
+        r = run([launcher, "--config", ws["cfg"], "--cal", *extra, "load", ws["fold"], "cap_method", "output",
+                 *_out(root, name)], root, timeout=300).check()
+        assert "searched against the network's output error" in r.stdout
+        caps[name] = torch.load(os.path.join(root, name, "checkpoint", "step2", "cal.pth"), weights_only=True)["caps"]
+    assert len(caps["o1"]) == 16 and caps["o2"] == caps["o1"]
+
+
+def test_output_error_search_lowers_the_output_error_device_cpu(ws):
+    """refine_caps_for_output on synthetic batches: the output error of the chosen caps, computed here
+    independently, is at most that of the starting caps, and the search moved some cap."""
+    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+    from gnetmdk.engine.calibration import refine_caps_for_output
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    model = build_model_from_checkpoint(load_checkpoint(ws["cal_pth"]))
+    start = [float(r.cap) for r in model.relus()]
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 32, (4, 3, 224, 224), generator=g).float() for _ in range(2)]
+
+    @torch.no_grad()
+    def out_error(cs):
+        apply_stage(model, STAGES["cal"])
+        model.eval()
+        refs = [model(x).double() for x in data]
+        for r, c in zip(model.relus(), cs):
+            r.cap.fill_(c)
+        apply_stage(model, STAGES["step3"])
+        model.eval()
+        return sum(float(((model(x).double() - ref) ** 2).sum()) for x, ref in zip(data, refs))
+
+    chosen = refine_caps_for_output(model, lambda: iter(data), start, torch.device("cpu"))
+    assert chosen != start
+    assert out_error(chosen) <= out_error(start)

@@ -1,7 +1,8 @@
 """Calibration of the activation caps (gti-chip.md, "cal"): observers watch every capped ReLU's input
 over the training data, and their statistics become the caps.
 
-``method "percentile"`` (GTI): one pass; each cap is the running max over batches of the batch's
+``method "output"``: the "mse" caps, then a short greedy search against the network's output error
+(:func:`refine_caps_for_output`). ``method "percentile"`` (GTI): one pass; each cap is the running max over batches of the batch's
 percentile (the output layer's ``output_cap_percentile``, 100 by default). ``method "mse"``: two passes;
 the first finds each layer's largest value, the second histograms the positive values over [0,
 largest], and each cap minimises the 5-bit quantization error over that histogram
@@ -72,11 +73,76 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
     return [float(torch.tensor(float(c), dtype=torch.float32)) for c in values]
 
 
+#: cap factors the output-error search tries for each layer (1 = keep)
+OUTPUT_FACTORS = (0.5, 0.7, 0.85, 1.15, 1.3)
+#: batches (per process) the output-error search measures on
+OUTPUT_BATCHES = 4
+
+
+@torch.no_grad()
+def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]], caps: List[float],
+                           device: Optional[torch.device] = None, factors=OUTPUT_FACTORS,
+                           max_batches: int = OUTPUT_BATCHES, progress: Callable = lambda it, desc: it) -> List[float]:
+    """Caps chosen against the network's output error instead of each layer's own.
+
+    The reference is the model with quantized weights and float activations (the cal stage's model);
+    the error of a set of caps is the squared difference between the step-3 model's outputs (5-bit
+    activations with those caps) and the reference, summed over the first ``max_batches`` batches.
+    Layer by layer, in order, each cap is multiplied by each of ``factors`` and the factor with the
+    least error is kept (greedy coordinate descent, one sweep; the start is ``caps``). Per-image errors
+    are gathered from every process and summed in sorted order, so N processes choose the caps one
+    process chooses.
+
+    Args:
+        model: GNetDet with ``relus()`` (caps set to ``caps`` on return), any mode; left in step-3
+            eval mode.
+        batches: returns an iterable of image batches (N, 3, H, W).
+        caps: the starting caps (e.g. the "mse" ones), one per ReLU.
+    Returns:
+        the chosen caps (float32 values as floats).
+    """
+    from gnetmdk.dist.comm import all_gather_object
+    from .stages import STAGES, apply_stage
+    device = device or next(model.parameters()).device
+    relus = list(model.relus())
+    data = []
+    for k, images in enumerate(batches()):
+        if k >= max_batches:
+            break
+        data.append(images.to(device, non_blocking=True).float())
+    for r, c in zip(relus, caps):
+        r.cap.fill_(c)
+    apply_stage(model, STAGES["cal"])
+    model.eval()
+    refs = [model(x).double() for x in data]
+    apply_stage(model, STAGES["step3"])
+    model.eval()
+
+    def error() -> float:
+        per = torch.cat([((model(x).double() - r) ** 2).flatten(1).sum(1) for x, r in zip(data, refs)]).cpu()
+        values = torch.cat(all_gather_object(per))
+        return float(torch.sort(values).values.sum())
+
+    cur = [float(torch.tensor(float(c), dtype=torch.float32)) for c in caps]
+    best = error()
+    for i in progress(list(range(len(relus))), "cal (output error)"):
+        keep = cur[i]
+        for f in factors:
+            c = float(torch.tensor(keep * f, dtype=torch.float32))
+            relus[i].cap.fill_(c)
+            e = error()
+            if e < best:
+                best, cur[i] = e, c
+        relus[i].cap.fill_(cur[i])
+    return cur
+
+
 @torch.no_grad()
 def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
                    device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
     """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
-    ReLUs, eval mode), :func:`measure_caps`, set every cap, then switch it to step 3 (caps on, 5-bit
+    ReLUs, eval mode), :func:`measure_caps` ("output": the "mse" caps refined by
+    :func:`refine_caps_for_output`), set every cap, then switch it to step 3 (caps on, 5-bit
     activations) in training mode. Returns the caps (arguments as measure_caps)."""
     from .stages import STAGES, apply_stage
     relus = list(model.relus())
@@ -84,7 +150,9 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
         relu.cap.zero_()
     apply_stage(model, STAGES["cal"], calibrating=True)
     model.eval()
-    caps = measure_caps(model, batches, method, device, progress)
+    caps = measure_caps(model, batches, "mse" if method == "output" else method, device, progress)
+    if method == "output":
+        caps = refine_caps_for_output(model, batches, caps, device, progress=progress)
     for relu, c in zip(relus, caps):
         relu.cap.fill_(c)
     apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start

@@ -127,8 +127,9 @@ class DetectorFamily:
         from gnetmdk.engine.calibration import calibrate_caps
         sec = cfg.section()
         caps = calibrate_caps(model, batches, sec.cap_method, device, progress)
-        how = ("MSE-best for 5-bit codes over a histogram of {batches} batches" if sec.cap_method == "mse"
-               else f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
+        how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
+               "output": "MSE-best for 5-bit codes, then searched against the network's output error",
+               }.get(sec.cap_method, f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
         return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
 
     def distill_loss(self, student, teacher):

@@ -30,6 +30,7 @@ class GNetDetConfig(ConfigSection):
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
     cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
+                                            # | output (mse, then a search against the network's output error)
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
@@ -95,8 +96,8 @@ def check_gnetdet_config(cfg) -> None:
         bad("cap_percentile", "must be in (0, 100]")
     if not 0 < g.output_cap_percentile <= 100:
         bad("output_cap_percentile", "must be in (0, 100]")
-    if g.cap_method not in ("percentile", "mse"):
-        bad("cap_method", "must be 'percentile' (GTI) or 'mse'")
+    if g.cap_method not in ("percentile", "mse", "output"):
+        bad("cap_method", "must be 'percentile' (GTI), 'mse' or 'output'")
     if not (math.isfinite(g.cap_lr) and g.cap_lr >= 0):
         bad("cap_lr", "must be a finite number >= 0 (0: the calibrated caps stay fixed in step 3)")
     if g.cap_lr > 0 and not g.gain_aware:
