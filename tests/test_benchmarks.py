@@ -106,3 +106,11 @@ def test_accuracy_matrix_aggregates_seeds_and_checks_the_goal():
     cmd = acc.pipeline_command("cards", 2, "/o", ["threads", "1"])
     assert cmd[-2:] == ["threads", "1"] and "seed" in cmd and cmd[cmd.index("seed") + 1] == "2"
     assert cmd[cmd.index("--json") + 1] == os.path.join("/o", "cards", "seed2", "stages.json")
+
+
+def test_accuracy_matrix_refuses_unknown_datasets_and_seeds(capsys):
+    acc = _load("accuracy")
+    assert acc.main(["--datasets", "cards,coco", "--table-only"]) == 2
+    assert "unknown dataset(s) ['coco']" in capsys.readouterr().err
+    assert acc.main(["--seeds", "0,a", "--table-only"]) == 2
+    assert "--seeds" in capsys.readouterr().err

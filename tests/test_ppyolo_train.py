@@ -146,6 +146,12 @@ def test_ppyolo_quantized_stages_integer_export_and_check_device_cpu(ws, capsys)
     text = capsys.readouterr().out
     assert "EQUAL: 0 code mismatches in 44 layers, 0 output differences" in text
     assert os.path.isfile(os.path.join(root, "q", "model", "int_model.onnx"))
+    step3 = os.path.join(root, "q", "checkpoint", "step3", "best.pth")
+    assert tool.main([step3, "--config", path, "--out", os.path.join(root, "q", "x")]) == 2
+    assert "not step4" in capsys.readouterr().err
+    assert tool.main([os.path.join(root, "q", "none.pth"), "--config", path]) == 2
+    assert "none.pth" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(root, "q", "x"))
     assert _tool("convert_to_chip").main([step4, "--out", os.path.join(root, "q", "chip")]) == 2
     assert "PP-YOLO model, which the chip cannot run" in capsys.readouterr().err
     assert main(["--config", path, "--step", "2", "ppyolo.dcn_v2_stages", "[3]", *_out(root, "dcn")]) == 2
