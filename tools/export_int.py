@@ -57,12 +57,8 @@ class OnnxModel:
     and ``loss`` are the step-4 model's."""
 
     def __init__(self, data: bytes, model, threads: int = 0):
-        from gnetmdk.intq.onnx_export import OUTPUT_PREFIX
-        import onnxruntime as ort
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        self.sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        from gnetmdk.intq.onnx_export import OUTPUT_PREFIX, make_session
+        self.sess = make_session(data, threads)
         self.outs = sorted((o.name for o in self.sess.get_outputs() if o.name.startswith(OUTPUT_PREFIX)),
                            key=lambda n: int(n[len(OUTPUT_PREFIX):]))
         self.model, self.training = model, False
@@ -145,12 +141,8 @@ def check(model, prog, cfg, args, threads) -> bool:
     dataset = build_dataset(cfg, args.split)
     dataset.augment = False
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=0, collate_fn=collate)
-    import onnxruntime as ort
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    sess = ort.InferenceSession(build_onnx(prog, all_layers=True).SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    from gnetmdk.intq.onnx_export import make_session
+    sess = make_session(build_onnx(prog, all_layers=True), threads)
     names = [o.name for o in sess.get_outputs()]
     t0 = time.time()
     mismatches = {op["output"]: 0 for op in prog["ops"]}

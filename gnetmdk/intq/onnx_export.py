@@ -26,7 +26,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-__all__ = ["build_onnx", "run_onnx", "OUTPUT_PREFIX", "INPUT_NAME", "META_KEY"]
+__all__ = ["build_onnx", "make_session", "run_onnx", "OUTPUT_PREFIX", "INPUT_NAME", "META_KEY"]
 
 OPSET = 13
 IR_VERSION = 8
@@ -166,6 +166,18 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
     return model
 
 
+def make_session(model, threads: int = 0):
+    """An onnxruntime CPU session of ``model`` (ModelProto, serialized bytes or a file path) with
+    ``threads`` intra-op threads (0: onnxruntime's default)."""
+    import onnxruntime as ort
+    if not isinstance(model, (bytes, str)):
+        model = model.SerializeToString()
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
 def run_onnx(model, image: np.ndarray, threads: int = 0) -> Dict[str, np.ndarray]:
     """Run an exported integer model with onnxruntime (CPU).
 
@@ -177,12 +189,6 @@ def run_onnx(model, image: np.ndarray, threads: int = 0) -> Dict[str, np.ndarray
     Returns:
         {output name: array}: ``out0``.. float32, and with ``all_layers`` every op's uint8 codes.
     """
-    import onnxruntime as ort
-    if not isinstance(model, (bytes, str)):
-        model = model.SerializeToString()
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    sess = make_session(model, threads)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, {INPUT_NAME: np.ascontiguousarray(image, dtype=np.uint8)})))
