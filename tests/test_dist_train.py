@@ -262,7 +262,7 @@ def test_two_processes_with_accumulation_equal_one_process(ws):
     assert torch.load(a_ck, weights_only=True)["iteration"] == 6
 
 
-def test_cal_output_error_search_two_processes_same_caps(ws):
+def test_cal_output_error_search_two_processes_same_caps_device_cpu(ws):
     """cap_method output: the MSE caps refined against the network's output error; per-image errors
     gathered and summed in sorted order, so 2 processes choose one process's caps."""
     root = ws["root"]

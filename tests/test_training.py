@@ -314,7 +314,7 @@ def test_distill_loss_is_the_per_image_squared_difference_device_cpu():
     assert fam.distill_loss(t, t).item() == 0.0
 
 
-def test_distillation_from_the_float_model_in_step_2(workdir, tmp_path, capsys):
+def test_distillation_from_the_float_model_in_step_2_device_cpu(workdir, tmp_path, capsys):
     """distill > 0: the step-1 model is loaded as the teacher, the epoch line shows the term, and the
     trained weights differ from the run without it; a missing or non-float teacher is refused."""
     _, path = workdir

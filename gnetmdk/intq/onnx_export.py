@@ -167,8 +167,8 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
 
 
 def make_session(model, threads: int = 0):
-    """An onnxruntime CPU session of ``model`` (ModelProto, serialized bytes or a file path) with
-    ``threads`` intra-op threads (0: onnxruntime's default)."""
+    """An onnxruntime InferenceSession (CPU provider) for ``model`` (ModelProto, serialized bytes or
+    a file path) with ``threads`` intra-op threads (0: onnxruntime's default)."""
     import onnxruntime as ort
     if not isinstance(model, (bytes, str)):
         model = model.SerializeToString()
