@@ -114,3 +114,24 @@ def test_accuracy_matrix_refuses_unknown_datasets_and_seeds(capsys):
     assert "unknown dataset(s) ['coco']" in capsys.readouterr().err
     assert acc.main(["--seeds", "0,a", "--table-only"]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_memory_benchmark_variants_build_what_they_name_device_cpu():
+    """Each variant of benchmarks/bench_memory.py converts the model it says (device cpu)."""
+    from gnetmdk.dist.syncbn import count_sync_batchnorm
+    from gnetmdk.layers.inplace_abn import BatchNormAct2d, count_inplace_abn
+    from gnetmdk.layers.stem import count_recompute_stem
+    bench = _load("bench_memory")
+    got = {}
+    for v in bench.ALL_VARIANTS:
+        m = bench.build("gnetdet", v, "cpu")
+        synced = count_sync_batchnorm(m) > 0 or any(x.sync for x in m.modules() if isinstance(x, BatchNormAct2d))
+        got[v] = (synced, count_inplace_abn(m), count_recompute_stem(m))
+    assert got["bn"] == (False, 0, 0) and got["ckpt"] == (False, 0, 0)
+    assert got["dist_bn"] == (True, 0, 0)
+    assert got["abn"] == (False, 15, 0)
+    assert got["stem"] == (True, 0, 1)
+    assert got["abn_stem"] == (True, 15, 1)                    # BatchNormAct2d with DistBatchNorm2d's statistics
+    assert got["ckpt_stem"] == (True, 0, 0)
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.build("gnetdet", "fused", "cpu")

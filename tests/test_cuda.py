@@ -274,3 +274,44 @@ def test_index_free_max_pool_equals_torchs_on_the_gpu(channels_last):
     ya.backward(g)
     yb.backward(g)
     assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_recomputed_stem_equals_the_block_on_the_gpu(channels_last):
+    """gnetmdk.layers.stem on the GPU (cuDNN convs, recomputed per chunk in the backward pass) against
+    conv -> BatchNorm2d -> ReLU -> max pool with torch's kernels, TF32 off: outputs, gradients and
+    running statistics within 1e-5 of each tensor's largest value (float32: the per-chunk sums and
+    another summation order, ~170 u; the CPU tests bound it element by element). The conv bias
+    feeds the BatchNorm: its gradient is round-off and is not compared."""
+    import copy
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import gnetmdk.layers.stem as stem
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 16, 3, padding=1).to(DEV), nn.BatchNorm2d(16).to(DEV)
+    x = torch.randint(0, 32, (4, 3, 64, 64)).float().to(DEV)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    up = torch.randn(4, 16, 32, 32, device=DEV)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    chunk = stem.CHUNK_ELEMENTS
+    stem.CHUNK_ELEMENTS = 1                              # one image per chunk
+    try:
+        mods = {}
+        for name in ("plain", "stem"):
+            c, b = copy.deepcopy(conv), copy.deepcopy(bn)
+            xx = x.clone().requires_grad_(True)
+            y = (stem.conv_bn_act(xx, c, b, "relu", pool=True) if name == "stem"
+                 else F.max_pool2d(F.relu(b(c(xx))), 2, 2))
+            y.backward(up)
+            mods[name] = (y.detach(), xx.grad, c, b)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+        stem.CHUNK_ELEMENTS = chunk
+    (yp, gp, cp, bp), (ys, gs, cs, bs) = mods["plain"], mods["stem"]
+    assert (ys - yp).abs().max() <= 1e-5 * yp.abs().max()
+    assert (gs - gp).abs().max() <= 1e-5 * gp.abs().max()
+    for a, b in ((cs.weight.grad, cp.weight.grad), (bs.weight.grad, bp.weight.grad), (bs.bias.grad, bp.bias.grad),
+                 (bs.running_mean, bp.running_mean), (bs.running_var, bp.running_var)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()

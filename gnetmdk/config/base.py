@@ -97,6 +97,7 @@ class BaseConfig:
     image_size: int = 448                   # input side in pixels (GNetDet: 224 or 448; 5801 also 320, 640)
     channels_last: bool = True              # NHWC memory format (faster convolutions on CPU)
     inplace_abn: bool = False               # BatchNorm + ReLU/leaky as one layer that keeps less for backward
+    recompute_stem: bool = False            # the first conv-BN-act(-pool) keeps only the image; recomputed in backward
     # each family's own fields are a section of the config: cfg.gnetdet (gnetmdk/models/gnetdet/config.py),
     # cfg.ppyolo (gnetmdk/models/ppyolo/config.py); set them in configs.py as a dict (gnetdet = dict(...))
     # or by their own names, and on the command line as gnetdet.l_coord 3 or l_coord 3

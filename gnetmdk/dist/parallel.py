@@ -34,6 +34,9 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     ReLU becomes a :class:`gnetmdk.layers.inplace_abn.BatchNormAct2d` (synchronised when the
     BatchNorm was), converted after the synchronisation above.
 
+    Recomputed stem (``cfg.recompute_stem``): the first conv -> BatchNorm -> activation (-> pool) block,
+    which reads the image, is marked for :mod:`gnetmdk.layers.stem` (keeps its input only).
+
     ``cfg.bn_running_var == "biased"``: every BatchNorm becomes DistBatchNorm2d (on CUDA too) and its
     running variance takes the biased batch variance, as PaddlePaddle's BatchNorm (the training
     forward and backward do not change).
@@ -57,6 +60,11 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
         if n:
             notes.append(f"in-place activated BatchNorm: {n} BatchNorm + activation pairs fused "
                          "(the same function; less kept for the backward pass)")
+    if getattr(cfg, "recompute_stem", False):
+        from gnetmdk.layers.stem import convert_recompute_stem
+        if convert_recompute_stem(model):
+            notes.append("recomputed stem: 1 block (the first conv -> BatchNorm -> activation keeps only its "
+                          "input; its conv runs again in the backward pass)")
     if biased:
         from gnetmdk.dist.syncbn import DistBatchNorm2d
         from gnetmdk.layers.inplace_abn import BatchNormAct2d

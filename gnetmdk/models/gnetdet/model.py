@@ -149,7 +149,24 @@ class Sublayer(nn.Module):
         self.pool_after = ls.pool_after
         self.major = ls.major
 
+    #: set by gnetmdk.layers.stem.convert_recompute_stem (config ``recompute_stem``)
+    recompute_stem = False
+
+    def stem_ok(self, x: torch.Tensor) -> bool:
+        """Whether this forward may take the recomputing stem (gnetmdk.layers.stem): marked, gradients
+        wanted, and a float conv -> BatchNorm -> plain ReLU (step 1: no quantized weights, caps,
+        calibration or revive)."""
+        conv, relu = self.conv, self.relu
+        return (self.recompute_stem and self.bn is not None and torch.is_grad_enabled()
+                and (x.requires_grad or conv.weight.requires_grad or self.bn.weight is None
+                     or self.bn.weight.requires_grad)
+                and not conv.quant_weight and not conv.exact and conv.gain is None
+                and not relu.use_cap and not relu.quant_act and not relu.calibrating and not relu.revive)
+
     def forward(self, x):
+        if self.recompute_stem and self.stem_ok(x):
+            from gnetmdk.layers.stem import conv_bn_act
+            return conv_bn_act(x, self.conv, self.bn, "relu", pool=self.pool_after)
         x = self.conv(x)
         if self.bn is not None:
             x = self.bn(x)

@@ -69,7 +69,16 @@ class ConvBNLayer(nn.Module):
         self.bn = nn.BatchNorm2d(ch_out)   # eps 1e-5, momentum 0.1 = Paddle's epsilon 1e-5, momentum 0.9
         self.act = act
 
+    #: set by gnetmdk.layers.stem.convert_recompute_stem (config ``recompute_stem``)
+    recompute_stem = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.recompute_stem and isinstance(self.bn, nn.BatchNorm2d) and type(self.conv) is nn.Conv2d
+                and torch.is_grad_enabled() and (x.requires_grad or self.conv.weight.requires_grad
+                                                 or self.bn.weight is None or self.bn.weight.requires_grad)):
+            from gnetmdk.layers.stem import conv_bn_act
+            act = {"relu": "relu", "leaky": "leaky_relu", None: "identity"}[self.act]
+            return conv_bn_act(x, self.conv, self.bn, act, 0.1)
         x = self.bn(self.conv(x))
         if self.act == "relu":
             return torch.relu(x)
