@@ -68,6 +68,7 @@ from torch.autograd.function import once_differentiable
 
 from gnetmdk.dist.syncbn import (_all_reduce_, batch_moments, combine_moments, input_grad_coefficients,
                                  update_running_stats_)
+from gnetmdk.layers.inplace_abn import _activate_
 
 __all__ = ["StemSpec", "conv_bn_act", "convert_recompute_stem", "count_recompute_stem", "MAX_STEM_CHANNELS"]
 
@@ -123,14 +124,6 @@ def _merge_moments(rows):
     return out
 
 
-def _act_(z: torch.Tensor, act: str, slope: float) -> torch.Tensor:
-    if act == "relu":
-        return torch.relu_(z)
-    if act == "leaky_relu":
-        return F.leaky_relu_(z, slope)
-    return z
-
-
 def _act_grad(dy: torch.Tensor, z: torch.Tensor, act: str, slope: float) -> torch.Tensor:
     """dz = dy act'(z), z the pre-activation (relu / leaky: the derivative of z > 0's side)."""
     if act == "relu":
@@ -182,7 +175,7 @@ class _StemFunction(torch.autograd.Function):
             n = x.shape[0]
             convs, rows = [], []
             step = _chunk_images(n, weight.shape[0] * _conv_out_pixels(x, weight, spec))
-            for i in range(0, n, step):
+            for i in range(0, max(n, 1), step):      # an empty batch (a rank without images) runs once
                 c = F.conv2d(xs[i:i + step], w, b, spec.stride, spec.padding, spec.dilation)
                 if batch_stats:
                     local, scratch = batch_moments(c.float() if c.dtype in _LOW else c)
@@ -207,7 +200,7 @@ class _StemFunction(torch.autograd.Function):
                 c = convs[k]
                 convs[k] = None                   # freed chunk by chunk
                 z = _affine(c, sc, sh, cdt)
-                y = _act_(z, spec.act, spec.slope)
+                y = _activate_(z, spec.act, spec.slope)
                 if spec.pool:
                     p = F.max_pool2d(y, 2, 2)
                     code = _pool_codes(y, p)
@@ -252,7 +245,7 @@ class _StemFunction(torch.autograd.Function):
                                      spec.slope), cp
                 return _act_grad(douts[i:i + step], _affine(c, sc, sh, cdt, copy=True), spec.act, spec.slope), c
 
-            starts = range(0, x.shape[0], step)
+            starts = range(0, max(x.shape[0], 1), step)
             sums = torch.zeros(2 * cch, dtype=torch.float64, device=x.device)
             if ctx.batch_stats or need[3] or need[4]:
                 for i in starts:                  # pass 1: sum dz, sum dz (x - mean)
