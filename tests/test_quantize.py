@@ -1,5 +1,6 @@
 """Property and hand-worked tests for gnetmdk.gti.quantize (gti-chip.md, "Quantization math")."""
 
+import copy
 import math
 from fractions import Fraction
 
@@ -671,3 +672,35 @@ def test_calibration_observers_statistics():
     # the nearest-rank percentile, and the largest value when the percentile is not positive
     assert float(batch_percentile(torch.arange(1.0, 101.0), 99.0)) == 99.0
     assert float(batch_percentile(torch.tensor([-3.0, -1.0, 0.0, 2.0]), 50.0)) == 2.0
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "output"])
+def test_output_cap_max_limits_the_output_layer_only_device_cpu(method):
+    """``output_cap_max``: the output layer's cap is min(measured, limit) (float32), every other cap
+    is what calibration measures without the limit, and the limit holds after the output-error
+    search too (device cpu)."""
+    from gnetmdk.engine.calibration import calibrate_caps
+    from gnetmdk.models.gnetdet.model import GNetDet
+    torch.manual_seed(0)
+    base = GNetDet(3, 224, 0.0625, use_bn=False)
+    with torch.no_grad():
+        base.layers[-1].conv.bias.fill_(3.0)                 # output values well above 1
+    x = torch.randint(0, 32, (2, 3, 224, 224), generator=torch.Generator().manual_seed(1)).float()
+    caps = {}
+    for limit in (0.0, 1.5):
+        m = copy.deepcopy(base)
+        caps[limit] = calibrate_caps(m, lambda: [x], method, output_cap_max=limit)
+        assert [float(r.cap) for r in m.relus()] == caps[limit]
+    free, held = caps[0.0], caps[1.5]
+    assert free[-1] > 1.5 and held[-1] == 1.5
+    if method != "output":                                   # the search may move the others
+        assert held[:-1] == free[:-1]
+    else:
+        assert held[-1] <= 1.5
+
+
+def test_output_cap_max_is_checked_device_cpu():
+    from gnetmdk.config import ConfigError, build_config
+    from gnetmdk.config.base import BaseConfig
+    for bad in ("-1", "nan"):
+        with pytest.raises(ConfigError, match="output_cap_max"):
+            build_config(BaseConfig, ["gnetdet.output_cap_max", bad])

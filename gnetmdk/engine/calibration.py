@@ -137,13 +137,25 @@ def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]],
     return cur
 
 
+def _f32(v: float) -> float:
+    """v rounded to float32 (caps are float32 buffers)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
 @torch.no_grad()
 def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
-                   device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
+                   device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it,
+                   output_cap_max: float = 0.0) -> List[float]:
     """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
     ReLUs, eval mode), :func:`measure_caps` ("output": the "mse" caps refined by
     :func:`refine_caps_for_output`), set every cap, then switch it to step 3 (caps on, 5-bit
-    activations) in training mode. Returns the caps (arguments as measure_caps)."""
+    activations) in training mode. Returns the caps (arguments as measure_caps).
+
+    ``output_cap_max`` > 0 limits the last capped ReLU's cap (the output layer's) to that value, before
+    and after the output-error search. The output layer's values that the loss trains (GNetDet's
+    boxes and scores) lie in [0, 1]; values far above it (untrained slots, confident cells) can pull a
+    measured cap to several units, and 5-bit codes over such a range leave the trained range a few
+    codes (docs/results.md, "Shapes demo": a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2)."""
     from .stages import STAGES, apply_stage
     relus = list(model.relus())
     for relu in relus:
@@ -151,8 +163,13 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
     apply_stage(model, STAGES["cal"], calibrating=True)
     model.eval()
     caps = measure_caps(model, batches, "mse" if method == "output" else method, device, progress)
+    limit = float(output_cap_max)
+    if limit > 0:
+        caps[-1] = min(caps[-1], _f32(limit))
     if method == "output":
         caps = refine_caps_for_output(model, batches, caps, device, progress=progress)
+        if limit > 0:
+            caps[-1] = min(caps[-1], _f32(limit))
     for relu, c in zip(relus, caps):
         relu.cap.fill_(c)
     apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start

@@ -126,10 +126,13 @@ class DetectorFamily:
         """
         from gnetmdk.engine.calibration import calibrate_caps
         sec = cfg.section()
-        caps = calibrate_caps(model, batches, sec.cap_method, device, progress)
+        limit = float(getattr(sec, "output_cap_max", 0.0))
+        caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit)
         how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
                "output": "MSE-best for 5-bit codes, then searched against the network's output error",
                }.get(sec.cap_method, f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
+        if limit > 0:
+            how += f"; the output layer's cap at most {limit:g}"
         return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
 
     def distill_loss(self, student, teacher):

@@ -31,6 +31,8 @@ class GNetDetConfig(ConfigSection):
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
     cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
                                             # | output (mse, then a search against the network's output error)
+    output_cap_max: float = 0.0             # calibration: the output layer's cap at most this (0 = as measured);
+                                            # boxes and scores are trained in [0, 1], values above carry nothing
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
@@ -96,6 +98,8 @@ def check_gnetdet_config(cfg) -> None:
         bad("cap_percentile", "must be in (0, 100]")
     if not 0 < g.output_cap_percentile <= 100:
         bad("output_cap_percentile", "must be in (0, 100]")
+    if not (math.isfinite(g.output_cap_max) and g.output_cap_max >= 0):
+        bad("output_cap_max", "must be a finite number >= 0 (0: the output layer's cap as calibrated)")
     if g.cap_method not in ("percentile", "mse", "output"):
         bad("cap_method", "must be 'percentile' (GTI), 'mse' or 'output'")
     if not (math.isfinite(g.cap_lr) and g.cap_lr >= 0):
