@@ -32,29 +32,16 @@ from gnetmdk.dist.syncbn import DistBatchNorm2d, convert_sync_batchnorm
 from gnetmdk.layers.stem import conv_bn_act, convert_recompute_stem, count_recompute_stem
 from gnetmdk.models.gnetdet.model import GNetDet
 from gnetmdk.models.ppyolo.common import ConvBNLayer
+from test_inplace_abn import K, U, UB, _act, _one_thread  # noqa: F401  (the unit roundoffs, the float64
+#                                                           activation, and the autouse one-thread fixture)
 
-U = 2.0 ** -24
-UB = 2.0 ** -8
-K = 64
 ACTS = [("relu", 0.0), ("leaky_relu", 0.1), ("identity", 0.0)]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     """One image per chunk (the tests' images are small), so that the chunked paths run."""
     monkeypatch.setattr(stem, "CHUNK_ELEMENTS", 1)
-
-
-def _act(z, act, slope):
-    return F.relu(z) if act == "relu" else F.leaky_relu(z, slope) if act == "leaky_relu" else z
 
 
 def _block(seed, cin=3, cout=6, stride=1, bias=True):
