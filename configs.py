@@ -5,7 +5,7 @@ its section (gnetmdk/models/<family>/config.py: gnetdet = dict(...)). Set here w
 override anything per run on the command line (`python3 train.py --step 3 batch-size 32`).
 Values per stage go in `per_step` ({1: {...}, 2: {...}, "cal": {...}, 3: {...}, 4: {...}}).
 """
-from gnetmdk.config import BaseConfig
+from gnetmdk.config import BaseConfig, quantized_stages
 
 DEFAULT_STEP = 1
 
@@ -32,19 +32,18 @@ class Config(BaseConfig):
         l_noobj=0.05,
         l_range=1.0,           # bounds the outputs no loss term trains (they share the output layer's cap)
         box_slots=1,           # train one box slot per cell (default 2, YOLOv1's IoU rule; docs/pipeline.md)
-        # calibration: per layer the cap with the least 5-bit error (default: GTI's percentile rule); step 4
-        # ended higher with it on cards (two seeds of three) and raccoon (0.776 against 0.733; docs/results.md)
-        cap_method="mse",
-        cap_percentile=99.99,  # with cap_method percentile (default 99)
+        # quantization: the section's defaults are the measured recipe: the MSE-best weight scale per kernel
+        # (weight_scale "mse"), the MSE-best 5-bit cap per layer (cap_method "mse"), the output layer's cap
+        # at most twice the trained range (output_cap_max -1); GTI's rules: weight_scale "gti",
+        # cap_method "percentile" (docs/pipeline.md, docs/results.md)
+        # the first and the last major layer at 8 bits, 3 between (the chip default has 3 on the first)
+        mask_bits=[8, 3, 3, 3, 3, 8],
     )
 
     batch_size = 16
     num_workers = 2
 
     per_step = {
-        1: dict(learning_rate=2e-3, num_epochs=60, warmup_epochs=2),
-        2: dict(learning_rate=2e-4, num_epochs=10, warmup_epochs=0.5),
-        "cal": dict(),
-        3: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5),
-        4: dict(learning_rate=2e-5, num_epochs=5, warmup_epochs=0.5),
+        1: dict(learning_rate=2e-3, num_epochs=60, warmup_epochs=2),   # float training: its length is the dataset's
+        **quantized_stages(),   # steps 2-4: the schedule every example shares (gnetmdk/config/recipe.py)
     }

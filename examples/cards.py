@@ -4,7 +4,7 @@
     python3 tools/run_pipeline.py --config examples/cards.py
 Results and wall times: docs/results.md.
 """
-from gnetmdk.config import BaseConfig
+from gnetmdk.config import BaseConfig, quantized_stages
 
 
 class Config(BaseConfig):
@@ -40,15 +40,10 @@ class Config(BaseConfig):
         # (boxes stay exact); step 1 gained 0.9 to 2.8 points in four seeds and lost 5.2 in a fifth (mean
         # 0.915 -> 0.918; docs/results.md)
         rotate_prob=0.5,
-        # calibration: per layer the cap with the least 5-bit error over a histogram of the activations
-        # (docs/pipeline.md). Step 3 starts where step 2 ended more often: in seed 2 the 99.99th percentile
-        # (cap_method percentile) had dropped mAP from 0.894 to 0.250, MSE caps to 0.865; step 4 rose 1.4 and
-        # 1.3 points in seeds 0 and 4 and fell 0.7 in seed 2 (single runs; docs/results.md)
-        cap_method="mse",
-        cap_percentile=99.99,  # with cap_method percentile (99 clipped enough to cost 24 points on cards)
-        # the MSE-best per-kernel scale (chip-compatible): on cards GTI's rule d = mean|w|/4 sends step 2's
-        # entry to mAP 0 and fine-tuning does not always recover (docs/results.md); weight_scale gti for GTI's
-        weight_scale="mse",
+        # quantization: the section's defaults (docs/pipeline.md): the MSE-best per-kernel weight scale
+        # (GTI's rule d = mean|w|/4, weight_scale gti, sends step 2's entry to mAP 0 on cards), the MSE-best
+        # 5-bit cap per layer (the 99.99th percentile, cap_method percentile, had dropped seed 2 from 0.894
+        # to 0.250 at calibration, MSE caps to 0.865), the output layer's cap at most 2 (docs/results.md)
         # weight schemes per major layer: the chip default is 3-bit everywhere but the last major layer
         # (8-bit); here the first major layer (two convs, 2.7k weights) is 8-bit too. Quantizing the step-1
         # model without training cost 1.5-6.9 points with the default and at most 1.9 with this (five
@@ -60,17 +55,9 @@ class Config(BaseConfig):
         # step 1: 160 epochs (docs/results.md); an EMA of the weights (horizon ~200 steps, 10 epochs) is
         # evaluated and kept
         1: dict(learning_rate=2e-3, num_epochs=160, warmup_epochs=3, eval_interval=5, ema=True, ema_decay=0.995),
-        # the quantized stages: fine-tuning at a twentieth of step 1's rate (3e-4 swung val mAP between
-        # 0.65 and 0.90 from epoch to epoch), and in step 3 an EMA with a short ramp (docs/results.md).
-        # Step 3 at 1e-4 (step 3 computes step 4's integers exactly): step 4 rose in three seeds of five
-        # (+0.9 to +1.6 points) and stayed in two against 5e-5 (docs/results.md)
-        2: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99),
-        "cal": dict(),
-        3: dict(learning_rate=1e-4, num_epochs=10, warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99,
-                ema_ramp=20),
-        # step 4 starts from exactly step 3's best model; without an EMA its training lowered val mAP in
-        # every run (by up to 5 points), with one it kept the entry in four seeds and gained 1.2 in one
-        # (docs/results.md)
-        4: dict(learning_rate=2e-5, num_epochs=6, warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99,
-                ema_ramp=20),
+        # steps 2-4: the schedule every example shares (gnetmdk/config/recipe.py): 10 + 10 + 6 epochs at 1e-4,
+        # 1e-4 and 2e-5 (a twentieth of step 1's rate: 3e-4 swung val mAP between 0.65 and 0.90 from epoch
+        # to epoch) with an EMA of the weights; without the EMA step 4's training lowered val mAP in every
+        # run (docs/results.md)
+        **quantized_stages(),
     }

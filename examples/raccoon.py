@@ -4,7 +4,7 @@
     python3 tools/run_pipeline.py --config examples/raccoon.py
 Results and wall times: docs/results.md.
 """
-from gnetmdk.config import BaseConfig
+from gnetmdk.config import BaseConfig, quantized_stages
 
 
 class Config(BaseConfig):
@@ -30,16 +30,14 @@ class Config(BaseConfig):
         # one class: the class output of empty cells, which nothing else trains, grew to 4.4 and set the
         # output layer's cap; the range term holds it below the logit clip (docs/results.md)
         l_range=1.0,
-        # calibration: per layer the cap with the least 5-bit error (docs/pipeline.md); from one step-2
-        # model step 4 reached 0.776 with these caps and 0.733 with the 99.99th percentile (docs/results.md)
-        cap_method="mse",
-        cap_percentile=99.99,  # with cap_method percentile (cal 0.665 at the 99th, 0.740 at 99.99)
-        weight_scale="mse",    # the MSE-best per-kernel scale (chip-compatible; docs/results.md)
+        # quantization: the section's defaults (MSE weight scales and caps, docs/pipeline.md); from one
+        # step-2 model step 4 reached 0.776 with MSE caps and 0.733 with the 99.99th percentile (docs/results.md)
+        # the first major layer (two convs reading the image, under 1% of the weights) at 8 bits like the
+        # last, 3 bits between, as examples/cards.py (over seeds 0-2 step 4 - step 1 went from -0.8 to +0.2
+        # points on this set and from -1.6 to -0.4 on raccoon against the chip default; docs/results.md)
+        mask_bits=[8, 3, 3, 3, 3, 8],
     )
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=80, warmup_epochs=3, eval_interval=5),
-        2: dict(learning_rate=3e-4, num_epochs=6, warmup_epochs=0.5, eval_interval=2),
-        "cal": dict(),
-        3: dict(learning_rate=1e-4, num_epochs=6, warmup_epochs=0.5, eval_interval=2),
-        4: dict(learning_rate=2e-5, num_epochs=4, warmup_epochs=0.5, eval_interval=2),
+        **quantized_stages(),      # steps 2-4: the schedule every example shares (gnetmdk/config/recipe.py)
     }

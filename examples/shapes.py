@@ -4,7 +4,7 @@
     python3 tools/xml_2_txt.py --config examples/shapes.py
     python3 tools/run_pipeline.py --config examples/shapes.py
 """
-from gnetmdk.config import BaseConfig
+from gnetmdk.config import BaseConfig, quantized_stages
 
 
 class Config(BaseConfig):
@@ -26,19 +26,16 @@ class Config(BaseConfig):
         score_scale=10.0,
         l_class=1.0,
         l_noobj=0.05,
-        # the MSE-best weight scale per kernel and the MSE-best 5-bit cap per layer, as cards and
-        # raccoon: over seeds 0-2 they ended step 4 higher on every seed than GTI's weight rule with
-        # 99.99th-percentile caps (docs/results.md, "Shapes demo")
-        weight_scale="mse",
-        cap_method="mse",
-        # the output layer's cap at most twice the range the loss trains (boxes and scores in [0, 1]):
-        # a measured cap of 5.7 had cost seed 1 15 points (docs/results.md, "Shapes demo")
-        output_cap_max=2.0,
-        cap_percentile=99.99,  # used with cap_method percentile (default: 99)
+        # quantization: the section's defaults (docs/pipeline.md): the MSE-best weight scale per kernel and
+        # the MSE-best 5-bit cap per layer (over seeds 0-2 step 4 ended higher on every seed than with GTI's
+        # weight rule and 99.99th-percentile caps), and the output layer's cap at most twice the range the
+        # loss trains (2 here; a measured cap of 5.7 had cost seed 1 15 points; docs/results.md, "Shapes demo")
+        # the first major layer (two convs reading the image, under 1% of the weights) at 8 bits like the
+        # last, 3 bits between, as examples/cards.py (over seeds 0-2 step 4 - step 1 went from -0.8 to +0.2
+        # points on this set and from -1.6 to -0.4 on raccoon against the chip default; docs/results.md)
+        mask_bits=[8, 3, 3, 3, 3, 8],
     )
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=40, warmup_epochs=2),
-        2: dict(learning_rate=2e-4, num_epochs=3, warmup_epochs=0.2),
-        3: dict(learning_rate=1e-4, num_epochs=3, warmup_epochs=0.2),
-        4: dict(learning_rate=2e-5, num_epochs=2, warmup_epochs=0.2),
+        **quantized_stages(),      # steps 2-4: the schedule every example shares (gnetmdk/config/recipe.py)
     }

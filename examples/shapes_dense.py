@@ -6,7 +6,7 @@
     python3 tools/run_pipeline.py --config examples/shapes_dense.py
 The accuracy matrix (benchmarks/accuracy.py) runs it beside cards, raccoon and the shapes demo.
 """
-from gnetmdk.config import BaseConfig
+from gnetmdk.config import BaseConfig, quantized_stages
 
 
 class Config(BaseConfig):
@@ -30,13 +30,9 @@ class Config(BaseConfig):
         l_noobj=0.05,
         l_range=1.0,
         box_slots=1,
-        cap_method="mse",
-        weight_scale="mse",
         mask_bits=[8, 3, 3, 3, 3, 3, 8],
     )
     per_step = {
         1: dict(learning_rate=2e-3, num_epochs=60, warmup_epochs=3, ema=True, ema_decay=0.995),
-        2: dict(learning_rate=1e-4, num_epochs=5, warmup_epochs=0.2),
-        3: dict(learning_rate=1e-4, num_epochs=5, warmup_epochs=0.2),
-        4: dict(learning_rate=2e-5, num_epochs=3, warmup_epochs=0.2),
+        **quantized_stages(),      # steps 2-4: the schedule every example shares (gnetmdk/config/recipe.py)
     }

@@ -44,6 +44,7 @@ def write_config(folder: str, name: str, width_mult: float = 0.0625, max_val_ima
         "max_val_images": max_val_images, "checkpoint_root": os.path.join(folder, "checkpoint"),
         "model_root": os.path.join(folder, "model"), "channels_last": False, "progress": False,
         "device": "cpu",
+        "weight_scale": "gti",   # the rule of build_step4_model's GNetDet (the model class's default)
     }
     body.update(extra)
     lines = ["from gnetmdk.config import BaseConfig", "", "", "class Config(BaseConfig):"]

@@ -405,3 +405,41 @@ def test_shipped_configs_resolve_at_every_stage_their_family_runs(name):
         assert cfg.step == step and cfg.num_classes == len(cfg.VOC_CLASSES)
     if "cal" in family.stages and not float_only:
         assert build_config(klass, [], cal=True).cal
+
+
+GNETDET_SHIPPED = [n for n in SHIPPED if build_config(load_config_class(os.path.join(REPO, n)), []).model_name
+                   == "gnetdet"]
+
+
+@pytest.mark.parametrize("name", GNETDET_SHIPPED)
+def test_gnetdet_configs_share_one_quantization_recipe_device_cpu(name):
+    """The GNetDet configs the repository ships differ only in dataset, model size and float training: at
+    steps 2, cal, 3 and 4 they resolve to the shared schedule (gnetmdk.config.recipe), and their
+    quantization fields are the section's defaults with the first and the last major layer at 8 bits
+    (the accuracy matrix, docs/results.md, measures this one recipe on every dataset)."""
+    from gnetmdk.config import quantized_stages
+    from gnetmdk.models.gnetdet.config import GNetDetConfig
+    klass = load_config_class(os.path.join(REPO, name))
+    recipe = quantized_stages()
+    for key in (2, "cal", 3, 4):
+        step, cal = (2, True) if key == "cal" else (key, False)
+        cfg = build_config(klass, [], step=step, cal=cal)
+        base = build_config(BaseConfig, [], step=step, cal=cal)
+        for field in ("learning_rate", "num_epochs", "warmup_epochs", "eval_interval", "ema", "ema_decay",
+                      "ema_ramp", "optimizer", "weight_decay", "lr_scheduler", "distill"):
+            want = recipe[key].get(field, getattr(base, field)) if key != "cal" else getattr(cfg, field)
+            assert getattr(cfg, field) == want, (name, key, field)
+        g = cfg.gnetdet
+        for field in ("weight_scale", "cap_method", "output_cap_max", "gain_aware", "cap_lr"):
+            assert getattr(g, field) == getattr(GNetDetConfig, field), (name, field)
+        assert g.mask_bits[0] == 8 and g.mask_bits[-1] == 8 and set(g.mask_bits[1:-1]) == {3}
+
+
+def test_quantized_stages_are_fresh_dicts_device_cpu():
+    """Editing one config's copy of the schedule leaves the next config's untouched."""
+    from gnetmdk.config import quantized_stages
+    a = quantized_stages()
+    a[3]["num_epochs"] = 99
+    b = quantized_stages()
+    assert b[3]["num_epochs"] == 10 and b[2]["ema"] is True and b[4]["learning_rate"] == 2e-5
+    assert set(b) == {2, "cal", 3, 4} and b["cal"] == {}

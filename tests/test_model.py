@@ -77,6 +77,7 @@ def test_decode_of_encoded_targets_recovers_boxes():
 
 
 def test_weight_scale_config_decides_for_step1_checkpoint_kept_for_quantized(capsys):
+    """device cpu"""
     from gnetmdk.checkpoint.io import build_model_from_checkpoint
     from gnetmdk.config import BaseConfig, build_config
     m = GNetDet(num_classes=3, image_size=224, width_mult=0.0625)
@@ -90,7 +91,7 @@ def test_weight_scale_config_decides_for_step1_checkpoint_kept_for_quantized(cap
     # a step-3 checkpoint trained under the MSE rule keeps it whatever the config says, with a note
     q = GNetDet(num_classes=3, image_size=224, width_mult=0.0625, weight_scale="mse")
     qckpt = {"model_meta": q.meta(), "model": q.state_dict(), "stage": "step3"}
-    gti_cfg = build_config(BaseConfig, ["image_size", "224"])
+    gti_cfg = build_config(BaseConfig, ["image_size", "224", "weight_scale", "gti"])
     assert {c.method for c in build_model_from_checkpoint(qckpt, gti_cfg, path="s3.pth").convs()} == {"mse"}
     err = capsys.readouterr().err
     assert "s3.pth" in err and "weight_scale 'mse'" in err

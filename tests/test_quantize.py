@@ -701,6 +701,32 @@ def test_output_cap_max_limits_the_output_layer_only_device_cpu(method):
 def test_output_cap_max_is_checked_device_cpu():
     from gnetmdk.config import ConfigError, build_config
     from gnetmdk.config.base import BaseConfig
-    for bad in ("-1", "nan"):
+    for bad in ("-2", "-0.5", "nan", "inf"):
         with pytest.raises(ConfigError, match="output_cap_max"):
             build_config(BaseConfig, ["gnetdet.output_cap_max", bad])
+
+
+@pytest.mark.parametrize("over, limit", [
+    ([], 2.0),                                                          # linear head: outputs trained in [0, 1]
+    (["score_head", "logit", "score_offset", "0.5", "score_scale", "10"], 2 * max(1.0, 0.5 + math.log(99) / 10)),
+    (["score_head", "logit", "score_offset", "4", "score_scale", "1"], 2 * (4 + math.log(99))),
+    (["score_head", "logit", "score_offset", "0.2", "score_scale", "20"], 2.0),   # saturates below 1: boxes decide
+    (["output_cap_max", "0"], 0.0),
+    (["output_cap_max", "1.25"], 1.25),
+])
+def test_output_cap_limit_rule_from_the_score_head_device_cpu(over, limit):
+    """The default ``output_cap_max -1``: twice the top of the trained output range (1 for boxes and
+    linear scores; the logit head's 0.99 point ``offset + ln(99)/scale``); a value >= 0 is kept. The
+    family's calibration uses that limit (device cpu)."""
+    from gnetmdk.config import build_config
+    from gnetmdk.config.base import BaseConfig
+    from gnetmdk.models import get_family
+    from gnetmdk.models.gnetdet.config import output_cap_limit
+    cfg = build_config(BaseConfig, over)
+    assert output_cap_limit(cfg.gnetdet) == pytest.approx(limit, rel=1e-12)
+    assert get_family("gnetdet").output_cap_limit(cfg) == pytest.approx(limit, rel=1e-12)
+    # the 0.99 point: the logit head's score there is 0.99
+    g = cfg.gnetdet
+    if g.score_head == "logit":
+        top = g.score_offset + math.log(99) / g.score_scale
+        assert 1 / (1 + math.exp(-g.score_scale * (top - g.score_offset))) == pytest.approx(0.99, abs=1e-12)

@@ -114,6 +114,11 @@ class DetectorFamily:
                 out.append(msg)
         return out
 
+    def output_cap_limit(self, cfg) -> float:
+        """The upper limit on the output layer's calibrated cap (0 = none): by default the section's
+        ``output_cap_max`` when it has one, else 0."""
+        return max(0.0, float(getattr(cfg.section(), "output_cap_max", 0.0)))
+
     def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
         """The cal stage's measurement on ``model`` (weights quantized), which it leaves in step 3's
         mode (training). By default the chip's ReLU caps (gnetmdk.engine.calibration.calibrate_caps,
@@ -126,7 +131,7 @@ class DetectorFamily:
         """
         from gnetmdk.engine.calibration import calibrate_caps
         sec = cfg.section()
-        limit = float(getattr(sec, "output_cap_max", 0.0))
+        limit = self.output_cap_limit(cfg)
         caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit)
         how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
                "output": "MSE-best for 5-bit codes, then searched against the network's output error",

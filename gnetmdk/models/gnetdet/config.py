@@ -26,13 +26,13 @@ class GNetDetConfig(ConfigSection):
     use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
     chip: str = "5801"                      # 2801, 2803 or 5801
     mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (gti-chip.md)
-    weight_scale: str = "gti"               # "gti": d = mean|w|/4 (GTI rule); "mse": MSE-best d per kernel
+    weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
-    cap_method: str = "percentile"          # calibration: percentile (GTI) | mse (5-bit MSE-best cap per layer)
+    cap_method: str = "mse"                 # calibration: mse (5-bit MSE-best cap per layer) | percentile (GTI)
                                             # | output (mse, then a search against the network's output error)
-    output_cap_max: float = 0.0             # calibration: the output layer's cap at most this (0 = as measured);
-                                            # boxes and scores are trained in [0, 1], values above carry nothing
+    output_cap_max: float = -1.0            # calibration: the output layer's cap at most this; 0 = as measured;
+                                            # -1 = twice the top of the trained output range (output_cap_limit)
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
@@ -82,6 +82,32 @@ def check_score_head(score_head: str, score_scale: float, box_slots: int) -> Non
                           f"better IoU), not {box_slots!r}")
 
 
+def output_cap_limit(g) -> float:
+    """The upper limit on the output layer's calibrated cap that ``g.output_cap_max`` asks for, in output
+    units (0 = no limit).
+
+    ``output_cap_max`` >= 0 is returned as it is. ``-1`` (the default) is the rule: twice the top of the
+    range the loss trains the outputs to. Boxes are trained in [0, 1]; the linear head's scores are the
+    outputs, trained in [0, 1]; the logit head's score ``sigmoid(score_scale (output - score_offset))``
+    reaches 0.99 at ``score_offset + ln(99) / score_scale``, and outputs beyond change no score by
+    more than 0.01. So the limit is ``2 max(1, score_offset + ln(99) / score_scale)`` for the logit head
+    and 2 for the linear head. The factor 2 leaves the MSE search room inside the limit; it is the value
+    measured on the shapes demo, where a measured cap of 5.7 cost 15 points of mAP on its own and the
+    limit 2 brought the model back to within 2 points of its float model (docs/results.md).
+
+    Args:
+        g: the ``gnetdet`` section (fields output_cap_max, score_head, score_offset, score_scale).
+    Returns:
+        float >= 0.
+    """
+    if g.output_cap_max != -1:
+        return float(g.output_cap_max)
+    top = 1.0
+    if g.score_head == "logit":
+        top = max(top, float(g.score_offset) + math.log(99.0) / float(g.score_scale))
+    return 2.0 * top
+
+
 def check_gnetdet_config(cfg) -> None:
     """Refuse GNetDet values out of range, naming the field (``gnetdet.<field>``) and the allowed values.
 
@@ -98,8 +124,9 @@ def check_gnetdet_config(cfg) -> None:
         bad("cap_percentile", "must be in (0, 100]")
     if not 0 < g.output_cap_percentile <= 100:
         bad("output_cap_percentile", "must be in (0, 100]")
-    if not (math.isfinite(g.output_cap_max) and g.output_cap_max >= 0):
-        bad("output_cap_max", "must be a finite number >= 0 (0: the output layer's cap as calibrated)")
+    if not (math.isfinite(g.output_cap_max) and (g.output_cap_max >= 0 or g.output_cap_max == -1)):
+        bad("output_cap_max", "must be a finite number >= 0 (0: the output layer's cap as calibrated) or -1 "
+                              "(twice the top of the trained output range)")
     if g.cap_method not in ("percentile", "mse", "output"):
         bad("cap_method", "must be 'percentile' (GTI), 'mse' or 'output'")
     if not (math.isfinite(g.cap_lr) and g.cap_lr >= 0):

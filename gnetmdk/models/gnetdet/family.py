@@ -22,6 +22,12 @@ class GNetDetFamily(DetectorFamily):
     input_kind = "chip_codes"
     target_kind = "dense"
 
+    def output_cap_limit(self, cfg) -> float:
+        """The output layer's cap limit: ``gnetdet.output_cap_max``, or with -1 the rule of
+        :func:`gnetmdk.models.gnetdet.config.output_cap_limit` from the score head."""
+        from .config import output_cap_limit
+        return output_cap_limit(cfg.gnetdet)
+
     # ------------------------------------------------------------------ models
     def create(self, **kwargs) -> nn.Module:
         return GNetDet(**kwargs)
