@@ -272,11 +272,12 @@ def test_bf16_autocast_device_cpu(act, slope):
 
 
 # ------------------------------------------------------------------------------ what the backward keeps
-def _saved_bytes(model, x):
-    """Bytes of the distinct storages autograd keeps for backward after one forward of ``model``
-    (parameters, buffers and per-channel vectors left out; tensors of graph branches dropped during
-    the forward, such as an output a hook replaced, not counted)."""
-    own = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+def saved_storages(fn, x, own):
+    """{storage pointer: (bytes, dtype)} of the distinct storages autograd keeps for backward after
+    ``fn(x)``, and the output; the storages of the tensors in ``own`` (parameters, buffers) and
+    per-channel vectors (<= 64 values) left out; tensors of graph branches dropped during the forward,
+    such as an output a hook replaced, not counted."""
+    mine = {t.untyped_storage().data_ptr() for t in own}
     packed = []
 
     def pack(t):
@@ -285,13 +286,20 @@ def _saved_bytes(model, x):
         return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
+        out = fn(x)
     seen = {}
     for ref in packed:
         t = ref()
-        if t is not None and t.numel() > 64 and t.untyped_storage().data_ptr() not in own:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values()), out
+        if t is not None and t.numel() > 64 and t.untyped_storage().data_ptr() not in mine:
+            seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+    return seen, out
+
+
+def _saved_bytes(model, x):
+    """Bytes of the distinct storages autograd keeps for backward after one forward of ``model``
+    (saved_storages, its parameters and buffers left out), and the output."""
+    seen, out = saved_storages(model, x, list(model.parameters()) + list(model.buffers()))
+    return sum(b for b, _ in seen.values()), out
 
 
 @pytest.mark.parametrize("act", ["relu", "leaky"])

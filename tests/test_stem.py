@@ -19,7 +19,6 @@ every ``|z|`` and every window's gap between its largest and second value above 
 from __future__ import annotations
 
 import copy
-import weakref
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ from gnetmdk.dist.syncbn import DistBatchNorm2d, convert_sync_batchnorm
 from gnetmdk.layers.stem import conv_bn_act, convert_recompute_stem, count_recompute_stem
 from gnetmdk.models.gnetdet.model import GNetDet
 from gnetmdk.models.ppyolo.common import ConvBNLayer
-from test_inplace_abn import K, U, UB, _act, _one_thread  # noqa: F401  (the unit roundoffs, the float64
+from test_inplace_abn import K, U, UB, _act, _one_thread, saved_storages  # noqa: F401  (the unit roundoffs, the float64
 #                                                           activation, and the autouse one-thread fixture)
 
 ACTS = [("relu", 0.0), ("leaky_relu", 0.1), ("identity", 0.0)]
@@ -250,22 +249,7 @@ def test_bad_arguments_device_cpu():
 def _saved(fn, x, params):
     """{storage: (bytes, dtype)} autograd keeps after ``fn(x)`` (``params`` and vectors of <= 64
     values left out), and the output."""
-    own = {t.untyped_storage().data_ptr() for t in params}
-    packed = []
-
-    def pack(t):
-        alias = t.detach()
-        packed.append(weakref.ref(alias))
-        return alias
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    seen = {}
-    for ref in packed:
-        t = ref()
-        if t is not None and t.numel() > 64 and t.untyped_storage().data_ptr() not in own:
-            seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
-    return seen, out
+    return saved_storages(fn, x, params)
 
 
 def test_backward_keeps_the_input_and_pool_codes_only_device_cpu():
