@@ -544,30 +544,41 @@ def test_convert_units_and_sequential_device_cpu():
         assert torch.equal(unit(x), before)
 
 
+def two_short_sgd_runs(tmp_path_factory, capsys, name: str, switch: str):
+    """The cards work folder's step 1 twice, with the config field ``switch`` false and true: 2 SGD
+    iterations at lr 0.01 from the same start, one thread. Returns ({value: last.pth checkpoint},
+    {value: the run's stdout}, the config file's path)."""
+    from test_pipeline import make_cards_workdir
+    from gnetmdk.checkpoint.io import load_checkpoint
+    from gnetmdk.config import build_config, load_config_class
+    from gnetmdk.engine.cli import run_stage
+    torch.set_num_threads(1)
+    root, path = make_cards_workdir(tmp_path_factory, name)
+    tmp = tmp_path_factory.mktemp(name + "-runs")
+    ckpts, logs = {}, {}
+    for on in ("false", "true"):
+        cfg = build_config(load_config_class(path), [
+            "checkpoint_root", str(tmp / on), "log_root", str(tmp / ("log-" + on)), switch, on,
+            "max_iters", "2", "eval_before", "false", "optimizer", "sgd", "learning_rate", "0.01",
+            "warmup_epochs", "0"], step=1)
+        run_stage(cfg)
+        ckpts[on] = load_checkpoint(str(tmp / on / "step1" / "last.pth"))
+        logs[on] = capsys.readouterr().out
+    return ckpts, logs, path
+
+
 def test_config_switch_converts_and_trains_like_batchnorm_device_cpu(tmp_path_factory, capsys):
     """``inplace_abn true`` in a training run: the log names the fused layers, the checkpoint has the
     plain model's keys, and 2 SGD iterations end where the BatchNorm2d + ReLU run ends. SGD is linear
     in the gradient, so the two runs differ by lr x (gradient rounding, <= 64 u relative per layer,
     above) carried through 2 iterations: below 1e-5 relative to each value, against weights that moved
     by more than 1e-3 (Adam would turn round-off in near-zero gradients into steps of ~lr)."""
-    from test_pipeline import make_cards_workdir
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+    from gnetmdk.checkpoint.io import build_model_from_checkpoint
     from gnetmdk.config import build_config, load_config_class
-    from gnetmdk.engine.cli import run_stage
     from gnetmdk.models import model_from_config
-    torch.set_num_threads(1)
-    root, path = make_cards_workdir(tmp_path_factory, "abn")
-    tmp = tmp_path_factory.mktemp("abn-runs")
-    weights, logs = {}, {}
-    for abn in ("false", "true"):
-        cfg = build_config(load_config_class(path), [
-            "checkpoint_root", str(tmp / abn), "log_root", str(tmp / ("log-" + abn)), "inplace_abn", abn,
-            "max_iters", "2", "eval_before", "false", "optimizer", "sgd", "learning_rate", "0.01",
-            "warmup_epochs", "0"], step=1)
-        run_stage(cfg)
-        ck = load_checkpoint(str(tmp / abn / "step1" / "last.pth"))
-        weights[abn] = ck["model"]
-        logs[abn] = capsys.readouterr().out
+    ckpts, logs, path = two_short_sgd_runs(tmp_path_factory, capsys, "abn", "inplace_abn")
+    weights = {k: ck["model"] for k, ck in ckpts.items()}
+    for ck in ckpts.values():
         assert count_inplace_abn(build_model_from_checkpoint(ck)) == 0      # loads into the plain model
     assert "in-place activated BatchNorm: 15 BatchNorm + activation pairs fused" in logs["true"]
     assert "in-place activated" not in logs["false"]

@@ -31,7 +31,7 @@ from gnetmdk.dist.syncbn import DistBatchNorm2d, convert_sync_batchnorm
 from gnetmdk.layers.stem import conv_bn_act, convert_recompute_stem, count_recompute_stem
 from gnetmdk.models.gnetdet.model import GNetDet
 from gnetmdk.models.ppyolo.common import ConvBNLayer
-from test_inplace_abn import K, U, UB, _act, _one_thread, saved_storages  # noqa: F401  (the unit roundoffs, the float64
+from test_inplace_abn import K, U, UB, _act, _one_thread, saved_storages, two_short_sgd_runs  # noqa: F401  (the unit roundoffs, the float64
 #                                                           activation, and the autouse one-thread fixture)
 
 ACTS = [("relu", 0.0), ("leaky_relu", 0.1), ("identity", 0.0)]
@@ -398,21 +398,8 @@ def test_config_switch_trains_like_the_plain_model_device_cpu(tmp_path_factory, 
     """``recompute_stem true`` in a training run: the log names it, the checkpoint has the plain
     model's keys, and 2 SGD iterations end where the plain run ends (SGD is linear in the gradient:
     the runs differ by lr x gradient rounding; 1e-5 relative, as the in-place ABN switch's test)."""
-    from test_pipeline import make_cards_workdir
-    from gnetmdk.checkpoint.io import load_checkpoint
-    from gnetmdk.config import build_config, load_config_class
-    from gnetmdk.engine.cli import run_stage
-    root, path = make_cards_workdir(tmp_path_factory, "stem")
-    tmp = tmp_path_factory.mktemp("stem-runs")
-    weights, logs = {}, {}
-    for on in ("false", "true"):
-        cfg = build_config(load_config_class(path), [
-            "checkpoint_root", str(tmp / on), "log_root", str(tmp / ("log-" + on)), "recompute_stem", on,
-            "max_iters", "2", "eval_before", "false", "optimizer", "sgd", "learning_rate", "0.01",
-            "warmup_epochs", "0"], step=1)
-        run_stage(cfg)
-        weights[on] = load_checkpoint(str(tmp / on / "step1" / "last.pth"))["model"]
-        logs[on] = capsys.readouterr().out
+    ckpts, logs, _ = two_short_sgd_runs(tmp_path_factory, capsys, "stem", "recompute_stem")
+    weights = {k: ck["model"] for k, ck in ckpts.items()}
     assert "recomputed stem: 1 block" in logs["true"] and "recomputed stem" not in logs["false"]
     assert list(weights["false"]) == list(weights["true"])
     for k, v in weights["false"].items():
