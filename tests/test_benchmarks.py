@@ -135,3 +135,15 @@ def test_memory_benchmark_variants_build_what_they_name_device_cpu():
     assert got["ckpt_stem"] == (True, 0, 0)
     with pytest.raises(ValueError, match="unknown variant"):
         bench.build("gnetdet", "fused", "cpu")
+
+
+def test_small_objects_bands_parse_and_bad_ones_are_one_message(capsys):
+    bench = _load("small_objects")
+    assert bench.parse_bands("4-16:8-20,30-95:1-3") == [(4, 16, 8, 20), (30, 95, 1, 3)]
+    for bad in ("4-16", "16-4:1-3", "4-16:0-3", "a-b:1-2"):
+        with pytest.raises(ValueError, match="--bands"):
+            bench.parse_bands(bad)
+    assert bench.main(["--bands", "4-16"]) == 2
+    assert bench.main(["--iters", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "LO-HI:NMIN-NMAX" in err and "--iters must be at least 50" in err
