@@ -138,7 +138,8 @@ def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
     Returns:
         (lines to print, a warning or None). The size of a box is ``sqrt(w h)``; a box is "smaller
         than a cell" when that is below ``cell``. With a fixed cell the warning names the input size
-        (a multiple of 32) at which at most :data:`SMALL_SHARE` of the boxes would be.
+        (a multiple of 32) at which at most :data:`SMALL_SHARE` of the boxes would be; with a fixed
+        number of cells it names the tiles (n x n per image, each resized to ``image_size``) that would.
     """
     import numpy as np
     if not sizes:
@@ -164,8 +165,14 @@ def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
         msg += f"Use image_size {int(np.ceil(need / 32.0) * 32)} (at most {100 * SMALL_SHARE:.0f}% below a cell), "
         msg += "or crop the images into tiles"
     else:
+        # a tile of fraction f of the image side, resized to image_size, enlarges a box of relative size r
+        # to r / f of the input: at most SMALL_SHARE of the boxes stay below a cell when f <= q / (cell / size)
+        frac = float(np.quantile(rel, SMALL_SHARE)) * image_size / cell
+        n = int(np.ceil(1.0 / max(frac, 1e-9)))
         msg += ("The 14 x 14 grid grows with the input, so a larger image_size does not help: crop the images "
-                "into tiles, each with larger objects relative to the grid")
+                f"into tiles, each with larger objects relative to the grid: {n} x {n} tiles per image (each at "
+                f"most {100 * frac:.0f}% of the image side), each resized to image_size, leave at most "
+                f"{100 * SMALL_SHARE:.0f}% of the boxes below a cell")
     return lines, msg
 
 
