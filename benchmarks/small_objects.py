@@ -64,6 +64,16 @@ def report_every(iters: int) -> int:
 
 
 def run_band(band: Band, args, overrides: List[str]) -> dict:
+    """Make (or reuse) one band's set under ``args.out``, train GNetDet on it for ``args.iters`` steps
+    and measure it.
+
+    Returns:
+        {"band": label, "curve": [(step, mean train class accuracy over the last steps)], "val_acc",
+        "dx" and "dx_centre" (mean |x error| of the model and of the cell-centre guess, cell units),
+        "seconds" (training and validation wall time)}.
+    Raises:
+        ConfigError: an override the config refuses; OSError: the output folder cannot be written.
+    """
     import torch
     from torch.utils.data import DataLoader
     from gnetmdk.config import build_config, load_config_class
