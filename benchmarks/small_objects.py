@@ -86,12 +86,12 @@ def run_band(band: Band, args, overrides: List[str]) -> dict:
     name = f"sides{lo}-{hi}_n{nlo}-{nhi}_seed{args.seed}"
     data_dir = os.path.join(args.out, name)
     meta_dir = os.path.join(args.out, "meta")
-    if not os.path.isdir(os.path.join(data_dir, "Annotations")):
-        make_shapes_dataset(data_dir, num_train=960, num_val=240, image_size=224, seed=args.seed,
-                            min_objects=nlo, max_objects=nhi, side_px=(lo, hi))
     cfg = build_config(load_config_class(os.path.join(ROOT, "examples", "shapes.py")),
                        ["DS_NAME", name, "dataset_path", data_dir, "meta_root", meta_dir,
                         "augment", "false", "seed", str(args.seed), *overrides])
+    if not os.path.isdir(os.path.join(data_dir, "Annotations")):
+        make_shapes_dataset(data_dir, num_train=960, num_val=240, image_size=224, seed=args.seed,
+                            min_objects=nlo, max_objects=nhi, side_px=(lo, hi))
     import subprocess
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--name", name,
                     "--dataset-dir", data_dir, "--classes", ",".join(cfg.VOC_CLASSES), "--out-dir", meta_dir],
@@ -157,7 +157,11 @@ def main(argv=None) -> int:
         print("small_objects: error: --iters must be at least 50 (accuracy is reported per 50 steps)",
               file=sys.stderr)
         return 2
-    rows = [run_band(b, args, overrides) for b in bands]
+    try:
+        rows = [run_band(b, args, overrides) for b in bands]
+    except (ValueError, OSError) as exc:          # ConfigError is a ValueError: a refused override
+        print(f"small_objects: error: {exc}", file=sys.stderr)
+        return 2
     marks = [s for s, _ in rows[0]["curve"]]
     print("class accuracy on object cells (chance 0.33); dx: mean |box-centre x error| in cell units")
     print("| objects | " + " | ".join(f"train acc @{s}" for s in marks) + " | val acc | val dx (centre guess) | s |")

@@ -147,3 +147,10 @@ def test_small_objects_bands_parse_and_bad_ones_are_one_message(capsys):
     assert bench.main(["--iters", "10"]) == 2
     err = capsys.readouterr().err
     assert "LO-HI:NMIN-NMAX" in err and "--iters must be at least 50" in err
+
+
+def test_small_objects_refused_override_is_one_message_device_cpu(tmp_path, capsys):
+    bench = _load("small_objects")
+    assert bench.main(["--bands", "4-8:1-2", "--out", str(tmp_path), "no_such_field", "1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())                     # refused before any set is written
