@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from typing import List, Tuple
@@ -92,7 +93,6 @@ def run_band(band: Band, args, overrides: List[str]) -> dict:
     if not os.path.isdir(os.path.join(data_dir, "Annotations")):
         make_shapes_dataset(data_dir, num_train=960, num_val=240, image_size=224, seed=args.seed,
                             min_objects=nlo, max_objects=nhi, side_px=(lo, hi))
-    import subprocess
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--name", name,
                     "--dataset-dir", data_dir, "--classes", ",".join(cfg.VOC_CLASSES), "--out-dir", meta_dir],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
