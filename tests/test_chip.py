@@ -506,6 +506,9 @@ def test_eval_voc_user_errors(raccoon, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "does not exist" in r.stderr
     other = write_config(str(tmp_path), "cards")
     assert load_tool("eval_voc").main([s.ckpt, "--config", other]) == 2
+    r = run_tool("eval_voc.py", s.ckpt, "--config", s.config, "--stitch")     # raccoon is not a tiled set
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "not a tiled dataset" in r.stderr
+    assert r.stdout == ""                                                   # refused before evaluating
 
 
 # ------------------------------------------------------------------ predict

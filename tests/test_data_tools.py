@@ -474,6 +474,7 @@ def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
     lines, warn = tool.box_size_lines([(0.02, 0.02)] * 10, 448, 32, False)
     assert "crop the images into tiles" in warn and "does not help" in warn
     assert "4 x 4 tiles per image (each at most 28% of the image side)" in warn   # 0.02 * 448 / 32 = 0.28
+    assert "tools/tile_voc.py SRC DST --tiles 4" in warn and "--stitch" in warn    # the tool that does it
     assert tool.box_size_lines([(0.3, 0.2)] * 10, 224, 16, False)[1] is None
     make_shapes_dataset(tmp_path / "d", num_train=3, num_val=1, image_size=448, min_objects=30, max_objects=40,
                         side_px=(4, 16))

@@ -12,6 +12,9 @@ config (configs.py, then KEY VALUE / KEY=VALUE overrides after the options).
 --plots DIR also writes pr_curves.png/.json (per-class precision-recall, the arrays each AP comes from)
 and confusion_matrix.png/.json (detections scoring above 0.3 against the ground truth, IoU >= 0.5, with a
 background row and column) for the evaluated split (gnetmdk.evaluation.plots; needs matplotlib).
+--stitch (a dataset cut by tools/tile_voc.py) also scores the whole source images of the split: every
+tile is run, the detections are shifted back and merged by NMS across the seams
+(gnetmdk.evaluation.stitch).
 Exit status: 0 ok, 2 a user error (one line on stderr).
 """
 from __future__ import annotations
@@ -40,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write pr_curves.png/.json and confusion_matrix.png/.json (score > 0.3) in DIR "
                         "(created if missing; needs matplotlib)")
+    p.add_argument("--stitch", action="store_true",
+                   help="also mAP on the whole images of a tiled dataset (tools/tile_voc.py's tiles.json)")
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
 
@@ -69,6 +74,9 @@ def main(argv=None) -> int:
             from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
             prepare_plot_dir(args.plots)
             require_matplotlib()
+        if args.stitch:                           # refused before the evaluation, not after it
+            from gnetmdk.dataset.tiling import load_manifest
+            load_manifest(cfg.dataset_dir)
         t0 = time.time()
         res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
                              coco=args.coco or cfg.eval_coco, keep_detections=args.plots is not None)
@@ -82,6 +90,17 @@ def main(argv=None) -> int:
     if "coco" in res:
         c = res["coco"]
         print(f"COCO mAP@[.5:.95] {c['map']:.4f}  AP50 {c['ap50']:.4f}  AP75 {c['ap75']:.4f} (pycocotools)")
+    if args.stitch:
+        from gnetmdk.evaluation.stitch import evaluate_stitched
+        t0 = time.time()
+        try:
+            st = evaluate_stitched(model, cfg, device, args.batch_size,
+                                   split="val" if args.split == "valid" else "train")
+        except user_errors() as exc:
+            return fail(str(exc))
+        print(f"stitched: {st['num_images']} whole images from {st['num_tiles']} tiles, {time.time() - t0:.1f}s; "
+              f"merged by class-wise NMS at {cfg.nms_thresh:g}")
+        print(format_ap_table(st, cfg.VOC_CLASSES))
     if args.plots is not None:
         from gnetmdk.evaluation.plots import write_eval_plots
         try:

@@ -172,7 +172,9 @@ def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
         msg += ("The 14 x 14 grid grows with the input, so a larger image_size does not help: crop the images "
                 f"into tiles, each with larger objects relative to the grid: {n} x {n} tiles per image (each at "
                 f"most {100 * frac:.0f}% of the image side), each resized to image_size, leave at most "
-                f"{100 * SMALL_SHARE:.0f}% of the boxes below a cell")
+                f"{100 * SMALL_SHARE:.0f}% of the boxes below a cell: tools/tile_voc.py SRC DST --tiles {n} "
+                "--overlap PX (PX at least the largest box side) writes them, and tools/eval_voc.py --stitch "
+                "scores the whole images")
     return lines, msg
 
 
