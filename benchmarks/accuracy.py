@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The accuracy matrix: datasets x seeds x stages, each cell a full pipeline run, and the table of it.
 
-    python3 benchmarks/accuracy.py                                   # cards, raccoon, shapes, dense; seeds 0 1 2
+    python3 benchmarks/accuracy.py                   # cards, raccoon, shapes, dense, dense_tiles; seeds 0 1 2
     python3 benchmarks/accuracy.py --datasets shapes,dense --seeds 0,1 --out runs/acc threads 1
     python3 benchmarks/accuracy.py --table-only --out runs/acc       # the table of runs already made
 
@@ -9,8 +9,11 @@ Every (dataset, seed) runs `tools/run_pipeline.py --config examples/<config> see
 process, with its checkpoints, logs and chip files under OUT/<dataset>/seed<K> and the stage table in
 OUT/<dataset>/seed<K>/stages.json (a run whose stages.json exists is not run again: delete it to
 rerun). Overrides after the options apply to every run. The shapes sets are generated first when
-missing (`make_shapes.py`, `--dense` for the dense one) with their meta files; cards and raccoon read
-../shared/data. Then OUT/accuracy.md and OUT/accuracy.json: per dataset and stage the mean, min and
+missing (`make_shapes.py`, `--dense` for the dense one) with their meta files; dense_tiles is the dense
+set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
+cards and raccoon read ../shared/data. For a tiled set each run's step-1 and step-4 best.pth are also
+scored on the whole images (`tools/eval_voc.py --stitch --json`, OUT/<dataset>/seed<K>/whole_<stage>.json),
+and a second table holds those. Then OUT/accuracy.md and OUT/accuracy.json: per dataset and stage the mean, min and
 max best mAP@0.5 over the seeds, and step 4 - step 1 per seed (mean, worst), the goal being a mean
 within 1 point and no seed more than 2 points below (issue: accuracy on untuned datasets).
 Long runs (about 20 minutes per cell on 2 CPU cores); never part of the tests.
@@ -27,9 +30,14 @@ import time
 from typing import Dict, List, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: dataset name -> (example config, how to make it when missing: None, "shapes" or "dense")
+#: dataset name -> (example config, how to make it when missing: None, "shapes", "dense" or "dense_tiles")
 DATASETS = {"cards": ("examples/cards.py", None), "raccoon": ("examples/raccoon.py", None),
-            "shapes": ("examples/shapes.py", "shapes"), "dense": ("examples/shapes_dense.py", "dense")}
+            "shapes": ("examples/shapes.py", "shapes"), "dense": ("examples/shapes_dense.py", "dense"),
+            "dense_tiles": ("examples/shapes_dense_tiles.py", "dense_tiles")}
+#: a tiled set: (the set it is cut from, tiles per side, overlap in pixels)
+TILED = {"dense_tiles": ("dense", 2, 16)}
+#: the stages a tiled set's runs are scored at on the whole images
+WHOLE_STAGES = ("step1", "step4")
 STAGES = ("step1", "step2", "cal", "step3", "step4")
 
 
@@ -46,17 +54,53 @@ def pipeline_command(dataset: str, seed: int, out: str, overrides: Sequence[str]
             "log_root", os.path.join(d, "log"), "model_root", os.path.join(d, "model"), *overrides]
 
 
+def _dataset_dir(dataset: str) -> str:
+    sys.path.insert(0, ROOT)
+    from gnetmdk.config import build_config, load_config_class
+    return build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), []).dataset_dir
+
+
 def prepare(dataset: str) -> None:
-    """Generate a synthetic set (and its meta files) when its folder is missing; xml_2_txt for all."""
+    """Generate a synthetic set (and its meta files) when its folder is missing, cut a tiled set from its
+    source; xml_2_txt for all."""
     config, make = DATASETS[dataset]
     sys.path.insert(0, ROOT)
     from gnetmdk.config import build_config, load_config_class
     cfg = build_config(load_config_class(os.path.join(ROOT, config)), [])
-    if make and not os.path.isdir(cfg.dataset_dir):
+    if dataset in TILED and not os.path.isdir(cfg.dataset_dir):
+        source, n, overlap = TILED[dataset]
+        src_dir = _dataset_dir(source)
+        if not os.path.isdir(src_dir):
+            subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), src_dir, "--dense"],
+                           check=True, cwd=ROOT)
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "tile_voc.py"), src_dir, cfg.dataset_dir,
+                        "--tiles", str(n), "--overlap", str(overlap), "--classes", ",".join(cfg.VOC_CLASSES)],
+                       check=True, cwd=ROOT)
+    elif make and not os.path.isdir(cfg.dataset_dir):
         cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir]
         subprocess.run(cmd + (["--dense"] if make == "dense" else []), check=True, cwd=ROOT)
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
                     os.path.join(ROOT, config)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides: Sequence[str]) -> List[str]:
+    """The eval_voc --stitch command scoring one run's ``stage`` best.pth on the whole images."""
+    d = run_dir(out, dataset, seed)
+    return [sys.executable, os.path.join(ROOT, "tools", "eval_voc.py"),
+            os.path.join(d, "checkpoint", stage, "best.pth"), "--config", os.path.join(ROOT, DATASETS[dataset][0]),
+            "--stitch", "--json", os.path.join(d, f"whole_{stage}.json"), "seed", str(seed), "progress", "false",
+            *overrides]
+
+
+def whole_rows(dataset: str, seed: int, out: str) -> List[dict]:
+    """run_pipeline-like rows ({"stage", "best_map"}) of the whole-image scores present for one run."""
+    rows = []
+    for stage in WHOLE_STAGES:
+        path = os.path.join(run_dir(out, dataset, seed), f"whole_{stage}.json")
+        if os.path.isfile(path):
+            with open(path) as fh:
+                rows.append({"stage": stage, "best_map": json.load(fh)["stitched"]["map"]})
+    return rows
 
 
 def aggregate(results: Dict[str, Dict[int, List[dict]]]) -> Dict[str, dict]:
@@ -118,6 +162,7 @@ def main(argv=None) -> int:
         print(f"error: --seeds {args.seeds!r}: comma-separated integers", file=sys.stderr)
         return 2
     results: Dict[str, Dict[int, List[dict]]] = {}
+    whole: Dict[str, Dict[int, List[dict]]] = {}
     for ds in datasets:
         if not args.table_only:
             prepare(ds)
@@ -133,8 +178,21 @@ def main(argv=None) -> int:
             if os.path.isfile(js):
                 with open(js) as fh:
                     results.setdefault(ds, {})[seed] = json.load(fh)
+            if ds in TILED and os.path.isfile(js) and not args.table_only:
+                for stage in WHOLE_STAGES:
+                    if not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), f"whole_{stage}.json")):
+                        subprocess.run(whole_image_command(ds, seed, args.out, stage, overrides), cwd=ROOT,
+                                       stdout=subprocess.DEVNULL, check=False)
+            if ds in TILED:
+                rows = whole_rows(ds, seed, args.out)
+                if rows:
+                    whole.setdefault(f"{ds} (whole images)", {})[seed] = rows
     table = aggregate(results)
     text = format_table(table)
+    if whole:
+        table.update(aggregate(whole))
+        text += "\n\nTiled sets scored on the whole images (tools/eval_voc.py --stitch):\n\n" + \
+            format_table(aggregate(whole))
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "accuracy.md"), "w") as fh:

@@ -108,6 +108,30 @@ def test_accuracy_matrix_aggregates_seeds_and_checks_the_goal():
     assert cmd[cmd.index("--json") + 1] == os.path.join("/o", "cards", "seed2", "stages.json")
 
 
+def test_accuracy_matrix_tables_a_tiled_set_on_the_whole_images_too(tmp_path, capsys):
+    """--table-only on runs of dense_tiles: the tile table from stages.json, and the whole-image table from
+    the whole_<stage>.json files eval_voc --stitch --json writes."""
+    import json
+    acc = _load("accuracy")
+    for seed, (t1, t4, w1, w4) in enumerate([(0.60, 0.59, 0.55, 0.50), (0.62, 0.62, 0.57, 0.575)]):
+        d = tmp_path / "dense_tiles" / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "stages.json").write_text(json.dumps([{"stage": "step1", "best_map": t1},
+                                                   {"stage": "step4", "best_map": t4}]))
+        for stage, m in (("step1", w1), ("step4", w4)):
+            (d / f"whole_{stage}.json").write_text(json.dumps({"map": 0.0, "stitched": {"map": m}}))
+    assert acc.main(["--datasets", "dense_tiles", "--seeds", "0,1", "--table-only", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| dense_tiles | 0,1 | 0.610 [0.600-0.620] |" in text and "| -0.5, -1.0 | met |" in text
+    assert "| dense_tiles (whole images) | 0,1 | 0.560 [0.550-0.570] |" in text
+    assert "| -2.3, -5.0 | not met |" in text                     # (-5 + 0.5) / 2 points
+    saved = json.loads((tmp_path / "accuracy.json").read_text())
+    assert saved["dense_tiles (whole images)"]["delta"] == pytest.approx([-0.05, 0.005])
+    cmd = acc.whole_image_command("dense_tiles", 1, "/o", "step4", ["threads", "1"])
+    assert cmd[2] == os.path.join("/o", "dense_tiles", "seed1", "checkpoint", "step4", "best.pth")
+    assert "--stitch" in cmd and cmd[cmd.index("--json") + 1].endswith(os.path.join("seed1", "whole_step4.json"))
+
+
 def test_accuracy_matrix_refuses_unknown_datasets_and_seeds(capsys):
     acc = _load("accuracy")
     assert acc.main(["--datasets", "cards,coco", "--table-only"]) == 2

@@ -164,6 +164,20 @@ def test_one_tile_stitched_equals_the_plain_evaluation_device_cpu(source, tmp_pa
         assert len(a["scores"]) > 0 and torch.equal(a["labels"], b["labels"])   # the same boxes, same order
         assert torch.allclose(a["boxes"], b["boxes"], atol=1e-4) and torch.equal(a["scores"], b["scores"])
         assert np.array_equal(ta["boxes"], tb["boxes"]) and np.array_equal(ta["labels"], tb["labels"])
+    # the command line: eval_voc --stitch --json on the model saved as a step-4 checkpoint
+    import importlib.util
+    from chip_helpers import save_step4_checkpoint
+    config = os.path.join(str(tmp_path), "config_tiles.py")
+    ckpt = save_step4_checkpoint(str(tmp_path / "step4.pth"), model, config)
+    spec = importlib.util.spec_from_file_location("tiling_eval_voc", os.path.join(REPO, "tools", "eval_voc.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "res" / "eval.json"
+    assert tool.main([ckpt, "--config", config, "--stitch", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["stage"] == "step4" and doc["num_images"] == 5 and doc["stitched"]["num_tiles"] == 5
+    assert doc["map"] == pytest.approx(plain["map"], abs=1e-12) and doc["stitched"]["map"] == doc["map"]
+    assert doc["ap"] == [None if np.isnan(a) else pytest.approx(a, abs=1e-12) for a in plain["ap"]]
     for key in ("map", "ap", "num_gt", "num_det"):
         assert st[key] == pytest.approx(plain[key], abs=1e-12, nan_ok=True), key
 

@@ -15,6 +15,9 @@ background row and column) for the evaluated split (gnetmdk.evaluation.plots; ne
 --stitch (a dataset cut by tools/tile_voc.py) also scores the whole source images of the split: every
 tile is run, the detections are shifted back and merged by NMS across the seams
 (gnetmdk.evaluation.stitch).
+--json FILE also writes the numbers: {"checkpoint", "stage", "split", "map", "ap" (per class; null
+where there is no ground truth), "num_images"} and with --stitch "stitched": the same for the whole
+images plus "num_tiles".
 Exit status: 0 ok, 2 a user error (one line on stderr).
 """
 from __future__ import annotations
@@ -45,6 +48,7 @@ def parse_args(argv):
                         "(created if missing; needs matplotlib)")
     p.add_argument("--stitch", action="store_true",
                    help="also mAP on the whole images of a tiled dataset (tools/tile_voc.py's tiles.json)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write mAP and per-class AP as JSON to FILE")
     from gnetmdk.gti.chip.cli_util import parse_with_overrides
     return parse_with_overrides(p, argv)
 
@@ -101,6 +105,26 @@ def main(argv=None) -> int:
         print(f"stitched: {st['num_images']} whole images from {st['num_tiles']} tiles, {time.time() - t0:.1f}s; "
               f"merged by class-wise NMS at {cfg.nms_thresh:g}")
         print(format_ap_table(st, cfg.VOC_CLASSES))
+    if args.json:
+        import json
+        import math
+
+        def numbers(r, *extra):
+            out = {"map": None if math.isnan(r["map"]) else r["map"], "ap": [None if math.isnan(a) else a for a in r["ap"]],
+                   "num_images": r["num_images"]}
+            out.update({k: r[k] for k in extra})
+            return out
+        doc = {"checkpoint": args.checkpoint, "stage": stage, "split": args.split, **numbers(res)}
+        if args.stitch:
+            doc["stitched"] = numbers(st, "num_tiles")
+        folder = os.path.dirname(os.path.abspath(args.json))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(args.json + ".tmp", "w") as fh:
+                json.dump(doc, fh, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+        except OSError as exc:
+            return fail(f"cannot write --json {args.json}: {exc}")
     if args.plots is not None:
         from gnetmdk.evaluation.plots import write_eval_plots
         try:
