@@ -32,6 +32,18 @@ def test_suggest_mask_bits_takes_the_fewest_bits_within_the_tolerance():
     assert suggest_mask_bits(s, 0.25) == [1, 1, 3]
 
 
+def test_quantize_output_channels_rounds_only_the_named_channels_device_cpu():
+    from gnetmdk.gti.sensitivity import output_group_channels, quantize_output_channels
+    out = torch.tensor([[0.0, 0.05, 0.3, 1.0, 2.5, -0.2, 0.33, 0.5, 0.61, 0.9, 1.7, 0.02, 3.1]], dtype=torch.float64)
+    groups = output_group_channels(3)
+    assert sorted(sum(groups.values(), [])) == list(range(13))            # every channel in one group
+    q = quantize_output_channels(out, groups["box sizes (w, h)"], 3.1)    # steps of 0.1
+    assert q[0, [2, 3, 7, 8]].tolist() == pytest.approx([0.3, 1.0, 0.5, 0.6])
+    assert torch.equal(q[0, [0, 1, 4, 5, 6, 9, 10, 11, 12]], out[0, [0, 1, 4, 5, 6, 9, 10, 11, 12]])
+    q = quantize_output_channels(out, [5, 12, 4], 3.1)                     # clamped to [0, cap]
+    assert q[0, [5, 12, 4]].tolist() == pytest.approx([0.0, 3.1, 2.5]) and q.dtype == out.dtype
+
+
 def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory, capsys):
     """One step-1 epoch, a step-2 entry and calibration, then the tool: every sublayer appears in the
     weight and activation tables; the one-sublayer row equals an independent evaluation of the model
@@ -69,5 +81,16 @@ def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory
     assert len(data["suggested"]) == len(data["current"]) and set(data["suggested"]) <= {1, 3, 8}
     assert f"suggested mask_bits: {data['suggested']}" in text
     assert "activations quantized in one layer only" in text and os.path.isfile(os.path.join(plots, "sensitivity.png"))
+    # the output groups: each row is the model evaluated with only that group on the output layer's code grid
+    from gnetmdk.gti.sensitivity import OUTPUT_GROUPS, output_group_channels, quantize_output_channels
+    model.convs()[1].quant_weight = False
+    cap = data["output_cap"]
+    assert cap == pytest.approx(float(load_checkpoint(os.path.join(root, "ck", "step2", "cal.pth"))["caps"][-1]))
+    assert list(data["outputs"]) == list(OUTPUT_GROUPS) and "output layer's 5-bit code grid" in text
+    chans = output_group_channels(model.num_classes)[OUTPUT_GROUPS[1]]
+    hook = model.register_forward_hook(lambda mod, inp, out: quantize_output_channels(out, chans, cap))
+    m_sizes, _ = evaluate(model)
+    hook.remove()
+    assert data["outputs"][OUTPUT_GROUPS[1]][0] == pytest.approx(m_sizes, abs=1e-12)
     assert tool.main(["--config", path, "--weights", os.path.join(root, "ck", "step2", "best.pth"), *out]) == 2
     assert "pass the float (step-1) model" in capsys.readouterr().err

@@ -4,11 +4,14 @@
     python3 tools/sensitivity.py --config examples/cards.py                  # step1/best.pth, step2/cal.pth
     python3 tools/sensitivity.py --config C --weights CKPT --cal CAL --plots plots/sens --tolerance 0.01
 
-The float model is the step-1 checkpoint (--weights) with its BatchNorm folded. Three tables on the
+The float model is the step-1 checkpoint (--weights) with its BatchNorm folded. Four tables on the
 valid split (gnetmdk.gti.sensitivity): mAP@0.5 and output error with only one sublayer's weights
 quantized (its scheme from the model's mask_bits); with only one major layer's weights quantized, for
 each scheme the chip has; with only one layer's activation quantized to 5-bit codes, with the caps of
-the calibration checkpoint (--cal; left out when there is none). Then the suggested mask_bits: per
+the calibration checkpoint (--cal; left out when there is none); and, with those caps, with only the box
+centres, only the box sizes or only the scores on the output layer's 5-bit code grid (which of the
+outputs that layer's resolution costs; box sizes are fractions of the input side, so small boxes
+suffer first). Then the suggested mask_bits: per
 major layer the fewest bits within --tolerance (mAP units, default 0.005 = half a point) of the float
 model. --plots DIR writes sensitivity.png/.json (bars of the mAP change per layer; needs matplotlib).
 Exit status: 0 ok; 2 a user error (one line on stderr).

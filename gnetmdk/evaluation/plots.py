@@ -472,7 +472,8 @@ def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
         title: figure title.
 
     JSON written: ``{"base_map", "layers": [{"name", "major", "weights_map", "weights_err", "acts_map",
-    "acts_err"}], "schemes": {major: {scheme: [map, err]}}, "current", "suggested"}`` (null where not measured).
+    "acts_err"}], "outputs": {group: [map, err]}, "output_cap", "schemes": {major: {scheme: [map, err]}},
+    "current", "suggested"}`` (null where not measured; "outputs" empty without caps).
 
     Returns:
         ``[png path, json path]``.
@@ -487,6 +488,8 @@ def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
                        "weights_err": _finite_or_none(w[1]), "acts_map": _finite_or_none(a[0]),
                        "acts_err": _finite_or_none(a[1])})
     data = {"base_map": _finite_or_none(sens.base_map), "layers": layers,
+            "outputs": {k: [_finite_or_none(v[0]), _finite_or_none(v[1])] for k, v in sens.outputs.items()},
+            "output_cap": _finite_or_none(sens.output_cap),
             "schemes": {str(m + 1): {str(s): [_finite_or_none(v[0]), _finite_or_none(v[1])] for s, v in by.items()}
                         for m, by in sens.schemes.items()},
             "current": list(sens.current), "suggested": list(suggested) if suggested is not None else None}

@@ -1,7 +1,7 @@
 """Per-layer quantization sensitivity of GNetDet: which sublayer's weights or activations cost accuracy
 when quantized alone, and the weight schemes (``mask_bits``) that follow from it.
 
-Three measurements on one split, each against the float model (BatchNorm folded, nothing quantized):
+Four measurements on one split, each against the float model (BatchNorm folded, nothing quantized):
 
 * **weights, one sublayer at a time**: only that conv's weights quantized with its scheme (the
   model's ``mask_bits``) and the model's ``weight_scale`` rule; activations float;
@@ -9,6 +9,13 @@ Three measurements on one split, each against the float model (BatchNorm folded,
   one scheme on the chip (gti-chip.md), so this is the table ``mask_bits`` is chosen from;
 * **activations, one layer at a time**: only that ReLU capped with its calibrated cap and quantized
   to 5-bit codes (needs a calibrated checkpoint); weights float.
+* **the output layer's codes, one group of outputs at a time**: the box centres (x, y), the box sizes
+  (w, h) or the scores (confidences, classes) rounded to the output layer's 5-bit code grid
+  (``cap / 31`` steps, clamped to ``[0, cap]``), everything else float. The output layer is the only
+  one whose codes are read as numbers; this says which of them its resolution costs. GNetDet's box
+  sizes are fractions of the input side, so one step is ``cap / 31`` of it (8.8 px at 224 px with
+  cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results.md, "The dense set
+  through 2 x 2 tiles").
 
 Each cell holds the val mAP@0.5 and the output error: the relative L2 difference ``||y - y_float|| /
 ||y_float||`` of the model's outputs over every image (values, as ``forward`` returns them).
@@ -27,7 +34,28 @@ import torch
 
 from .spec import get_chip_spec, register_bits
 
-__all__ = ["Sensitivity", "measure_sensitivity", "suggest_mask_bits", "format_sensitivity"]
+__all__ = ["Sensitivity", "OUTPUT_GROUPS", "output_group_channels", "quantize_output_channels",
+           "measure_sensitivity", "suggest_mask_bits", "format_sensitivity"]
+
+#: the groups of GNetDet's output channels measured one at a time (gnetmdk/models/gnetdet/decode.py's layout:
+#: [x, y, w, h, conf] per box slot, then the class scores)
+OUTPUT_GROUPS = ("box centres (x, y)", "box sizes (w, h)", "scores (conf, classes)")
+
+
+def output_group_channels(num_classes: int) -> Dict[str, List[int]]:
+    """{group name: channel indices} of GNetDet's (N, S, S, 10 + C) output, for :data:`OUTPUT_GROUPS`."""
+    return {OUTPUT_GROUPS[0]: [0, 1, 5, 6], OUTPUT_GROUPS[1]: [2, 3, 7, 8],
+            OUTPUT_GROUPS[2]: [4, 9] + list(range(10, 10 + int(num_classes)))}
+
+
+def quantize_output_channels(out: torch.Tensor, channels: Sequence[int], cap: float) -> torch.Tensor:
+    """A copy of ``out`` (..., 10 + C) float with the last-axis ``channels`` on the 5-bit code grid:
+    ``clamp(round(v / (cap / 31)), 0, 31) * cap / 31``; the other channels unchanged (dtype kept)."""
+    step = float(cap) / 31.0
+    q = out.clone()
+    idx = list(channels)
+    q[..., idx] = torch.clamp(torch.round(out[..., idx] / step), 0, 31) * step
+    return q
 
 
 @dataclass
@@ -41,6 +69,8 @@ class Sensitivity:
         schemes: {major (0-based): {scheme: (mAP, output error)}} with only that major layer's
             weights quantized with that scheme.
         acts: per sublayer (mAP, output error) with only its activation quantized; empty without caps.
+        outputs: {group of OUTPUT_GROUPS: (mAP, output error)} with only that group of outputs on the
+            output layer's code grid; ``output_cap`` that layer's cap; both empty / 0 without caps.
         current: the model's mask_bits; weights_per_major: weight count of each major layer.
     """
     base_map: float
@@ -51,13 +81,15 @@ class Sensitivity:
     acts: List[Tuple[float, float]] = field(default_factory=list)
     current: List[int] = field(default_factory=list)
     weights_per_major: List[int] = field(default_factory=list)
+    outputs: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    output_cap: float = 0.0
 
 
 @torch.no_grad()
 def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float, List[torch.Tensor]]],
                         chip: str, caps: Optional[Sequence[float]] = None,
                         progress: Callable = lambda it, desc: it) -> Sensitivity:
-    """Measure the three tables of the module docstring.
+    """Measure the four tables of the module docstring (the last two need ``caps``).
 
     Args:
         model: a GNetDet with BatchNorm folded (step-2 layout), eval mode; its switches are changed
@@ -123,9 +155,19 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
             relus[i].use_cap = relus[i].quant_act = True
             acts.append(run())
             relus[i].use_cap = relus[i].quant_act = False
+    outputs: Dict[str, Tuple[float, float]] = {}
+    if caps is not None:
+        for name, chans in progress(list(output_group_channels(model.num_classes).items()), "output groups"):
+            hook = model.register_forward_hook(
+                lambda mod, inp, out, chans=chans: quantize_output_channels(out, chans, caps[-1]))
+            try:
+                outputs[name] = run()
+            finally:
+                hook.remove()
     nothing_quantized()
     per_major = [sum(convs[i].weight.numel() for i, mm in enumerate(majors) if mm == m) for m in sorted(set(majors))]
-    return Sensitivity(float(base_map), names, majors, weights, schemes, acts, list(model.mask_bits()), per_major)
+    return Sensitivity(float(base_map), names, majors, weights, schemes, acts, list(model.mask_bits()), per_major,
+                       outputs, float(caps[-1]) if caps is not None else 0.0)
 
 
 def suggest_mask_bits(sens: Sensitivity, tolerance: float = 0.005) -> List[int]:
@@ -165,6 +207,12 @@ def format_sensitivity(sens: Sensitivity, tolerance: float = 0.005) -> str:
                   f"{'layer':<7} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
         for name, (mp, err) in zip(sens.layers, sens.acts):
             lines.append(f"{name:<7} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} {100 * err:>9.2f}")
+    if sens.outputs:
+        lines += ["", f"one group of outputs only on the output layer's 5-bit code grid (cap {sens.output_cap:.3g}: "
+                      f"steps of {sens.output_cap / 31:.4g}; box sizes are fractions of the input side):",
+                  f"{'outputs':<24} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
+        for name, (mp, err) in sens.outputs.items():
+            lines.append(f"{name:<24} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} {100 * err:>9.2f}")
     sug = suggest_mask_bits(sens, tolerance)
     bits = sum(b * n for b, n in zip(sug, sens.weights_per_major))
     now = sum(b * n for b, n in zip(sens.current, sens.weights_per_major))
