@@ -143,17 +143,29 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_thresh: float) -> torch.T
 
     order = torch.sort(scores, descending=True, stable=True).indices
     iou = box_iou(boxes[order], boxes[order])  # (N, N) in visiting order
-    overlaps = (iou > iou_thresh).cpu()
+    return order[greedy_keep(iou > iou_thresh).to(order.device)]
 
-    suppressed = torch.zeros(n, dtype=torch.bool)
+
+def greedy_keep(suppresses: torch.Tensor) -> torch.Tensor:
+    """The greedy pass of NMS over boxes already sorted by descending score.
+
+    Args:
+        suppresses: ``(N, N)`` bool; ``suppresses[i, j]`` is whether box ``i``, when kept, drops box ``j``
+            (only ``j > i`` is read in effect: earlier boxes are decided before ``i``).
+
+    Returns:
+        ``torch.long`` ``(K,)`` positions of the kept boxes, ascending (on the CPU). A dropped box drops
+        nothing (see :func:`nms`).
+    """
+    overlaps = suppresses.cpu()
+    suppressed = torch.zeros(overlaps.shape[0], dtype=torch.bool)
     keep = []
-    for i in range(n):
+    for i in range(overlaps.shape[0]):
         if suppressed[i]:
             continue
         keep.append(i)
         suppressed |= overlaps[i]
-    keep_t = torch.tensor(keep, dtype=torch.long, device=order.device)
-    return order[keep_t]
+    return torch.tensor(keep, dtype=torch.long)
 
 
 def batched_nms(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gnetmdk.dataset.voc import VOCFormatError
-from .boxes import box_area, box_iou
+from .boxes import box_area, box_iou, greedy_keep
 from .voc import evaluate_detections
 
 __all__ = ["merge_tiles", "stitch_detections", "whole_image_truths", "evaluate_stitched"]
@@ -57,15 +57,7 @@ def merge_tiles(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
     lab, til = labels[order], tiles[order]
     same = lab[:, None] == lab[None, :]
     other_tile = til[:, None] != til[None, :]
-    drops = same & ((iou > thresh) | (other_tile & (ios > thresh)))
-    suppressed = torch.zeros(n, dtype=torch.bool)
-    keep = []
-    for i in range(n):
-        if suppressed[i]:
-            continue
-        keep.append(i)
-        suppressed |= drops[i]
-    return order[torch.tensor(keep, dtype=torch.int64)]
+    return order[greedy_keep(same & ((iou > thresh) | (other_tile & (ios > thresh))))]
 
 
 def stitch_detections(tile_dets: Mapping[str, Mapping[str, torch.Tensor]], manifest: Mapping, nms_thresh: float,
