@@ -178,6 +178,11 @@ def test_one_tile_stitched_equals_the_plain_evaluation_device_cpu(source, tmp_pa
     assert doc["stage"] == "step4" and doc["num_images"] == 5 and doc["stitched"]["num_tiles"] == 5
     assert doc["map"] == pytest.approx(plain["map"], abs=1e-12) and doc["stitched"]["map"] == doc["map"]
     assert doc["ap"] == [None if np.isnan(a) else pytest.approx(a, abs=1e-12) for a in plain["ap"]]
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    before = out.read_bytes()
+    assert tool.main([ckpt, "--config", config, "--json", str(blocker / "eval.json")]) == 2   # its folder is a file
+    assert out.read_bytes() == before and blocker.read_text() == "x"
     for key in ("map", "ap", "num_gt", "num_det"):
         assert st[key] == pytest.approx(plain[key], abs=1e-12, nan_ok=True), key
 
