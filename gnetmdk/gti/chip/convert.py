@@ -182,7 +182,9 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
                    nms_thresh=float(nms_thresh), max_detections=int(max_detections),
                    predict_thresh=float(predict_thresh), score_head=getattr(model, "score_head", "linear"),
                    score_offset=float(getattr(model, "score_offset", 4.0)),
-                   score_scale=float(getattr(model, "score_scale", 1.0)), source=dict(source or {}))
+                   score_scale=float(getattr(model, "score_scale", 1.0)),
+                   size_head=str(getattr(model, "size_head", "linear")),
+                   size_min=float(getattr(model, "size_min", 1.0 / 64)), source=dict(source or {}))
     cm.validate("converted model")
     return cm
 

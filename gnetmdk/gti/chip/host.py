@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gnetmdk.models.gnetdet.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.decode import decode_gnetdet, output_head
 from .model_file import ChipModel
 
 #: a runner maps (N, H, W, 3) uint8 BGR images to (N, C_out, S, S) uint8 codes
@@ -43,16 +43,14 @@ def decode_predictions(pred: torch.Tensor, chip_model: ChipModel, sizes: Sequenc
         pred: (N, S, S, 10 + C) float32 (codes_to_predictions).
         sizes: N (width, height) pixel sizes of the original images.
         conf_thresh, nms_thresh, max_detections: default to the chip model's decode settings; the score
-            head (linear / logit) is always the chip model's.
+            head (linear / logit) and size head (linear / log) are always the chip model's.
     Returns:
         N dicts: "boxes" (K, 4) float32 xyxy pixels, "scores" (K,) float32, "labels" (K,) int64.
     """
     conf = chip_model.conf_thresh if conf_thresh is None else conf_thresh
     nms = chip_model.nms_thresh if nms_thresh is None else nms_thresh
     maxd = chip_model.max_detections if max_detections is None else max_detections
-    out = decode_gnetdet(pred, chip_model.num_classes, conf, nms, maxd, getattr(chip_model, "score_head", "linear"),
-                         getattr(chip_model, "score_offset", 4.0),
-                         score_scale=getattr(chip_model, "score_scale", 1.0))
+    out = decode_gnetdet(pred, chip_model.num_classes, conf, nms, maxd, **output_head(chip_model))
     dets = []
     for d, (w, h) in zip(out, sizes):
         scale = torch.tensor([w, h, w, h], dtype=torch.float32)

@@ -147,6 +147,8 @@ class ChipModel:
         score_head, score_offset, score_scale: how the host turns confidence / class outputs into scores: "linear"
             (the outputs themselves, GTI) or "logit" (sigmoid(score_scale * (output - score_offset)));
             gnetmdk.models.gnetdet.decode.output_scores.
+        size_head, size_min: how the host turns the w, h outputs into box sizes: "linear" (the outputs
+            themselves, GTI) or "log" (size_min ** (1 - output)); gnetmdk.models.gnetdet.loss.output_sizes.
         source: where it came from (checkpoint path, SHA-256, stage, mAP ...).
     """
     chip: str
@@ -164,6 +166,8 @@ class ChipModel:
     score_head: str = "linear"
     score_offset: float = 4.0
     score_scale: float = 1.0
+    size_head: str = "linear"
+    size_min: float = 1.0 / 64
     source: Dict[str, Any] = field(default_factory=dict)
 
     # -------------------------------------------------------------- derived
@@ -217,7 +221,8 @@ class ChipModel:
             "decode": {"grid": self.grid, "boxes_per_cell": 2, "conf_thresh": float(self.conf_thresh),
                        "nms_thresh": float(self.nms_thresh), "max_detections": int(self.max_detections),
                        "predict_thresh": float(self.predict_thresh), "score_head": self.score_head,
-                       "score_offset": float(self.score_offset), "score_scale": float(self.score_scale)},
+                       "score_offset": float(self.score_offset), "score_scale": float(self.score_scale),
+                       "size_head": self.size_head, "size_min": float(self.size_min)},
             "major_layers": majors,
             "source": dict(self.source),
         }
@@ -302,6 +307,11 @@ class ChipModel:
             raise ChipModelError(f"{where}: decode.score_head {self.score_head!r} must be 'linear' or 'logit'")
         if not (math.isfinite(self.score_scale) and self.score_scale > 0):
             raise ChipModelError(f"{where}: decode.score_scale {self.score_scale} must be a positive number")
+        if self.size_head not in ("linear", "log"):
+            raise ChipModelError(f"{where}: decode.size_head {self.size_head!r} must be 'linear' or 'log'")
+        if not (math.isfinite(self.size_min) and 0 < self.size_min < 1):
+            raise ChipModelError(f"{where}: decode.size_min {self.size_min} must be in (0, 1) (a fraction of the "
+                                 "image side)")
         if not (math.isfinite(self.output_scale) and self.output_scale > 0):
             raise ChipModelError(f"{where}: output scale {self.output_scale} must be a positive number")
 
@@ -353,6 +363,7 @@ def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipMo
                    predict_thresh=float(dec.get("predict_thresh", 0.3)),
                    score_head=str(dec.get("score_head", "linear")), score_offset=float(dec.get("score_offset", 4.0)),
                    score_scale=float(dec.get("score_scale", 1.0)),
+                   size_head=str(dec.get("size_head", "linear")), size_min=float(dec.get("size_min", 1.0 / 64)),
                    source=dict(d.get("source", {})))
     cm.validate(where)
     _check_structure(d, cm, where)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gnetmdk.gti.quantize import image_to_codes
-from gnetmdk.models.gnetdet.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.decode import decode_gnetdet, output_head
 from .model_file import ChipModelError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -34,6 +34,7 @@ class Predictor:
         image_size: network input side (pixels).
         conf_thresh, nms_thresh, max_detections, predict_thresh: decode settings stored with the model.
         score_head, score_offset, score_scale: the model's score head (gnetmdk.models.gnetdet.decode.output_scores).
+        size_head, size_min: the model's size head (gnetmdk.models.gnetdet.loss.output_sizes).
     """
     kind: str
     path: str
@@ -47,6 +48,8 @@ class Predictor:
     score_head: str = "linear"
     score_offset: float = 4.0
     score_scale: float = 1.0
+    size_head: str = "linear"
+    size_min: float = 1.0 / 64
 
     @property
     def num_classes(self) -> int:
@@ -69,8 +72,7 @@ class Predictor:
         """
         pred = self.predictions(images)
         out = decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh,
-                             self.max_detections if max_detections is None else max_detections,
-                             self.score_head, self.score_offset, score_scale=self.score_scale)
+                             self.max_detections if max_detections is None else max_detections, **output_head(self))
         res = []
         for d, (w, h) in zip(out, sizes):
             scale = torch.tensor([w, h, w, h], dtype=torch.float32)
@@ -108,7 +110,7 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
                          float(cfg.get("nms_thresh", BaseConfig.nms_thresh)),
                          int(cfg.get("max_detections", BaseConfig.max_detections)),
                          float(cfg.get("predict_thresh", BaseConfig.predict_thresh)), fn,
-                         model.score_head, model.score_offset, model.score_scale)
+                         model.score_head, model.score_offset, model.score_scale, model.size_head, model.size_min)
     if low.endswith(".onnx"):
         from .onnx_export import OnnxChipRunner, onnx_header
         head = onnx_header(path)
@@ -119,7 +121,8 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
                          float(dec["nms_thresh"]), int(dec["max_detections"]), float(dec.get("predict_thresh", 0.3)),
                          lambda images: torch.from_numpy(runner.predictions(images)),
                          str(dec.get("score_head", "linear")), float(dec.get("score_offset", 4.0)),
-                         float(dec.get("score_scale", 1.0)))
+                         float(dec.get("score_scale", 1.0)), str(dec.get("size_head", "linear")),
+                         float(dec.get("size_min", 1.0 / 64)))
     if low.endswith(".json") or os.path.isdir(path):
         from .emulator import ChipEmulator
         from .host import codes_to_predictions
@@ -134,7 +137,7 @@ def load_predictor(path: str, backend: str = "emulator", threads: int = 1, batch
             raise ChipModelError(f"unknown backend '{backend}': use emulator or onnx")
         return Predictor("chip", path, list(cm.class_names), cm.input_size, cm.conf_thresh, cm.nms_thresh,
                          cm.max_detections, cm.predict_thresh, lambda images: codes_to_predictions(runner(images), cm),
-                         cm.score_head, cm.score_offset, cm.score_scale)
+                         cm.score_head, cm.score_offset, cm.score_scale, cm.size_head, cm.size_min)
     raise ChipModelError(f"model '{path}': unknown kind; give a checkpoint (.pth), a chip model (.json or its "
                          "folder) or an ONNX model (.onnx)")
 

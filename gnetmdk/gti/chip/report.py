@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gnetmdk.config.base import BaseConfig
+from gnetmdk.models.gnetdet.decode import output_head
 from gnetmdk.gti.quantize import image_to_codes
 from .host import codes_to_predictions, decode_predictions, iter_dataset_batches
 
@@ -52,9 +53,10 @@ def _map_of(pred: torch.Tensor, dataset, conf, nms, maxd, chip_like) -> float:
 class _Decode:
     """Minimal stand-in with what decode_predictions reads: class count, thresholds, score head."""
 
-    def __init__(self, n, conf, nms, maxd, score_head="linear", score_offset=4.0, score_scale=1.0):
+    def __init__(self, n, conf, nms, maxd, head):
         self.num_classes, self.conf_thresh, self.nms_thresh, self.max_detections = n, conf, nms, maxd
-        self.score_head, self.score_offset, self.score_scale = score_head, score_offset, score_scale
+        for key, value in head.items():      # output_head: score head and size head
+            setattr(self, key, value)
 
 
 def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None, conf_thresh: float = BaseConfig.conf_thresh,
@@ -89,14 +91,14 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
             pred = torch.cat([codes_to_predictions(emu.run(imgs), src)
                               for _, imgs, _ in iter_dataset_batches(dataset, batch_size)])
             label = "integer emulator"
-            head = (src.score_head, src.score_offset, src.score_scale)
+            head = output_head(src)
         else:
             model, ckpt = load_eval_model(src, cfg)
             model.to(eval_device(cfg))             # the GPU when the config allows one and it is there
             pred = _model_predictions(model, dataset, batch_size)
             label = src
-            head = (model.score_head, model.score_offset, model.score_scale)
-        dec = _Decode(dataset.num_classes, conf_thresh, nms_thresh, max_detections, *head)
+            head = output_head(model)
+        dec = _Decode(dataset.num_classes, conf_thresh, nms_thresh, max_detections, head)
         row = StageRow(name, label, _map_of(pred, dataset, conf_thresh, nms_thresh, max_detections, dec))
         if prev is not None:
             d = (pred.double() - prev[1].double()).abs()

@@ -46,6 +46,8 @@ class GNetDetConfig(ConfigSection):
     score_scale: float = 1.0                # logit head: logits per unit of output (keeps outputs near box range)
     l_range: float = 0.0                    # hinge on untrained outputs (empty cells, free slot) above the trained range
     box_slots: int = 2                      # box slots trained per cell: 2 (YOLOv1: the better-IoU slot) | 1 (slot 1 only)
+    size_head: str = "linear"               # linear (GTI: w, h outputs = sizes) | log (size = size_min ** (1 - output))
+    size_min: float = 1.0 / 64              # log size head: the smallest box, a fraction of the image side
 
     # ---------------------------------------------------------------- freezing (sublayers)
     finetune: int = 0                       # freeze the first freeze_convs sublayers for this many epochs
@@ -138,6 +140,11 @@ def check_gnetdet_config(cfg) -> None:
         bad("weight_scale", "must be 'gti' or 'mse'")
     try:
         check_score_head(g.score_head, g.score_scale, g.box_slots)
+    except ConfigError as exc:
+        raise ConfigError(f"config section 'gnetdet': {exc}") from None
+    from .loss import check_size_head
+    try:
+        check_size_head(g.size_head, g.size_min)
     except ConfigError as exc:
         raise ConfigError(f"config section 'gnetdet': {exc}") from None
     for name in ("l_coord", "l_noobj", "l_class", "l_range"):

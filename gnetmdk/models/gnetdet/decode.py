@@ -6,7 +6,18 @@ from typing import Dict, List
 import torch
 
 from gnetmdk.evaluation.boxes import batched_nms
-from .loss import cell_boxes_to_xyxy
+from .loss import SIZE_MIN, cell_boxes_to_xyxy, output_boxes
+
+
+def output_head(obj) -> Dict[str, object]:
+    """The decode settings of a model, chip model or predictor ``obj``: its score head and size head
+    (attributes score_head, score_offset, score_scale, size_head, size_min; GTI's linear heads where
+    one is missing, as in files written before the option), as keyword arguments of decode_gnetdet."""
+    return {"score_head": str(getattr(obj, "score_head", "linear")),
+            "score_offset": float(getattr(obj, "score_offset", 4.0)),
+            "score_scale": float(getattr(obj, "score_scale", 1.0)),
+            "size_head": str(getattr(obj, "size_head", "linear")),
+            "size_min": float(getattr(obj, "size_min", SIZE_MIN))}
 
 
 def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "linear", score_offset: float = 4.0,
@@ -24,7 +35,8 @@ def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "line
 def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.05, nms_thresh: float = 0.5,
                    max_detections: int = 100, score_head: str = "linear",
                    score_offset: float = 4.0, pre_nms_top: int = 1000,
-                   score_scale: float = 1.0) -> List[Dict[str, torch.Tensor]]:
+                   score_scale: float = 1.0, size_head: str = "linear",
+                   size_min: float = SIZE_MIN) -> List[Dict[str, torch.Tensor]]:
     """Turn predictions into per-image detections.
 
     Every one of the 2 x S x S boxes is scored against every class: score = conf x class score;
@@ -36,7 +48,10 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
         num_classes: C.
         score_head, score_offset, score_scale: how scores come from the outputs (output_scores; the
             model's meta).
+        size_head, size_min: how the w, h outputs give box sizes (gnetmdk.models.gnetdet.loss.output_sizes).
         pre_nms_top: at most this many (box, class) candidates per image enter NMS (the best scores).
+    Raises:
+        ConfigError (a ValueError): an unknown score or size head.
     Returns:
         a list of N dicts: ``boxes`` (K, 4) float32 xyxy relative to the image (0..1, clipped),
         ``scores`` (K,) float32, ``labels`` (K,) int64.
@@ -47,6 +62,7 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
     conf = torch.stack([pred[..., 4], pred[..., 9]], dim=3)                 # (N, S, S, 2)
     cls = pred[..., 10:10 + num_classes]                                    # (N, S, S, C)
     conf, cls = output_scores(conf, cls, score_head, score_offset, score_scale)
+    boxes = output_boxes(boxes, size_head, size_min)
     xyxy = cell_boxes_to_xyxy(boxes, s).clamp(0, 1).reshape(n, -1, 4)      # (N, 2SS, 4)
     scores = (conf.unsqueeze(-1) * cls.unsqueeze(3)).reshape(n, -1, num_classes)  # (N, 2SS, C)
     out = []

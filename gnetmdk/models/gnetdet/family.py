@@ -47,6 +47,7 @@ class GNetDetFamily(DetectorFamily):
         kw = dict(num_classes=cfg.num_classes, image_size=cfg.image_size, width_mult=g.width_mult, use_bn=g.use_bn,
                   chip=str(g.chip), mask_bits=list(g.mask_bits), weight_scale=g.weight_scale,
                   score_head=g.score_head, score_offset=g.score_offset, score_scale=g.score_scale,
+                  size_head=g.size_head, size_min=g.size_min,
                   gain_aware=g.gain_aware, **self.training_kwargs(cfg))
         kw.update(overrides)
         return (builder or GNetDet)(**kw)
@@ -92,6 +93,12 @@ class GNetDetFamily(DetectorFamily):
                           file=sys.stderr)
             else:
                 meta["gain_aware"] = g.gain_aware
+            # the output heads say how the trained weights' outputs are read: the checkpoint's stay
+            for key in ("score_head", "size_head"):
+                had = meta.get(key, "linear")
+                if had != getattr(g, key):
+                    print(f"note: checkpoint '{path}' ({stage}) was trained with {key} {had!r}; keeping it (the "
+                          f"config's {getattr(g, key)!r} applies to a model trained from scratch)", file=sys.stderr)
         return GNetDet(**meta, **extra)
 
     @staticmethod

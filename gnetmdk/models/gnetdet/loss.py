@@ -3,7 +3,8 @@
 Layout of the last dimension of predictions and targets (10 + C):
     [x1, y1, w1, h1, conf1, x2, y2, w2, h2, conf2, class_0 .. class_{C-1}]
 x, y: offset of the box centre inside its cell (cell units, 0..1); w, h: box size relative to the
-image (0..1). A target cell holding an object carries the box in both slots, conf 1 and the one-hot
+image (0..1) in the targets, and in the predictions either the same ("linear" size head, GTI) or a
+log-space code of it ("log" size head, see output_sizes). A target cell holding an object carries the box in both slots, conf 1 and the one-hot
 class; every other target cell is all zero.
 
 Alignment rule (alignment.md): every term is a sum over the cells of one image, then a mean over
@@ -40,6 +41,72 @@ def cell_boxes_to_xyxy(boxes: torch.Tensor, grid: int) -> torch.Tensor:
     cy = (rows + boxes[..., 1]) / s
     hw, hh = boxes[..., 2] / 2, boxes[..., 3] / 2
     return torch.stack([cx - hw, cy - hh, cx + hw, cy + hh], dim=-1)
+
+
+SIZE_HEADS = ("linear", "log")
+"""How the w, h outputs give box sizes: "linear" (GTI: the outputs are the sizes) or "log" (output_sizes)."""
+
+SIZE_MIN = 1.0 / 64
+"""Default smallest box size of the "log" size head, as a fraction of the image side (3.5 px at 224)."""
+
+
+def output_sizes(y: torch.Tensor, size_head: str = "linear", size_min: float = SIZE_MIN) -> torch.Tensor:
+    """Box sizes (fraction of the image side) from the w or h outputs ``y`` (elementwise, any float shape).
+
+    "linear" (GTI): the outputs are the sizes. "log": ``size = size_min ** (1 - y)``, so an output of
+    0 is a box of ``size_min`` and 1 a box as large as the image, and one output step multiplies the
+    size by the same factor at every size. The output layer's 5-bit codes step by cap / 31 (gti-chip.md);
+    with the linear head that is cap / 31 of the image side whatever the box (8.8 px at 224 px for a
+    cap of 1.22, more than half of a 16-px box), with the log head a relative step of
+    ``size_min ** (-cap / 31)`` (1.18 for 1/64 and cap 1.22, so a rounding error of at most 9% of the
+    box). The same idea as YOLOv2's ``exp(t)`` sizes (Redmon and Farhadi 2017), written for an output
+    that a capped ReLU keeps in [0, cap]. Sizes are capped at 2 (twice the image side) so that untrained
+    outputs stay finite.
+
+    Raises:
+        ConfigError (a ValueError): size_head or size_min out of range (check_size_head).
+    """
+    if size_head == "linear":
+        return y
+    check_size_head(size_head, size_min)
+    log_min = math.log(size_min)
+    return torch.exp(((1.0 - y) * log_min).clamp(max=math.log(2.0)))
+
+
+def size_codes(size: torch.Tensor, size_head: str = "linear", size_min: float = SIZE_MIN) -> torch.Tensor:
+    """The outputs that give the box sizes ``size`` (fraction of the image side): the inverse of
+    output_sizes, ``1 - ln(size) / ln(size_min)`` for the log head, clamped to [0, 1] (a box smaller
+    than size_min is trained to output 0, size_min itself). Elementwise, any float shape."""
+    if size_head == "linear":
+        return size
+    check_size_head(size_head, size_min)
+    return (1.0 - torch.log(size.clamp(min=size_min)) / math.log(size_min)).clamp(0.0, 1.0)
+
+
+def check_size_head(size_head: str, size_min: float) -> None:
+    """Refuse a size head other than "linear" / "log" or a size_min outside (0, 1).
+
+    Raises:
+        ConfigError (a ValueError), naming the value and the allowed ones.
+    """
+    from gnetmdk.config.base import ConfigError
+    if size_head not in SIZE_HEADS:
+        raise ConfigError(f"size_head must be 'linear' (GTI: the w, h outputs are the sizes) or 'log' "
+                          f"(size = size_min ** (1 - output)), not {size_head!r}")
+    try:
+        ok = 0.0 < float(size_min) < 1.0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"size_min must be a fraction of the image side in (0, 1) (the log size head's "
+                          f"smallest box, e.g. {SIZE_MIN:g}), not {size_min!r}")
+
+
+def output_boxes(boxes: torch.Tensor, size_head: str = "linear", size_min: float = SIZE_MIN) -> torch.Tensor:
+    """(..., 4) [x, y, w, h] outputs -> (..., 4) [x, y, w, h] with w, h as sizes (output_sizes)."""
+    if size_head == "linear":
+        return boxes
+    return torch.cat([boxes[..., :2], output_sizes(boxes[..., 2:4], size_head, size_min)], dim=-1)
 
 
 class _ClampBack(torch.autograd.Function):
@@ -104,13 +171,15 @@ def logit_bce(y: torch.Tensor, t: torch.Tensor, offset: float, scale: float = 1.
 def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, sqrt_tau: float = 1e-2,
-                 score_scale: float = 1.0, l_range: float = 0.0, box_slots: int = 2) -> Dict[str, torch.Tensor]:
+                 score_scale: float = 1.0, l_range: float = 0.0, box_slots: int = 2,
+                 size_head: str = "linear", size_min: float = SIZE_MIN) -> Dict[str, torch.Tensor]:
     """GNetDet loss terms.
 
     Args:
         pred: (N, S, S, 10 + C) float predictions (>= 0: the last layer has a capped ReLU).
         target: (N, S, S, 10 + C) float targets (see the module docstring).
-        l_coord: weight of the localisation of the responsible box (x, y, sqrt w, sqrt h).
+        l_coord: weight of the localisation of the responsible box (x, y, sqrt w, sqrt h with the linear
+            size head; x, y and the w, h outputs against size_codes of the target with the log head).
         l_noobj: weight of the confidence of both boxes of cells without an object.
         l_class: weight of the class scores of cells with an object.
         score_loss: "smooth_l1" (GTI's GNetDet: every score regressed with smooth-L1) or "bce"
@@ -136,17 +205,20 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
             Measured on cards (docs/results.md): the step-1 runs whose second slot had died on its
             own ended at half the training loss of those where both slots stayed alive.
         sqrt_tau: below this size (relative to the image) the sqrt of the size term is linear
-            (safe_sqrt), bounding its gradient.
+            (safe_sqrt), bounding its gradient (linear size head).
+        size_head, size_min: how the w, h outputs give box sizes (output_sizes): "linear" (GTI) or "log".
     Returns:
         dict of 0-d tensors: ``loc``, ``conf`` (responsible box toward its IoU with the target),
         ``noresp`` (the other box of an object cell toward 0), ``noobj``, ``cls``, ``range`` (only
         when l_range > 0) and ``total`` (their sum). Each is a per-image sum averaged over the batch.
     Raises:
         ValueError: shapes differ, the last dimension is < 11; ConfigError (a ValueError): score_head,
-            score_scale or box_slots out of range (gnetmdk.models.gnetdet.config.check_score_head).
+            score_scale or box_slots out of range (gnetmdk.models.gnetdet.config.check_score_head), size_head
+            or size_min out of range (check_size_head).
     """
     from .config import check_score_head
     check_score_head(score_head, score_scale, box_slots)
+    check_size_head(size_head, size_min)
     if pred.shape != target.shape or pred.dim() != 4 or pred.shape[-1] < 11:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must both be (N, S, S, 10 + C)")
     n, s = pred.shape[0], pred.shape[1]
@@ -158,7 +230,7 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
     tbox = target[..., 0:4]                                           # (N, S, S, 4)
 
     with torch.no_grad():
-        pxy = cell_boxes_to_xyxy(pboxes[..., :4], s)                  # (N, S, S, 2, 4)
+        pxy = cell_boxes_to_xyxy(output_boxes(pboxes[..., :4], size_head, size_min), s)   # (N, S, S, 2, 4)
         txy = cell_boxes_to_xyxy(tbox, s).unsqueeze(3)                # (N, S, S, 1, 4)
         ious = paired_iou(pxy, txy)                                   # (N, S, S, 2)
         resp = (ious[..., 1] > ious[..., 0]).long()                   # responsible slot, ties -> 0
@@ -173,9 +245,14 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
     def sl1(a, b):
         return F.smooth_l1_loss(a, b, reduction="none", beta=1.0)
 
-    loc = (sl1(rbox[..., 0], tbox[..., 0]) + sl1(rbox[..., 1], tbox[..., 1])
-           + sl1(safe_sqrt(rbox[..., 2], sqrt_tau), safe_sqrt(tbox[..., 2], sqrt_tau))
-           + sl1(safe_sqrt(rbox[..., 3], sqrt_tau), safe_sqrt(tbox[..., 3], sqrt_tau)))
+    loc = sl1(rbox[..., 0], tbox[..., 0]) + sl1(rbox[..., 1], tbox[..., 1])
+    if size_head == "log":
+        # the outputs are already log-space codes: compare them with the targets' codes
+        twh = size_codes(tbox[..., 2:4], size_head, size_min)
+        loc = loc + sl1(rbox[..., 2], twh[..., 0]) + sl1(rbox[..., 3], twh[..., 1])
+    else:
+        loc = (loc + sl1(safe_sqrt(rbox[..., 2], sqrt_tau), safe_sqrt(tbox[..., 2], sqrt_tau))
+               + sl1(safe_sqrt(rbox[..., 3], sqrt_tau), safe_sqrt(tbox[..., 3], sqrt_tau)))
     if score_head == "logit":
         def score(a, b):
             return logit_bce(a, b, score_offset, score_scale)

@@ -192,6 +192,8 @@ class GNetDet(nn.Module):
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
             score_offset), applied on the host; see gnetmdk.models.gnetdet.decode.output_scores); score_scale:
             the logit head's k in sigmoid(k (output - score_offset)).
+        size_head, size_min: how the w, h outputs give box sizes: "linear" (GTI: the outputs are the sizes)
+            or "log" (size_min ** (1 - output), applied on the host; gnetmdk.models.gnetdet.loss.output_sizes).
         gain_aware: in step 3 (quantized weights, capped 5-bit activations) compute as the gain-edited
             step-4 model does: each conv's weights and bias quantized as gain editing will leave them
             (QConv2d.gain), integer codes between the layers (QReLU.code_domain) and the host scale
@@ -215,7 +217,8 @@ class GNetDet(nn.Module):
                  cap_percentile: float = 99.0, l_coord: float = 5.0, l_noobj: float = 0.005,
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
-                 score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False, box_slots: int = 2):
+                 score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False, box_slots: int = 2,
+                 size_head: str = "linear", size_min: float = 1.0 / 64):
         super().__init__()
         self.gain_aware = bool(gain_aware)
         self.num_classes = int(num_classes)
@@ -237,9 +240,14 @@ class GNetDet(nn.Module):
         self.score_head = score_head
         self.score_offset = float(score_offset)
         self.score_scale = float(score_scale)
+        from .loss import check_size_head
+        check_size_head(size_head, size_min)
+        self.size_head = str(size_head)
+        self.size_min = float(size_min)
         self.loss_weights = dict(l_coord=l_coord, l_noobj=l_noobj, l_class=l_class, score_loss=score_loss,
                                  score_head=score_head, score_offset=self.score_offset,
-                                 score_scale=self.score_scale, l_range=float(l_range), box_slots=int(box_slots))
+                                 score_scale=self.score_scale, l_range=float(l_range), box_slots=int(box_slots),
+                                 size_head=self.size_head, size_min=self.size_min)
         self.channels_last = channels_last
         self.register_buffer("output_scale", torch.ones((), dtype=torch.float32))
         #: step 4: evaluate in float64 so every code equals the chip's integer result
@@ -266,7 +274,8 @@ class GNetDet(nn.Module):
                 "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
                 "mask_bits": [int(s) for s in self.mask_bits()],
                 "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
-                "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware}
+                "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware,
+                "size_head": self.size_head, "size_min": self.size_min}
 
     def mask_bits(self) -> List[int]:
         return major_schemes(self.specs)
@@ -356,6 +365,5 @@ class GNetDet(nn.Module):
 
     def decode(self, pred: torch.Tensor, conf_thresh: float, nms_thresh: float, max_detections: int = 100):
         """Per-image detections (see gnetmdk.models.gnetdet.decode.decode_gnetdet)."""
-        from .decode import decode_gnetdet
-        return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections,
-                              self.score_head, self.score_offset, score_scale=self.score_scale)
+        from .decode import decode_gnetdet, output_head
+        return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections, **output_head(self))
