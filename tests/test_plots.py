@@ -317,6 +317,14 @@ def test_run_pipeline_plots_stages_after_the_table_device_cpu(tmp_path, capsys, 
     assert tool.main(["--config", os.path.join(REPO, "examples", "shapes.py"), "--stages", "step1,step2",
                       "--plots", str(a_file)]) == 2
     assert ran == [] and capsys.readouterr().err.startswith("error: plots folder")
+    # a config the run refuses leaves no --plots folder behind (one that was there before stays)
+    fresh, kept = tmp_path / "fresh", tmp_path / "kept"
+    kept.mkdir()
+    for folder in (fresh, kept):
+        assert tool.main(["--config", os.path.join(REPO, "examples", "shapes.py"), "--stages", "step1",
+                          "--plots", str(folder), "image_size", "300"]) == 2
+        assert "image_size" in capsys.readouterr().err
+    assert ran == [] and not fresh.exists() and kept.is_dir()
     out_dir = tmp_path / "p"
     assert tool.main(["--config", os.path.join(REPO, "examples", "shapes.py"), "--stages", "step1,step2",
                       "--plots", str(out_dir), "checkpoint_root", str(tmp_path / "no-checkpoints")]) == 0

@@ -90,6 +90,7 @@ def main(argv=None):
     if bad:
         print(f"error: unknown stage(s) {bad}: choose from {ORDER}", file=sys.stderr)
         return 2
+    made_plots = args.plots is not None and not os.path.exists(args.plots)
     if args.plots is not None:                      # refused before any training, not after it
         from gnetmdk.evaluation.plots import PlotError, prepare_plot_dir, require_matplotlib
         try:
@@ -117,6 +118,11 @@ def main(argv=None):
                          s.get("seconds", 0.0)))
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if made_plots:                              # the --plots folder this run created stays only if used
+            try:
+                os.rmdir(args.plots)
+            except OSError:
+                pass
         return 2
     print("\nPer-stage mAP@0.5 (entry = the loaded model after the stage's entry edits, before training)")
     print(format_table(rows))
