@@ -32,6 +32,18 @@ def test_suggest_mask_bits_takes_the_fewest_bits_within_the_tolerance():
     assert suggest_mask_bits(s, 0.25) == [1, 1, 3]
 
 
+def test_format_names_the_code_step_of_the_models_size_head():
+    """The output-group table states what one code step does to a box size: a fraction of the input side
+    (linear head) or a factor size_min ** (-cap / 31) (log head)."""
+    from gnetmdk.gti.sensitivity import OUTPUT_GROUPS, format_sensitivity
+    kw = dict(base_map=0.5, layers=["1.1"], majors=[0], weights=[(0.5, 0.0)], schemes={0: {8: (0.5, 0.0)}},
+              current=[8], weights_per_major=[10], outputs={g: (0.4, 0.1) for g in OUTPUT_GROUPS}, output_cap=1.24)
+    lin = format_sensitivity(Sensitivity(**kw))
+    assert "steps of 0.04; box sizes are fractions of the input side, a step of 0.04 of it" in lin
+    log = format_sensitivity(Sensitivity(**kw, size_head="log", size_min=1 / 64))
+    assert f"one step multiplies a box size by {64 ** 0.04:.3g}" in log and "fractions" not in log
+
+
 def test_quantize_output_channels_rounds_only_the_named_channels_device_cpu():
     from gnetmdk.gti.sensitivity import output_group_channels, quantize_output_channels
     out = torch.tensor([[0.0, 0.05, 0.3, 1.0, 2.5, -0.2, 0.33, 0.5, 0.61, 0.9, 1.7, 0.02, 3.1]], dtype=torch.float64)

@@ -12,10 +12,11 @@ Four measurements on one split, each against the float model (BatchNorm folded, 
 * **the output layer's codes, one group of outputs at a time**: the box centres (x, y), the box sizes
   (w, h) or the scores (confidences, classes) rounded to the output layer's 5-bit code grid
   (``cap / 31`` steps, clamped to ``[0, cap]``), everything else float. The output layer is the only
-  one whose codes are read as numbers; this says which of them its resolution costs. GNetDet's box
-  sizes are fractions of the input side, so one step is ``cap / 31`` of it (8.8 px at 224 px with
-  cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results.md, "The dense set
-  through 2 x 2 tiles").
+  one whose codes are read as numbers; this says which of them its resolution costs. With GTI's linear
+  size head the box sizes are fractions of the input side, so one step is ``cap / 31`` of it (8.8 px at
+  224 px with cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results.md, "The
+  dense set through 2 x 2 tiles"); with the log size head one step multiplies the size by
+  ``size_min ** (-cap / 31)`` (gnetmdk.models.gnetdet.loss.output_sizes).
 
 Each cell holds the val mAP@0.5 and the output error: the relative L2 difference ``||y - y_float|| /
 ||y_float||`` of the model's outputs over every image (values, as ``forward`` returns them).
@@ -72,6 +73,7 @@ class Sensitivity:
         outputs: {group of OUTPUT_GROUPS: (mAP, output error)} with only that group of outputs on the
             output layer's code grid; ``output_cap`` that layer's cap; both empty / 0 without caps.
         current: the model's mask_bits; weights_per_major: weight count of each major layer.
+        size_head, size_min: the model's size head ("linear" or "log"; output_sizes), for the text.
     """
     base_map: float
     layers: List[str]
@@ -83,6 +85,8 @@ class Sensitivity:
     weights_per_major: List[int] = field(default_factory=list)
     outputs: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     output_cap: float = 0.0
+    size_head: str = "linear"
+    size_min: float = 1.0 / 64
 
 
 @torch.no_grad()
@@ -167,7 +171,8 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
     nothing_quantized()
     per_major = [sum(convs[i].weight.numel() for i, mm in enumerate(majors) if mm == m) for m in sorted(set(majors))]
     return Sensitivity(float(base_map), names, majors, weights, schemes, acts, list(model.mask_bits()), per_major,
-                       outputs, float(caps[-1]) if caps is not None else 0.0)
+                       outputs, float(caps[-1]) if caps is not None else 0.0,
+                       str(getattr(model, "size_head", "linear")), float(getattr(model, "size_min", 1.0 / 64)))
 
 
 def suggest_mask_bits(sens: Sensitivity, tolerance: float = 0.005) -> List[int]:
@@ -208,8 +213,13 @@ def format_sensitivity(sens: Sensitivity, tolerance: float = 0.005) -> str:
         for name, (mp, err) in zip(sens.layers, sens.acts):
             lines.append(f"{name:<7} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} {100 * err:>9.2f}")
     if sens.outputs:
+        step = sens.output_cap / 31
+        if sens.size_head == "log":
+            sizes = (f"log size head: one step multiplies a box size by {sens.size_min ** -step:.3g}")
+        else:
+            sizes = f"box sizes are fractions of the input side, a step of {step:.4g} of it"
         lines += ["", f"one group of outputs only on the output layer's 5-bit code grid (cap {sens.output_cap:.3g}: "
-                      f"steps of {sens.output_cap / 31:.4g}; box sizes are fractions of the input side):",
+                      f"steps of {step:.4g}; {sizes}):",
                   f"{'outputs':<24} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
         for name, (mp, err) in sens.outputs.items():
             lines.append(f"{name:<24} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} {100 * err:>9.2f}")
