@@ -14,3 +14,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _single_threaded():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch for one test, restored afterwards: small models only wait on a second
+    intra-op thread on a busy machine (elementwise ops measured 400x slower with 2 threads under load),
+    and a fixed thread count fixes the order of float sums that exact comparisons rely on."""
+    yield from _single_threaded()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """:func:`one_thread` for a whole module (``pytestmark = pytest.mark.usefixtures("one_thread_module")``)."""
+    yield from _single_threaded()

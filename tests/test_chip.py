@@ -34,12 +34,7 @@ from gnetmdk.gti.chip.model_file import ChipLayer  # noqa: E402
 needs_data = pytest.mark.skipif(not (have("raccoon") and have("cards")), reason="shared datasets not present")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def load_tool(name):

@@ -17,12 +17,7 @@ from gnetmdk.dist.sampler import GlobalBatchSampler, ShardSampler
 from gnetmdk.dist.syncbn import DistBatchNorm2d, _SyncBNFunction, convert_sync_batchnorm
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------ SyncBN

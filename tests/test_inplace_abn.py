@@ -42,12 +42,7 @@ K = 64
 ACTS = [("relu", 0.01), ("leaky_relu", 0.1), ("identity", 0.01)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _act(z, act, slope):

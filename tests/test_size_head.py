@@ -20,12 +20,7 @@ from gnetmdk.models.gnetdet.loss import (SIZE_MIN, cell_boxes_to_xyxy, gnetdet_l
 GRID, C = 14, 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_size_codes_invert_output_sizes_device_cpu():

@@ -19,14 +19,7 @@ from gnetmdk.models.gnetdet.loss import gnetdet_loss, safe_sqrt
 TINY = dict(num_classes=2, image_size=224, width_mult=0.0625, chip="5801")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Single-threaded torch for these small models: intra-op threads only add waiting on a busy
-    machine (elementwise ops measured 400x slower with 2 threads under load). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _init_weights(model, seed):

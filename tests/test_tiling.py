@@ -23,14 +23,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ["circle", "square", "triangle"]
 
 
-@pytest.fixture
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A small shapes set: 3 train and 5 val images of 150-200 px with up to 6 shapes of 8-30 px."""
