@@ -2,6 +2,7 @@
 ends with a one-line message, a non-zero exit, no traceback, and existing checkpoints untouched."""
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +34,18 @@ RESUME = ["batch_size", 2, "num_epochs", 3, "checkpoint_interval", 1, "eval_befo
           "max_val_images", 2, "ema", "true", "ema_ramp", 0, "ema_decay", 0.9]     # 4 iterations per epoch
 
 
-def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_path):
+def _epoch_losses(text):
+    """{epoch number: (loss, {term: value})} of the epoch lines in a run's output."""
+    out = {}
+    for m in re.finditer(r"\] epoch (\d+)/\d+ loss ([0-9.]+) \(([^)]*)\)", text):
+        terms = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([0-9.]+)", m.group(3)))
+        out[int(m.group(1))] = (float(m.group(2)), terms)
+    return out
+
+
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_path, capsys):
+    """Weights, EMA, optimizer and scheduler after kill + resume equal the uninterrupted run's, and so
+    does the epoch line of the interrupted epoch (its means cover the iterations before the kill)."""
     _, path = workdir
     ck = tmp_path / "killed"
     args = ["--step", 1, *RESUME, "checkpoint_root", ck, "log_root", tmp_path / "lk"]
@@ -70,7 +82,16 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_pat
 
     straight = build_config(load_config_class(path), [*map(str, RESUME), "checkpoint_root", str(tmp_path / "s"),
                                                       "log_root", str(tmp_path / "ls")], step=1)
+    capsys.readouterr()
     run_stage(straight)
+    straight_lines = _epoch_losses(capsys.readouterr().out)
+    resumed_lines = _epoch_losses(r.stdout)
+    killed_epoch = state["epoch"] + 1                  # 1-based, as printed
+    assert sorted(straight_lines) == [1, 2, 3] and killed_epoch in resumed_lines
+    for e in resumed_lines:                            # the interrupted epoch and the ones after it
+        (la, ta), (lb, tb) = straight_lines[e], resumed_lines[e]
+        assert lb == pytest.approx(la, rel=2e-3, abs=2e-4), (e, la, lb)
+        assert ta.keys() == tb.keys() and all(tb[k] == pytest.approx(ta[k], rel=2e-3, abs=2e-3) for k in ta), e
     a = load_checkpoint(str(tmp_path / "s" / "step1" / "last.pth"))
     b = load_checkpoint(str(last))
     assert a["iteration"] == b["iteration"] == 12

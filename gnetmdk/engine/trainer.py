@@ -287,6 +287,10 @@ class Trainer:
             ipe = getattr(self, "iters_per_epoch", 0) or 1
             st["sampler"] = {"epoch": epoch, "start_batch": iteration - epoch * ipe}
             st["accumulate"] = self.cfg.accumulate
+            if 0 < iteration - epoch * ipe < ipe and getattr(self, "_epoch_t0", None) is not None:
+                # mid-epoch: the epoch's loss sums so far, so that a resumed epoch's line averages all of it
+                st["epoch_sums"] = {"sums": {k: float(v) for k, v in self._sums.items()}, "count": int(self._count),
+                                    "seconds": time.time() - self._epoch_t0}
         return st
 
     def save(self, name: str, epoch: int, iteration: int, full: bool = False) -> Optional[str]:
@@ -366,7 +370,8 @@ class Trainer:
 
     def train_one_epoch(self, epoch: int) -> Dict[str, float]:
         """Train one epoch (or what is left of it after a resume); returns the epoch's mean loss terms,
-        ``seconds`` and ``images_per_s``.
+        ``seconds`` and ``images_per_s``, over the whole epoch also when it was resumed from a mid-epoch
+        checkpoint (whose ``epoch_sums`` carry the iterations before the interruption).
 
         Nothing in an iteration waits for the device: loss terms, the gradient norm and each
         micro-batch's total loss stay on the device in one packed tensor, read back once, one
@@ -384,6 +389,14 @@ class Trainer:
         self._sums: Dict[str, float] = {}
         self._count = 0
         t0 = time.time()
+        part = (self.resume_state or {}).get("epoch_sums") if epoch == self.start_epoch else None
+        if part and self.batch_in_epoch > 0:
+            # resumed mid-epoch: the iterations before the interruption count in this epoch's means and
+            # images/s (the checkpoint's sums; the pause between the runs is not counted)
+            self._sums = {k: float(v) for k, v in part["sums"].items()}
+            self._count = int(part["count"])
+            t0 -= float(part["seconds"])
+        self._epoch_t0 = t0
         accumulate = cfg.accumulate
         micro = 0
         acc: Dict[str, torch.Tensor] = {}
