@@ -486,3 +486,12 @@ def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "box size sqrt(w h) at image_size 448" in res.stdout
     assert "warning: 100% of the train boxes are smaller than one grid cell (32 px" in res.stderr
+    # the default linear size head: the boxes span under 4 output code steps, so the log head is named
+    assert "smaller than 4 steps of the chip's 5-bit output codes" in res.stderr
+    assert "gnetdet.size_head log" in res.stderr
+    cfg.write_text(cfg.read_text() + "    gnetdet = dict(size_head='log')\n")
+    res = run_tool(XML_2_TXT, "--config", cfg)
+    assert res.returncode == 0 and "output codes" not in res.stderr, res.stderr
+    assert tool.size_head_warning([(0.3, 0.2)] * 10, "linear") is None          # large boxes: no warning
+    assert "size_head log" in tool.size_head_warning([(0.1, 0.1)] * 10, "linear")   # 0.1 < 4 / 31
+    assert tool.size_head_warning([(0.1, 0.1)] * 10, None) is None              # no config, or PP-YOLO

@@ -100,6 +100,7 @@ def resolve_settings(args) -> dict:
         "image_size": image_size,
         "cell": cell,
         "fixed_cell": fixed,
+        "size_head": _size_head(cfg),
         "name": str(pick(args.name, "DS_NAME")),
         "dataset_dir": str(pick(args.dataset_dir, "dataset_dir")),
         "classes": classes,
@@ -121,8 +122,45 @@ def _grid(cfg):
     return size, size / cfg.grid_size, cfg.grid_size != 14
 
 
+def _size_head(cfg):
+    """The config's GNetDet size head ("linear" or "log"), or None (no config, or another model)."""
+    if cfg is None or getattr(cfg, "model_name", "gnetdet") != "gnetdet" or not hasattr(cfg, "gnetdet"):
+        return None
+    return str(cfg.gnetdet.size_head)
+
+
 #: warn when more than this share of the train boxes is smaller than one grid cell
 SMALL_SHARE = 0.2
+
+#: GNetDet's linear size head: warn when more than SMALL_SHARE of the boxes span fewer than this many
+#: steps of the output layer's 5-bit codes (a step is cap / 31 of the side, about 1/31 for a cap near 1:
+#: gti-chip.md). Rounding a box of k steps moves each side by up to half a step, 1 / (2 k) of the box:
+#: at 4 steps an IoU of 0.8 at worst, at 1-2 steps below 0.5 (docs/results.md, the dense set).
+SIZE_STEPS = 4
+
+
+def size_head_warning(sizes, size_head):
+    """The warning for boxes too small for the linear size head's output codes, or None.
+
+    Args:
+        sizes: [(w, h)] relative to the image (convert_voc_to_meta's ``box_sizes``).
+        size_head: the config's ``gnetdet.size_head``; only "linear" can warn.
+    Returns:
+        a message naming the share of boxes below SIZE_STEPS / 31 of the side and the remedy
+        (``gnetdet.size_head log``), or None.
+    """
+    import numpy as np
+    if size_head != "linear" or not sizes:
+        return None
+    rel = np.sqrt(np.prod(np.asarray(sizes, dtype=np.float64), axis=1))
+    small = float(np.mean(rel < SIZE_STEPS / 31.0))
+    if small <= SMALL_SHARE:
+        return None
+    return (f"{100 * small:.0f}% of the train boxes are smaller than {SIZE_STEPS} steps of the chip's 5-bit output "
+            f"codes ({100 * SIZE_STEPS / 31:.0f}% of the image side with an output cap near 1): with the linear size "
+            "head (size_head linear, GTI) the chip model rounds their width and height to those steps. Set "
+            "gnetdet.size_head log in the config (sizes in log space, the same relative step at every size) "
+            "before step 1")
 
 
 def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
@@ -223,7 +261,7 @@ def main(argv=None, coco: bool = False) -> int:
     if report["skipped"]:
         print(f"{len(report['skipped'])} file(s) skipped", file=sys.stderr)
     print_summary(report)
-    warn = None
+    warn = size_warn = None
     for split, st in report["splits"].items():
         lines, w = box_size_lines(st.get("box_sizes", []), st_cfg["image_size"], st_cfg["cell"], st_cfg["fixed_cell"])
         if lines:
@@ -232,8 +270,10 @@ def main(argv=None, coco: bool = False) -> int:
                 print(line)
         if split == "train":
             warn = w
-    if warn:
-        print(f"warning: {warn}", file=sys.stderr)
+            size_warn = size_head_warning(st.get("box_sizes", []), st_cfg.get("size_head"))
+    for w in (warn, size_warn):
+        if w:
+            print(f"warning: {w}", file=sys.stderr)
     return 0
 
 
