@@ -11,7 +11,9 @@ OUT/<dataset>/seed<K>/stages.json (a run whose stages.json exists is not run aga
 rerun). Overrides after the options apply to every run. The shapes sets are generated first when
 missing (`make_shapes.py`, `--dense` for the dense one) with their meta files; dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
-cards and raccoon read ../shared/data. For a tiled set each run's step-1 and step-4 best.pth are also
+cards and raccoon read ../shared/data. Each run's step-4 best.pth is converted into the chip model and
+checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
+left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
 scored on the whole images (`tools/eval_voc.py --stitch --json`, OUT/<dataset>/seed<K>/whole_<stage>.json),
 and a second table holds those. Then OUT/accuracy.md and OUT/accuracy.json: per dataset and stage the mean, min and
 max best mAP@0.5 over the seeds, and step 4 - step 1 per seed (mean, worst), the goal being a mean
@@ -92,6 +94,52 @@ def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides
             *overrides]
 
 
+def chip_check(dataset: str, seed: int, out: str, overrides: Sequence[str]) -> dict:
+    """Convert one run's step-4 best.pth into the chip model (OUT/<dataset>/seed<K>/model) and compare it
+    with the checkpoint on the val split (tools/chip_eval.py --check: every activation code of every
+    layer, and the mAP); the output in chip_check.log, the verdict in chip.json and returned:
+    {"rc": chip_eval's exit status (0 equal, 1 not), "codes", "mismatches", "chip_map", "step4_map"}."""
+    import re
+    d = run_dir(out, dataset, seed)
+    config = os.path.join(ROOT, DATASETS[dataset][0])
+    model_dir = os.path.join(d, "model")
+    with open(os.path.join(d, "chip_check.log"), "w") as log:
+        rc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_to_chip.py"),
+                             os.path.join(d, "checkpoint", "step4", "best.pth"), "--config", config, "--out", model_dir,
+                             "--no-onnx"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc == 0:
+            res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "chip_eval.py"),
+                                  os.path.join(model_dir, "chip_model.json"), "--config", config, "--check",
+                                  "seed", str(seed), *overrides], cwd=ROOT, capture_output=True, text=True)
+            rc = res.returncode
+            log.write(res.stdout + res.stderr)
+    with open(os.path.join(d, "chip_check.log")) as fh:
+        text = fh.read()
+    total = re.search(r"^total\s+(\d+)\s+(\d+)$", text, re.M)
+    maps = re.search(r"step-4 checkpoint mAP ([0-9.]+) \| chip mAP ([0-9.]+)", text)
+    verdict = {"rc": rc, "codes": int(total.group(1)) if total else None,
+               "mismatches": int(total.group(2)) if total else None,
+               "step4_map": float(maps.group(1)) if maps else None, "chip_map": float(maps.group(2)) if maps else None}
+    with open(os.path.join(d, "chip.json"), "w") as fh:
+        json.dump(verdict, fh, indent=2)
+    return verdict
+
+
+def chip_lines(out: str, runs: Dict[str, List[int]]) -> List[str]:
+    """One line per run with a chip.json: the chip model against step 4 (codes, mismatches, mAP)."""
+    lines = []
+    for ds, seeds in runs.items():
+        for seed in seeds:
+            path = os.path.join(run_dir(out, ds, seed), "chip.json")
+            if os.path.isfile(path):
+                with open(path) as fh:
+                    v = json.load(fh)
+                verdict = "equal" if v["rc"] == 0 else f"NOT equal (exit {v['rc']})"
+                lines.append(f"- {ds} seed {seed}: chip model {verdict}: {v['mismatches']} mismatches over {v['codes']} "
+                             f"codes, chip mAP {v['chip_map']} (step 4 {v['step4_map']})")
+    return lines
+
+
 def whole_rows(dataset: str, seed: int, out: str) -> List[dict]:
     """run_pipeline-like rows ({"stage", "best_map"}) of the whole-image scores present for one run."""
     rows = []
@@ -150,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "accuracy"))
     p.add_argument("--table-only", action="store_true", help="only aggregate the runs already in --out")
+    p.add_argument("--no-chip", action="store_true", help="do not convert and check the chip models")
     args, overrides = p.parse_known_args(argv)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     bad = [d for d in datasets if d not in DATASETS]
@@ -178,6 +227,9 @@ def main(argv=None) -> int:
             if os.path.isfile(js):
                 with open(js) as fh:
                     results.setdefault(ds, {})[seed] = json.load(fh)
+            if (os.path.isfile(js) and not args.table_only and not args.no_chip
+                    and not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), "chip.json"))):
+                chip_check(ds, seed, args.out, overrides)
             if ds in TILED and os.path.isfile(js) and not args.table_only:
                 for stage in WHOLE_STAGES:
                     if not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), f"whole_{stage}.json")):
@@ -193,6 +245,9 @@ def main(argv=None) -> int:
         table.update(aggregate(whole))
         text += "\n\nTiled sets scored on the whole images (tools/eval_voc.py --stitch):\n\n" + \
             format_table(aggregate(whole))
+    chips = chip_lines(args.out, {ds: seeds for ds in datasets})
+    if chips:
+        text += "\n\nChip models against step 4 (tools/chip_eval.py --check on the val split):\n\n" + "\n".join(chips)
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "accuracy.md"), "w") as fh:

@@ -178,3 +178,38 @@ def test_small_objects_refused_override_is_one_message_device_cpu(tmp_path, caps
     assert bench.main(["--bands", "4-8:1-2", "--out", str(tmp_path), "no_such_field", "1"]) == 2
     assert "no_such_field" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())                     # refused before any set is written
+
+
+def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_path, monkeypatch, capsys):
+    """chip_check converts a run's step-4 best.pth into the chip model and compares every code and the mAP
+    (chip.json: exit 0, 0 mismatches, equal mAP); a checkpoint that is not step 4 is a failed check, and
+    the table's chip lines say which."""
+    import json
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from chip_helpers import (DATASETS, build_step4_model, have, load_images, save_step4_checkpoint,
+                              write_config)
+    from gnetmdk.config import load_config
+    from gnetmdk.dataset.dataset import build_dataset
+    if not have("raccoon"):
+        pytest.skip("raccoon dataset not present")
+    torch.set_num_threads(1)
+    acc = _load("accuracy")
+    config = write_config(str(tmp_path), "raccoon", max_val_images=3, size_head="log")
+    monkeypatch.setitem(acc.DATASETS, "raccoon", (config, None))
+    cfg = load_config(config)
+    model, _ = build_step4_model(len(DATASETS["raccoon"]), load_images(build_dataset(cfg, "train"), 4),
+                                 size_head="log")
+    for seed, stage in ((0, "step4"), (1, "step3")):
+        ck = tmp_path / "raccoon" / f"seed{seed}" / "checkpoint" / "step4"
+        ck.mkdir(parents=True)
+        save_step4_checkpoint(str(ck / "best.pth"), model, config, stage=stage)
+    good = acc.chip_check("raccoon", 0, str(tmp_path), ["threads", "1"])
+    assert good["rc"] == 0 and good["mismatches"] == 0 and good["codes"] > 0
+    assert good["chip_map"] == good["step4_map"] is not None
+    assert json.loads((tmp_path / "raccoon" / "seed0" / "chip.json").read_text()) == good
+    bad = acc.chip_check("raccoon", 1, str(tmp_path), [])
+    assert bad["rc"] == 2 and bad["mismatches"] is None               # convert_to_chip refuses a step-3 checkpoint
+    lines = acc.chip_lines(str(tmp_path), {"raccoon": [0, 1, 2]})
+    assert len(lines) == 2 and "seed 0: chip model equal: 0 mismatches" in lines[0]
+    assert "seed 1: chip model NOT equal (exit 2)" in lines[1]
