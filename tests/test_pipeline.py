@@ -372,9 +372,9 @@ def test_cli_refuses_checkpoint_of_another_class_count(pipeline, tmp_path):
 
 
 def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
-    """The cards recipe's settings (logit score head, MSE-best weight scale and caps) through every stage: the
-    checkpoints keep the head and the rule, a later tool with a default config still evaluates the
-    step-4 model under the MSE rule, and the chip model equals it."""
+    """The cards recipe's settings (logit score head, log size head, one box slot, the range term, MSE-best
+    weight scale and caps) through every stage: the checkpoints keep the heads and the rule, a later tool
+    with a default config still evaluates the step-4 model under them, and the chip model equals it."""
     from torch.utils.data import DataLoader
     from gnetmdk.dataset.dataset import build_dataset, collate
     from gnetmdk.evaluation.evaluator import evaluate_model
@@ -383,7 +383,7 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
     root, path = make_cards_workdir(tmp_path_factory, "logit_mse")
     torch.set_num_threads(1)
     over = ["score_head", "logit", "score_offset", "0.5", "score_scale", "10", "weight_scale", "mse",
-            "cap_method", "mse"]
+            "cap_method", "mse", "size_head", "log", "box_slots", "1", "l_range", "1"]
     for name in ["step1", "step2", "cal", "step3", "step4"]:
         cfg = _cfg(path, *over, cal=True) if name == "cal" else _cfg(path, *over, step=int(name[-1]))
         run_stage(cfg)
@@ -393,9 +393,11 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
     meta = s4["model_meta"]
     assert (meta["score_head"], meta["score_offset"], meta["score_scale"], meta["weight_scale"]) == \
         ("logit", 0.5, 10.0, "mse")
-    plain = _cfg(path)                                   # weight_scale gti, linear head by default
+    assert (meta["size_head"], meta["size_min"]) == ("log", 1 / 64)
+    plain = _cfg(path)                                   # weight_scale gti, linear heads by default
     model = build_model_from_checkpoint(s4, plain, path="step4/best.pth")
     assert {c.method for c in model.convs()} == {"mse"} and model.score_scale == 10.0
+    assert model.size_head == "log"
     apply_stage(model, STAGES["step4"])
     model.eval()
     val = build_dataset(plain, "valid")
@@ -403,7 +405,7 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
     ref = evaluate_model(model, DataLoader(val, batch_size=4, collate_fn=collate), val, torch.device("cpu"),
                          conf_thresh=1e-6)
     cm = chip_model_from_gnetdet(model, CLASSES)
-    assert (cm.score_head, cm.score_scale) == ("logit", 10.0)
+    assert (cm.score_head, cm.score_scale, cm.size_head) == ("logit", 10.0, "log")
     res = evaluate_chip(ChipEmulator(cm).run, cm, val, conf_thresh=1e-6)
     assert sum(ref["num_det"]) > 0
     assert res["map"] == ref["map"] and res["num_det"] == ref["num_det"]
