@@ -724,11 +724,14 @@ def test_output_cap_max_is_checked_device_cpu():
     (["score_head", "logit", "score_offset", "0.2", "score_scale", "20"], 2.0),   # saturates below 1: boxes decide
     (["output_cap_max", "0"], 0.0),
     (["output_cap_max", "1.25"], 1.25),
+    (["size_head", "log"], 1.25),                                       # log size head: 1.25 x the top
+    (["size_head", "log", "score_head", "logit", "score_offset", "4", "score_scale", "1"], 1.25 * (4 + math.log(99))),
+    (["size_head", "log", "output_cap_max", "0"], 0.0),
 ])
 def test_output_cap_limit_rule_from_the_score_head_device_cpu(over, limit):
-    """The default ``output_cap_max -1``: twice the top of the trained output range (1 for boxes and
-    linear scores; the logit head's 0.99 point ``offset + ln(99)/scale``); a value >= 0 is kept. The
-    family's calibration uses that limit (device cpu)."""
+    """The default ``output_cap_max -1``: the top of the trained output range (1 for boxes and linear
+    scores; the logit head's 0.99 point ``offset + ln(99)/scale``) times 2, or 1.25 with the log size head;
+    a value >= 0 is kept. The family's calibration uses that limit (device cpu)."""
     from gnetmdk.config import build_config
     from gnetmdk.config.base import BaseConfig
     from gnetmdk.models import get_family
@@ -736,6 +739,13 @@ def test_output_cap_limit_rule_from_the_score_head_device_cpu(over, limit):
     cfg = build_config(BaseConfig, over)
     assert output_cap_limit(cfg.gnetdet) == pytest.approx(limit, rel=1e-12)
     assert get_family("gnetdet").output_cap_limit(cfg) == pytest.approx(limit, rel=1e-12)
+    # a model's heads (a checkpoint keeps the ones it was trained with) take the place of the config's
+    from gnetmdk.models.gnetdet.model import GNetDet
+    if cfg.gnetdet.output_cap_max == -1:
+        log_model = GNetDet(2, 224, 0.0625, score_head=cfg.gnetdet.score_head, score_offset=cfg.gnetdet.score_offset,
+                            score_scale=cfg.gnetdet.score_scale, size_head="log")
+        assert get_family("gnetdet").output_cap_limit(cfg, log_model) == pytest.approx(limit * 1.25 / (
+            1.25 if cfg.gnetdet.size_head == "log" else 2.0), rel=1e-12)
     # the 0.99 point: the logit head's score there is 0.99
     g = cfg.gnetdet
     if g.score_head == "logit":

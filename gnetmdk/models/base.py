@@ -114,9 +114,9 @@ class DetectorFamily:
                 out.append(msg)
         return out
 
-    def output_cap_limit(self, cfg) -> float:
-        """The upper limit on the output layer's calibrated cap (0 = none): by default the section's
-        ``output_cap_max`` when it has one, else 0."""
+    def output_cap_limit(self, cfg, model=None) -> float:
+        """The upper limit on the output layer's calibrated cap (0 = none) for ``model`` (None: from the
+        config alone): by default the section's ``output_cap_max`` when it has one, else 0."""
         return max(0.0, float(getattr(cfg.section(), "output_cap_max", 0.0)))
 
     def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
@@ -131,7 +131,7 @@ class DetectorFamily:
         """
         from gnetmdk.engine.calibration import calibrate_caps
         sec = cfg.section()
-        limit = self.output_cap_limit(cfg)
+        limit = self.output_cap_limit(cfg, model)
         caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit)
         how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
                "output": "MSE-best for 5-bit codes, then searched against the network's output error",

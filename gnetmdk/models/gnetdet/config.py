@@ -32,7 +32,8 @@ class GNetDetConfig(ConfigSection):
     cap_method: str = "mse"                 # calibration: mse (5-bit MSE-best cap per layer) | percentile (GTI)
                                             # | output (mse, then a search against the network's output error)
     output_cap_max: float = -1.0            # calibration: the output layer's cap at most this; 0 = as measured;
-                                            # -1 = twice the top of the trained output range (output_cap_limit)
+                                            # -1 = a rule: the top of the trained output range times 2
+                                            # (linear size head) or 1.25 (log size head) (output_cap_limit)
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
@@ -84,30 +85,44 @@ def check_score_head(score_head: str, score_scale: float, box_slots: int) -> Non
                           f"better IoU), not {box_slots!r}")
 
 
-def output_cap_limit(g) -> float:
+#: the output cap rule's headroom over the top of the trained output range, per size head (output_cap_limit)
+OUTPUT_CAP_FACTOR = {"linear": 2.0, "log": 1.25}
+
+
+def output_cap_limit(g, model=None) -> float:
     """The upper limit on the output layer's calibrated cap that ``g.output_cap_max`` asks for, in output
     units (0 = no limit).
 
-    ``output_cap_max`` >= 0 is returned as it is. ``-1`` (the default) is the rule: twice the top of the
-    range the loss trains the outputs to. Boxes are trained in [0, 1]; the linear head's scores are the
-    outputs, trained in [0, 1]; the logit head's score ``sigmoid(score_scale (output - score_offset))``
-    reaches 0.99 at ``score_offset + ln(99) / score_scale``, and outputs beyond change no score by
-    more than 0.01. So the limit is ``2 max(1, score_offset + ln(99) / score_scale)`` for the logit head
-    and 2 for the linear head. The factor 2 leaves the MSE search room inside the limit; it is the value
-    measured on the shapes demo, where a measured cap of 5.7 cost 15 points of mAP on its own and the
-    limit 2 brought the model back to within 2 points of its float model (docs/results.md).
+    ``output_cap_max`` >= 0 is returned as it is. ``-1`` (the default) is the rule: the top of the range
+    the loss trains the outputs to, times :data:`OUTPUT_CAP_FACTOR` of the size head. Boxes are trained in
+    [0, 1] (sizes with the linear head, log-space codes with the log head); the linear head's scores are
+    the outputs, trained in [0, 1]; the logit head's score ``sigmoid(score_scale (output - score_offset))``
+    reaches 0.99 at ``score_offset + ln(99) / score_scale``, and outputs beyond change no score by more
+    than 0.01. So the top is ``max(1, score_offset + ln(99) / score_scale)`` for the logit head and 1 for
+    the linear one. The factor leaves the MSE search room inside the limit. 2 (linear size head) is the
+    value measured on the shapes demo, where a measured cap of 5.7 cost 15 points of mAP on its own and
+    the limit 2 brought the model back to within 2 points of its float model. 1.25 (log size head): there
+    one code step multiplies a box size by ``size_min ** (-cap / 31)``, so every unit of cap above the
+    trained range coarsens all box sizes; on the shapes demo (seed 1) limits of 1.77 (as measured), 1.5
+    and 1.25 ended step 4 at 2.5 and 1.0 points below step 1 and 1.6 above it (docs/results.md).
 
     Args:
-        g: the ``gnetdet`` section (fields output_cap_max, score_head, score_offset, score_scale).
+        g: the ``gnetdet`` section (fields output_cap_max, score_head, score_offset, score_scale, size_head).
+        model: the GNetDet being calibrated, or None; its heads (score_head, score_offset, score_scale,
+            size_head), which a checkpoint keeps whatever the config says, take the place of the section's.
     Returns:
         float >= 0.
     """
     if g.output_cap_max != -1:
         return float(g.output_cap_max)
+
+    def head(name):
+        return getattr(model, name, getattr(g, name)) if model is not None else getattr(g, name)
+
     top = 1.0
-    if g.score_head == "logit":
-        top = max(top, float(g.score_offset) + math.log(99.0) / float(g.score_scale))
-    return 2.0 * top
+    if head("score_head") == "logit":
+        top = max(top, float(head("score_offset")) + math.log(99.0) / float(head("score_scale")))
+    return OUTPUT_CAP_FACTOR.get(str(head("size_head")), 2.0) * top
 
 
 def check_gnetdet_config(cfg) -> None:
@@ -128,7 +143,7 @@ def check_gnetdet_config(cfg) -> None:
         bad("output_cap_percentile", "must be in (0, 100]")
     if not (math.isfinite(g.output_cap_max) and (g.output_cap_max >= 0 or g.output_cap_max == -1)):
         bad("output_cap_max", "must be a finite number >= 0 (0: the output layer's cap as calibrated) or -1 "
-                              "(twice the top of the trained output range)")
+                              "(a rule: the top of the trained output range times 2, or 1.25 with the log size head)")
     if g.cap_method not in ("percentile", "mse", "output"):
         bad("cap_method", "must be 'percentile' (GTI), 'mse' or 'output'")
     if not (math.isfinite(g.cap_lr) and g.cap_lr >= 0):

@@ -22,11 +22,12 @@ class GNetDetFamily(DetectorFamily):
     input_kind = "chip_codes"
     target_kind = "dense"
 
-    def output_cap_limit(self, cfg) -> float:
+    def output_cap_limit(self, cfg, model=None) -> float:
         """The output layer's cap limit: ``gnetdet.output_cap_max``, or with -1 the rule of
-        :func:`gnetmdk.models.gnetdet.config.output_cap_limit` from the score head."""
+        :func:`gnetmdk.models.gnetdet.config.output_cap_limit` from the score and size heads (``model``'s
+        when given: a checkpoint keeps the heads it was trained with)."""
         from .config import output_cap_limit
-        return output_cap_limit(cfg.gnetdet)
+        return output_cap_limit(cfg.gnetdet, model)
 
     # ------------------------------------------------------------------ models
     def create(self, **kwargs) -> nn.Module:
