@@ -30,16 +30,14 @@ class Config(BaseConfig):
         score_offset=0.5,
         score_scale=10.0,
         l_noobj=0.05,
-        # box sizes in log space (size = size_min ** (1 - output)): the same relative step of the output
-        # layer's 5-bit codes at every box size, where GTI's linear sizes step by cap / 31 of the image
-        # side (8.8 px at 224 px, more than half of a small box; docs/results.md, "One recipe")
-        size_head="log",
+        # box sizes: GTI's linear head (the default); size_head="log" when tools/xml_2_txt.py warns that most
+        # boxes span fewer than 4 of the output layer's code steps (small objects; docs/pipeline.md)
         l_range=1.0,           # bounds the outputs no loss term trains (they share the output layer's cap)
         box_slots=1,           # train one box slot per cell (default 2, YOLOv1's IoU rule; docs/pipeline.md)
         # quantization: the section's defaults are the measured recipe: the MSE-best weight scale per kernel
         # (weight_scale "mse"), the MSE-best 5-bit cap per layer (cap_method "mse"), the output layer's cap
-        # at most 1.25 times the trained range with the log size head (output_cap_max -1); GTI's rules:
-        # weight_scale "gti", cap_method "percentile" (docs/pipeline.md, docs/results.md)
+        # at most twice the trained range (output_cap_max -1); GTI's rules: weight_scale "gti",
+        # cap_method "percentile" (docs/pipeline.md, docs/results.md)
         # the first and the last major layer at 8 bits, 3 between (the chip default has 3 on the first)
         mask_bits=[8, 3, 3, 3, 3, 8],
     )

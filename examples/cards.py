@@ -28,10 +28,6 @@ class Config(BaseConfig):
         score_offset=0.5,
         score_scale=10.0,
         l_class=1.0,
-        # box sizes in log space (size = size_min ** (1 - output)): the same relative step of the output
-        # layer's 5-bit codes at every box size, where GTI's linear sizes step by cap / 31 of the image
-        # side (8.8 px at 224 px, more than half of a small box; docs/results.md, "One recipe")
-        size_head="log",
         l_noobj=0.05,
         # a hinge on the outputs no loss term trains (empty cells' classes and boxes, the second slot's box):
         # they share the output layer's calibrated cap with the trained ones (docs/results.md)

@@ -26,10 +26,6 @@ class Config(BaseConfig):
         score_offset=0.5,
         score_scale=10.0,
         l_class=1.0,
-        # box sizes in log space (size = size_min ** (1 - output)): the same relative step of the output
-        # layer's 5-bit codes at every box size, where GTI's linear sizes step by cap / 31 of the image
-        # side (8.8 px at 224 px, more than half of a small box; docs/results.md, "One recipe")
-        size_head="log",
         l_noobj=0.05,
         # one class: the class output of empty cells, which nothing else trains, grew to 4.4 and set the
         # output layer's cap; the range term holds it below the logit clip (docs/results.md)

@@ -25,17 +25,11 @@ class Config(BaseConfig):
         score_offset=0.5,
         score_scale=10.0,
         l_class=1.0,
-        # box sizes in log space (size = size_min ** (1 - output)): the same relative step of the output
-        # layer's 5-bit codes at every box size, where GTI's linear sizes step by cap / 31 of the image
-        # side (8.8 px at 224 px, more than half of a small box; docs/results.md, "One recipe")
-        size_head="log",
         l_noobj=0.05,
-        box_slots=1,           # one trained box slot, as cards (docs/results.md, "One recipe")
         # quantization: the section's defaults (docs/pipeline.md): the MSE-best weight scale per kernel and
         # the MSE-best 5-bit cap per layer (over seeds 0-2 step 4 ended higher on every seed than with GTI's
-        # weight rule and 99.99th-percentile caps), and the output layer's cap at most 1.25 times the range
-        # the loss trains with the log size head (1.25 here; a measured cap of 1.77 had cost seed 1 2.5 points
-        # and the linear head's 5.7 15 points; docs/pipeline.md, output_cap_max)
+        # weight rule and 99.99th-percentile caps), and the output layer's cap at most twice the range the
+        # loss trains (2 here; a measured cap of 5.7 had cost seed 1 15 points; docs/results.md, "Shapes demo")
         # the first major layer (two convs reading the image, under 1% of the weights) at 8 bits like the
         # last, 3 bits between, as examples/cards.py (over seeds 0-2 step 4 - step 1 went from -0.8 to +0.2
         # points on this set and from -1.6 to -0.4 on raccoon against the chip default; docs/results.md)

@@ -31,9 +31,10 @@ class Config(BaseConfig):
         score_offset=0.5,
         score_scale=10.0,
         l_class=1.0,
-        # box sizes in log space (size = size_min ** (1 - output)): the same relative step of the output
-        # layer's 5-bit codes at every box size, where GTI's linear sizes step by cap / 31 of the image
-        # side (8.8 px at 224 px, more than half of a small box; docs/results.md, "One recipe")
+        # box sizes in log space (size = size_min ** (1 - output)), as tools/xml_2_txt.py asks when most
+        # boxes span fewer than 4 output code steps: GTI's linear sizes step by cap / 31 of the image side
+        # (8.8 px at 224 px for these 4-16 px boxes), the log head by the same factor at every size
+        # (docs/pipeline.md; on the tiles step 4 went from 14-16 points below step 1 to above it)
         size_head="log",
         l_noobj=0.05,
         l_range=1.0,

@@ -103,7 +103,7 @@ def output_cap_limit(g, model=None) -> float:
     value measured on the shapes demo, where a measured cap of 5.7 cost 15 points of mAP on its own and
     the limit 2 brought the model back to within 2 points of its float model. 1.25 (log size head): there
     one code step multiplies a box size by ``size_min ** (-cap / 31)``, so every unit of cap above the
-    trained range coarsens all box sizes; on the shapes demo (seed 1) limits of 1.77 (as measured), 1.5
+    trained range coarsens all box sizes; on the shapes demo trained with the log head (seed 1) limits of 1.77 (as measured), 1.5
     and 1.25 ended step 4 at 2.5 and 1.0 points below step 1 and 1.6 above it (docs/results.md).
 
     Args:
