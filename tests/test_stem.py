@@ -31,8 +31,9 @@ from gnetmdk.dist.syncbn import DistBatchNorm2d, convert_sync_batchnorm
 from gnetmdk.layers.stem import conv_bn_act, convert_recompute_stem, count_recompute_stem
 from gnetmdk.models.gnetdet.model import GNetDet
 from gnetmdk.models.ppyolo.common import ConvBNLayer
-from test_inplace_abn import K, U, UB, _act, _one_thread, saved_storages, two_short_sgd_runs  # noqa: F401  (the unit roundoffs, the float64
-#                                                           activation, and the autouse one-thread fixture)
+from test_inplace_abn import K, U, UB, _act, saved_storages, two_short_sgd_runs  # the unit roundoffs and the float64 activation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ACTS = [("relu", 0.0), ("leaky_relu", 0.1), ("identity", 0.0)]
 
