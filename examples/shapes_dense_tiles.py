@@ -1,6 +1,6 @@
 """The dense small-object case through tiles: each 448-px image of tools/make_shapes.py --dense cut
 into 2 x 2 tiles (16 px overlap, so every 4-16 px shape lies whole in some tile), GNetDet-224 on the
-tiles, the cards recipe unchanged. tools/xml_2_txt.py on the whole images names the tiling; the model
+tiles, the cards recipe with the log size head and one trained box slot, as the box sizes ask. tools/xml_2_txt.py on the whole images names the tiling; the model
 is scored on the tiles during training and on the whole images with --stitch.
 
     python3 tools/make_shapes.py data/shapes_dense --dense
@@ -34,7 +34,7 @@ class Config(BaseConfig):
         # box sizes in log space (size = size_min ** (1 - output)), as tools/xml_2_txt.py asks when most
         # boxes span fewer than 4 output code steps: GTI's linear sizes step by cap / 31 of the image side
         # (8.8 px at 224 px for these 4-16 px boxes), the log head by the same factor at every size
-        # (docs/pipeline.md; on the tiles step 4 went from 14-16 points below step 1 to above it)
+        # (docs/pipeline.md; on the tiles step 4 went from 14-16 points below step 1 to 0.0-0.9 above it)
         size_head="log",
         l_noobj=0.05,
         l_range=1.0,
