@@ -467,6 +467,21 @@ def test_chip_eval_map_equals_eval_voc_and_check_passes(raccoon, tmp_path, capsy
         assert rc == 0 and map_line(capsys.readouterr().out) == map_line(ce)
 
 
+def test_tools_tell_a_section_field_from_a_path():
+    """chip_eval and export_int take their model path as an optional positional: a family's section field
+    as the first override word (dotted, or by its own name) stays an override, a path stays the path."""
+    args, rest = load_tool("chip_eval").parse_args(["--config", "c.py", "gnetdet.size_head", "log"])
+    assert args.chip_model is None and rest == ["gnetdet.size_head", "log"]
+    args, rest = load_tool("chip_eval").parse_args(["--config", "c.py", "size_head", "log"])
+    assert args.chip_model is None and rest == ["size_head", "log"]
+    args, rest = load_tool("chip_eval").parse_args(["model/chip_model.json", "size_head", "log"])
+    assert args.chip_model == "model/chip_model.json" and rest == ["size_head", "log"]
+    args, rest = load_tool("export_int").parse_args(["ppyolo.depth", "18"])
+    assert args.checkpoint is None and rest == ["ppyolo.depth", "18"]
+    args, rest = load_tool("export_int").parse_args(["ck/best.pth", "depth", "18"])
+    assert args.checkpoint == "ck/best.pth" and rest == ["depth", "18"]
+
+
 @needs_data
 def test_chip_eval_check_reports_and_fails_on_a_wrong_model(raccoon, tmp_path, capsys):
     s = raccoon
@@ -481,9 +496,11 @@ def test_chip_eval_check_reports_and_fails_on_a_wrong_model(raccoon, tmp_path, c
     rows = {l.split()[0]: int(l.split()[2]) for l in text.splitlines() if l.startswith("conv")}
     assert all(rows[f"conv{i}"] == 0 for i in range(1, 6)) and rows["conv6"] > 0
     assert "NOT bit-exact" in text
-    # the right model passes, on the train split too (evaluated without augmentation)
+    # the right model passes, on the train split too (evaluated without augmentation), with the model
+    # family's section fields among the overrides (benchmarks/accuracy.py passes its own on)
     rc = load_tool("chip_eval").main([str(tmp_path / "ok.json"), "--config", s.config, "--check", s.ckpt,
-                                      "--split", "train", "max_train_images=5"])
+                                      "--split", "train", "max_train_images=5", "gnetdet.size_head", "linear",
+                                      "l_range=0"])
     text = capsys.readouterr().out
     assert rc == 0 and "train split: 5 images" in text and "| equal" in text, text
     # user errors: one line, exit 2

@@ -56,8 +56,8 @@ def parse_args(argv):
     if bad:
         p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
     # argparse may have taken the first override word for the chip model or the --check checkpoint
-    from gnetmdk.config.base import BaseConfig
-    fields = set(BaseConfig.field_types())
+    from gnetmdk.config.overrides import override_names
+    fields = override_names()
 
     def is_override(tok):
         """A KEY=VALUE word or a config field name."""
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     try:
         import torch
         from gnetmdk.config import load_config
-        from gnetmdk.config.overrides import parse_overrides
+        from gnetmdk.config.overrides import known_fields, parse_overrides
         from gnetmdk.dataset.dataset import build_dataset
         from gnetmdk.evaluation.voc import format_ap_table
         from gnetmdk.gti.chip import ChipEmulator, ChipModelError, check_bit_exact, evaluate_chip, load_chip_model
@@ -95,7 +95,9 @@ def main(argv=None) -> int:
         if cfg.image_size != cm.input_size:
             raise ChipModelError(f"chip model '{path}' takes {cm.input_size}x{cm.input_size} images but the config's "
                                  f"image_size is {cfg.image_size}: set image_size={cm.input_size}")
-        keys = parse_overrides(overrides, type(cfg).field_types())
+        from gnetmdk.models import get_family
+        # the names load_config took (section fields too: gnetdet.size_head), to see which were given
+        keys = parse_overrides(overrides, known_fields(type(cfg), get_family(cfg.model_name).name))
         conf = cfg.conf_thresh if "conf_thresh" in keys else cm.conf_thresh
         nms = cfg.nms_thresh if "nms_thresh" in keys else cm.nms_thresh
         maxd = cfg.max_detections if "max_detections" in keys else cm.max_detections

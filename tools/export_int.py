@@ -43,8 +43,8 @@ def parse_args(argv):
     bad = [t for t in rest if t.startswith("--")]
     if bad:
         p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
-    from gnetmdk.config.base import BaseConfig
-    fields = set(BaseConfig.field_types())
+    from gnetmdk.config.overrides import override_names
+    fields = override_names()
     if args.checkpoint is not None and ("=" in args.checkpoint or args.checkpoint.replace("-", "_") in fields):
         rest = [args.checkpoint] + rest
         args.checkpoint = None

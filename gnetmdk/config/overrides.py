@@ -127,6 +127,17 @@ def parse_overrides(tokens: Sequence[str], known: Dict[str, Any]) -> Dict[str, A
     return out
 
 
+def override_names() -> set:
+    """Every word that names a config value on a command line, for any model family: the top-level
+    fields, ``section.field``, and each section's fields by their own names. Tools whose positional
+    arguments are optional use it to tell the first override word from a path."""
+    names = set(BaseConfig.field_types())
+    for name, fields in BaseConfig.section_types().items():
+        names.update(f"{name}.{f}" for f in fields)
+        names.update(fields)
+    return names
+
+
 def known_fields(klass: Type[BaseConfig], family: str | None) -> Dict[str, Any]:
     """Every name a config value may be given under, mapped to its type: the top-level fields, each
     section's fields as ``section.field``, and the fields of ``family``'s section by their own names
