@@ -179,6 +179,29 @@ def test_record_and_replay_on_the_gpu_bit_for_bit(lane):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_virtual_ranks_on_the_gpu_record_and_replay_bit_for_bit(lane):
+    """Virtual ranks on the GPU (docs/alignment.md): one process with 2 virtual ranks records 3
+    deterministic step-1 iterations (each synchronised BatchNorm one autograd node over the ranks, whose
+    backward runs on CUDA's engine thread: no rank waits inside it); the replay runs the recording's 2
+    ranks as virtual ranks again and gives the same loss terms and the same weights, BatchNorm buffers
+    and optimizer state, bit for bit."""
+    root, path = lane
+    _seed_from_base(root, "virt")
+    rec = os.path.join(root, "virt-rec")
+    common = ["--config", path, "--step", "1", "--deterministic", "device", DEV, "ema", "true"]
+    a = _train("train.py", *common, "virtual_ranks", 2, "--max-iters", 3, "--save-npz", rec,
+               "load", os.path.join(root, "virt", "checkpoint", "step1", "best.pth"), *_out(root, "virt-a"))
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert "2 virtual ranks in each of 1 process(es)" in a.stdout
+    b = _train("train.py", *common, "--replay-npz", rec, *_out(root, "virt-b"))
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert "every loss term equal" in b.stdout
+    res = _run([sys.executable, os.path.join(ROOT, "tools", "diff_weights.py"), "--atol", "0", "--state",
+                os.path.join(root, "virt-a", "checkpoint", "step1", "last.pth"),
+                os.path.join(root, "virt-b", "checkpoint", "step1", "last.pth")])
+    assert res.returncode == 0, res.stdout[-2000:]
+
+
 def test_train_dist_one_gpu_and_torchrun_equal_train_py(lane):
     """train-dist.py --gpus 1 and torchrun --nproc_per_node 1 run the same deterministic computation as
     train.py: the same weights after 3 iterations."""
@@ -293,8 +316,9 @@ def test_recomputed_stem_equals_the_block_on_the_gpu(channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     up = torch.randn(4, 16, 32, 32, device=DEV)
-    tf32 = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
+    from gnetmdk.engine.device import set_tf32, tf32_enabled
+    tf32 = tf32_enabled()                 # one API for the TF32 flags (torch 2.9+ refuses mixing the two)
+    set_tf32(False)
     chunk = stem.CHUNK_ELEMENTS
     stem.CHUNK_ELEMENTS = 1                              # one image per chunk
     try:
@@ -307,7 +331,7 @@ def test_recomputed_stem_equals_the_block_on_the_gpu(channels_last):
             y.backward(up)
             mods[name] = (y.detach(), xx.grad, c, b)
     finally:
-        torch.backends.cudnn.allow_tf32 = tf32
+        set_tf32(tf32)
         stem.CHUNK_ELEMENTS = chunk
     (yp, gp, cp, bp), (ys, gs, cs, bs) = mods["plain"], mods["stem"]
     assert (ys - yp).abs().max() <= 1e-5 * yp.abs().max()

@@ -143,8 +143,12 @@ def test_syncbn_gradcheck_and_single_process_precision():
     x = torch.randn(4, 3, 5, 6, dtype=torch.double, requires_grad=True)
     w = (torch.rand(3, dtype=torch.double) + 0.5).requires_grad_(True)
     b = torch.randn(3, dtype=torch.double, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w, b: _SyncBNFunction.apply(x, w, b, None, None, None, 1e-5, 0.1, False),
-                                    (x, w, b))
+    head = (None, None, None, 1e-5, 0.1, False, True)
+    assert torch.autograd.gradcheck(lambda x, w, b: _SyncBNFunction.apply(*head, x, w, b)[0], (x, w, b))
+    # two ranks of one process (virtual ranks) in one node: the BatchNorm of the union of their batches
+    assert torch.autograd.gradcheck(
+        lambda x1, x2, w, b: torch.cat(_SyncBNFunction.apply(*head, x1, w, b, x2, w, b)),
+        (x[:1].detach().clone().requires_grad_(True), x[1:].detach().clone().requires_grad_(True), w, b))
     # channels-last float32 input with a large mean: float64-exact statistics, unlike torch's CPU BatchNorm
     g = torch.Generator().manual_seed(0)
     xx = (torch.randn(8, 16, 28, 28, generator=g) * 0.5 + 20).contiguous(memory_format=torch.channels_last)

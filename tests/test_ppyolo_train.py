@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import ALIGN_ATOL, DIFF_WEIGHTS, ROOT, TRAIN, TRAIN_DIST, diff_weights, run
+from dist_helpers import DIFF_WEIGHTS, ROOT, TRAIN, TRAIN_DIST, assert_bit_identical, diff_weights, run
 from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
 from gnetmdk.config import build_config, load_config_class
 
@@ -180,23 +180,22 @@ def test_multiscale_size_is_the_same_on_every_rank_of_an_iteration(ws):
 
 @needs_cards
 def test_two_processes_equal_one_process(ws):
-    """--deterministic (augmentation and DropBlock off, fixed size): 2 processes x 2 record 3 iterations,
-    1 process x 4 replays them from the same weights; SGD at a small rate (docs/distributed.md)."""
+    """--deterministic (augmentation and DropBlock off, fixed size): 2 processes x 2 record 3 iterations
+    from fresh weights, 1 process replays them as 2 virtual ranks: weights, BatchNorm buffers, optimizer
+    state and every loss term bit for bit (docs/alignment.md)."""
     root, path = ws
     rec = os.path.join(root, "rec")
-    common = ["--config", path, "--step", "1", "--deterministic", "optimizer", "sgd", "learning_rate", "1e-4",
-              "num_epochs", "3"]
+    common = ["--config", path, "--step", "1", "--deterministic", "num_epochs", "3", "eval_before", "false"]
     a = run([TRAIN_DIST, *common, "--gpus", "2", "--max-iters", "3", "--save-npz", rec, *_out(root, "d2")],
             root, timeout=300).check()
     assert "DropBlock off" in a.stdout and "2 x 2" in a.stdout
     b = run([TRAIN, *common, "--replay-npz", rec, *_out(root, "d1")], root, timeout=300).check()
+    assert "2 virtual ranks" in b.stdout and "every loss term equal" in b.stdout
     lines = [l for l in b.stdout.splitlines() if l.startswith("[replay] iteration")]
-    assert len(lines) == 3
-    assert all(abs(float(l.split(" diff ")[1].split()[0])) < 1e-4 for l in lines), lines
+    assert len(lines) == 3 and all(float(l.split(" diff ")[1].split()[0]) == 0.0 for l in lines), lines
     pa = os.path.join(root, "d2", "checkpoint", "step1", "last.pth")
     pb = os.path.join(root, "d1", "checkpoint", "step1", "last.pth")
-    res = diff_weights(pa, pb, atol=ALIGN_ATOL, rtol=1e-5)
-    assert res.returncode == 0, res.text[-3000:]
+    assert_bit_identical(pa, pb)
 
 
 @needs_cards

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compare the weights of two checkpoints, tensor by tensor (docs/alignment.md, docs/distributed.md).
 
-    python3 tools/diff_weights.py A.pth B.pth [--atol 1e-6] [--rtol 0] [--all]
+    python3 tools/diff_weights.py A.pth B.pth [--atol 1e-6] [--rtol 0] [--all] [--state]
+    python3 tools/diff_weights.py A.pth B.pth --atol 0 --state           # bit for bit, training state too
     python3 tools/diff_weights.py A.pth B.pth --d-value 0.0005          # the PP-YOLO notes' rule
 
 Prints, per tensor, max |a - b|, the max relative difference and the sum of squared differences
@@ -11,7 +12,9 @@ bookkeeping buffers (num_batches_tracked). A tensor is within tolerance when eve
 scale of the activations it averages). `--d-value D` (also spelt `--d_value`, as in the PP-YOLO
 alignment notes) judges each tensor by its sum of squared differences instead, aligned when it is
 <= D (the notes use 5e-4); given with --atol, a tensor must pass both rules. Both figures are listed
-either way. Exit code: 0 all within tolerance, 1 otherwise, 2 a file cannot be read.
+either way. `--state` compares the training state of two gnetmdk checkpoints as well: the EMA of the
+weights (ema.*), the optimizer's per-parameter state (optimizer.<index>.<slot>) and the caps.
+Exit code: 0 all within tolerance, 1 otherwise, 2 a file cannot be read.
 """
 import argparse
 import os
@@ -32,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--d-value", "--d_value", dest="d_value", type=float, default=None, metavar="D",
                    help="per tensor: aligned when the sum of squared differences is <= D (the notes: 0.0005)")
     p.add_argument("--all", action="store_true", help="print every tensor, not only those that differ")
+    p.add_argument("--state", action="store_true",
+                   help="also the EMA, the optimizer's state and the caps of gnetmdk checkpoints")
     args = p.parse_args(argv)
     if args.atol is None and args.d_value is None:
         args.atol = 1e-6
@@ -39,7 +44,7 @@ def main(argv=None) -> int:
         print("error: --atol, --rtol and --d-value must be >= 0", file=sys.stderr)
         return 2
     try:
-        rep = diff_files(args.a, args.b, args.atol, args.rtol, args.d_value)
+        rep = diff_files(args.a, args.b, args.atol, args.rtol, args.d_value, full=args.state)
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -81,9 +81,14 @@ class DiffReport:
         return "\n".join(lines)
 
 
-def load_state(path: str) -> Dict[str, torch.Tensor]:
+def load_state(path: str, full: bool = False) -> Dict[str, torch.Tensor]:
     """The tensors of a .pth: a gnetmdk checkpoint's ``model``, a dict with ``state_dict`` / ``model``,
     or a plain state_dict (loaded with weights_only=True).
+
+    ``full``: also a gnetmdk checkpoint's training state, named ``ema.<tensor>`` (the EMA of the weights),
+    ``optimizer.<index>.<slot>`` (per parameter: Adam's moments and step, SGD's momentum buffer) and
+    ``caps`` (the activation caps as saved), so that two runs can be proven equal in everything they
+    carry on with.
 
     Raises:
         CompareError: missing or unreadable file, or no tensors in it.
@@ -91,9 +96,10 @@ def load_state(path: str) -> Dict[str, torch.Tensor]:
     if not os.path.isfile(path):
         raise CompareError(f"'{path}' does not exist")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CompareError(f"'{path}' cannot be read as a weights file ({type(exc).__name__}: {exc})") from None
+    obj = raw
     if isinstance(obj, dict):
         for key in ("model", "state_dict", "model_state_dict"):
             if isinstance(obj.get(key), dict):
@@ -105,6 +111,18 @@ def load_state(path: str) -> Dict[str, torch.Tensor]:
            for k, v in obj.items() if isinstance(v, torch.Tensor)}
     if not out:
         raise CompareError(f"'{path}' holds no tensors")
+    if full and isinstance(raw, dict):
+        ema = raw.get("ema")
+        if isinstance(ema, dict) and isinstance(ema.get("model"), dict):
+            out.update({f"ema.{k}": v for k, v in ema["model"].items() if isinstance(v, torch.Tensor)})
+        opt = raw.get("optimizer")
+        if isinstance(opt, dict) and isinstance(opt.get("state"), dict):
+            for idx, slots in opt["state"].items():
+                for slot, v in (slots.items() if isinstance(slots, dict) else ()):
+                    t = v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+                    out[f"optimizer.{idx}.{slot}"] = t
+        if isinstance(raw.get("caps"), list) and raw["caps"]:
+            out["caps"] = torch.tensor(raw["caps"], dtype=torch.float64)
     return out
 
 
@@ -164,6 +182,7 @@ def diff_state_dicts(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], ato
 
 
 def diff_files(path_a: str, path_b: str, atol: Optional[float] = 1e-6, rtol: float = 0.0,
-               d_value: Optional[float] = None) -> DiffReport:
-    """diff_state_dicts of two .pth files (see load_state for what they may hold)."""
-    return diff_state_dicts(load_state(path_a), load_state(path_b), atol, rtol, d_value)
+               d_value: Optional[float] = None, full: bool = False) -> DiffReport:
+    """diff_state_dicts of two .pth files (see load_state for what they may hold; ``full``: the EMA,
+    the optimizer's state and the caps as well)."""
+    return diff_state_dicts(load_state(path_a, full), load_state(path_b, full), atol, rtol, d_value)

@@ -18,8 +18,12 @@ def add_alignment_arguments(parser: argparse.ArgumentParser) -> None:
                         "compare the losses per iteration")
     g.add_argument("--max-iters", metavar="K", type=int, default=None,
                    help="stop after K iterations and save last.pth")
+    g.add_argument("--replay-merged", action="store_true",
+                   help="replay: each process trains on its share of the recorded ranks' batches as one batch "
+                        "(the plain comparison, round-off expected) instead of the recorded ranks as virtual ranks")
     g.add_argument("--deterministic", action="store_true",
-                   help="alignment mode: augmentation off, deterministic torch algorithms")
+                   help="alignment mode: augmentation off, deterministic torch algorithms, every reduction over "
+                        "ranks in rank order")
 
 
 def alignment_overrides(args: argparse.Namespace) -> List[str]:
@@ -31,6 +35,8 @@ def alignment_overrides(args: argparse.Namespace) -> List[str]:
         out += ["replay_npz", args.replay_npz]
     if getattr(args, "max_iters", None) is not None:
         out += ["max_iters", str(args.max_iters)]
+    if getattr(args, "replay_merged", False):
+        out += ["replay_merged", "true"]
     if getattr(args, "deterministic", False):
         out += ["deterministic", "true"]
     return out

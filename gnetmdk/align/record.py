@@ -9,16 +9,23 @@ iteration the ranks' batches are gathered to rank 0, which writes one file per i
              else float32; ``images_float`` says which
     targets  (b, G, G, 10 + C) float32      indices (b,) int64 dataset indices
     loss_<term>  float64 scalars: this rank's batch-mean loss terms (total, loc, conf, ...)
-    epoch, iteration, rank, world_size, lr   int64 / float64 scalars
+    epoch, iteration, rank, world_size   int64 scalars
+    lr           float64: the learning rate of this iteration's optimizer step
+
+``meta.json`` also holds the ranks (processes x virtual ranks), the intra-op threads per rank, and the
+CPU kernels in use (torch's CPU capability, ONEDNN_MAX_CPU_ISA), which a replay must share to compute
+the same bits.
 
 Replay (``replay_npz DIR``): the data loader is replaced by the recorded batches. Iteration i's
-global batch is the concatenation, in rank order, of the recorded ranks' batches; a run with W
-processes gives rank r the slice ``[r * B/W, (r + 1) * B/W)`` of it, so one process replays an
-N-process recording by concatenation and N processes replay a one-process recording by slicing.
-The starting weights default to ``DIR/start.pth`` (unless ``load`` is set). After each iteration the
-loss terms (mean over this run's ranks) are compared with the recorded ones (mean over the recorded
-ranks: with equal per-rank batches that is the global batch's loss); the differences are printed and
-written to ``<checkpoint dir>/replay_report.json``.
+global batch is the concatenation, in rank order, of the recorded ranks' batches; a run of P processes
+gives process p the slice ``[p B/P, (p + 1) B/P)`` of it. When P divides the recorded ranks W, each
+process runs W / P virtual ranks (gnetmdk.dist.virtual): every recorded rank's batch goes through
+forward and backward as its own chunk, with the recorded threads per rank, and the run computes
+what the recording computed, bit for bit (docs/alignment.md). Otherwise, or with ``replay_merged``,
+each process trains on its slice as one batch: the notes' plain comparison, which differs by
+round-off. The starting weights default to ``DIR/start.pth`` (unless ``load`` is set). After each
+iteration every rank's loss terms are compared with the recorded ones (and their means over the
+ranks); the differences are printed and written to ``<checkpoint dir>/replay_report.json``.
 
 ``max_iters K`` stops training after K iterations and saves ``last.pth`` (full state, resumable).
 A replay stops when the recording ends.
@@ -37,7 +44,7 @@ import torch
 
 from gnetmdk.checkpoint.io import atomic_write_bytes, atomic_write_text, save_checkpoint
 from gnetmdk.config.base import ConfigError
-from gnetmdk.dist.comm import get_rank, get_world_size, is_dist, is_main_process
+from gnetmdk.dist.comm import gather_process_rows, get_rank, get_world_size, is_dist, is_main_process
 from gnetmdk.engine.hooks import HookBase
 
 RECORD_FORMAT = "gnetmdk-npz-record"
@@ -135,7 +142,8 @@ def load_iteration(files: Dict[int, str], world: int) -> Dict[str, object]:
 
     Returns:
         {"images" (B,3,S,S) float32, "targets" (B,G,G,10+C) float32, "indices" (B,) int64,
-         "epoch" int, "losses" {term: mean over ranks}}.
+         "epoch" int, "lr" float or None, "losses" {term: mean over ranks, the float64 sum in rank order
+         divided by the ranks (as the trainer averages)}, "rank_losses" [{term: value} per rank]}.
     Raises:
         AlignmentError: a rank's file is missing or unreadable (read_npz).
     """
@@ -143,18 +151,29 @@ def load_iteration(files: Dict[int, str], world: int) -> Dict[str, object]:
     if missing:
         raise AlignmentError(f"recording incomplete: no file of rank(s) {missing} for one iteration "
                              f"({sorted(files.values())[0] if files else '?'})")
-    images, targets, indices, losses, epochs = [], [], [], {}, []
+    images, targets, indices, losses, epochs, rank_losses, lrs = [], [], [], {}, [], [], []
     for r in range(world):
         z = read_npz(files[r])
         images.append(torch.from_numpy(z["images"].astype(np.float32)))
         targets.append(torch.from_numpy(z["targets"].astype(np.float32)))
         indices.append(torch.from_numpy(z["indices"].astype(np.int64)))
         epochs.append(int(z["epoch"]))
-        for k, v in z.items():
-            if k.startswith("loss_"):
-                losses.setdefault(k[5:], []).append(float(v))
+        lrs.append(float(z["lr"]) if "lr" in z else None)
+        rank_losses.append({k[5:]: float(v) for k, v in z.items() if k.startswith("loss_")})
+        for k, v in rank_losses[-1].items():
+            losses.setdefault(k, []).append(v)
     return {"images": torch.cat(images), "targets": torch.cat(targets), "indices": torch.cat(indices),
-            "epoch": epochs[0], "losses": {k: float(np.mean(v)) for k, v in losses.items()}}
+            "epoch": epochs[0], "lr": lrs[0], "rank_losses": rank_losses,
+            "losses": {k: _fold_mean(v) for k, v in losses.items()}}
+
+
+def _fold_mean(values: List[float]) -> float:
+    """The float64 sum of ``values`` in order, divided by their count: the trainer's mean over ranks
+    (gnetmdk.dist.comm.rows_over_ranks), so a recorded mean and a replayed one are comparable bit for bit."""
+    acc = values[0]
+    for v in values[1:]:
+        acc += v
+    return acc / len(values) if len(values) > 1 else acc
 
 
 class ReplayLoader:
@@ -176,7 +195,8 @@ class ReplayLoader:
         if not self.files:
             raise AlignmentError(f"replay_npz '{folder}' holds no iteration files (iter_*_rank*.npz)")
         self.iterations = sorted(self.files)
-        self.recorded: Dict[int, Dict[str, float]] = {}
+        #: iteration -> the recorded batch's "losses", "rank_losses" and "lr" (load_iteration)
+        self.recorded: Dict[int, Dict[str, object]] = {}
         self._epochs: Dict[int, int] = {}
         for it in self.iterations:
             self._epochs[it] = int(read_npz(self.files[it][min(self.files[it])])["epoch"])
@@ -196,7 +216,7 @@ class ReplayLoader:
     def __iter__(self):
         for it in self._todo():
             batch = load_iteration(self.files[it], self.rec_world)
-            self.recorded[it] = batch["losses"]
+            self.recorded[it] = {k: batch[k] for k in ("losses", "rank_losses", "lr")}
             n = batch["images"].shape[0]
             b = n // self.world
             sl = slice(self.rank * b, (self.rank + 1) * b)
@@ -213,6 +233,18 @@ def _npz_bytes(arrays: Dict[str, np.ndarray]):
     return write
 
 
+def cpu_kernels() -> Dict[str, str]:
+    """What selects this machine's CPU kernels, and so the order of float sums inside an operator:
+    torch's CPU capability and the ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY settings."""
+    cap = ""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover - torch without the query
+        pass
+    return {"cpu_capability": cap, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", "")}
+
+
 class AlignmentHook(HookBase):
     """The trainer's alignment hook (gnetmdk.engine.hooks): record (save_npz), replay (replay_npz),
     stop (max_iters).
@@ -221,9 +253,18 @@ class AlignmentHook(HookBase):
     replay, ``after_iteration`` records an iteration or compares it with the recording,
     ``should_stop`` ends training early, ``finish`` (called by the trainer then) saves last.pth and
     the replay report.
+
+    Args:
+        cfg: the resolved config. A replay sets ``cfg.virtual_ranks`` (the recorded ranks over this run's
+            processes, unless ``replay_merged`` or they do not divide) and ``cfg.threads`` (the recorded
+            threads per rank) before the trainer reads them, and ``cfg.load`` to the recorded start.
+        processes: this run's process count.
+    Raises:
+        AlignmentError: a replay that cannot run (check_alignment_config, virtual ranks asked for that
+            differ from the recording's).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, processes: int = 1):
         self.cfg = cfg
         self.save_dir = getattr(cfg, "save_npz", "") or ""
         self.replay_dir = getattr(cfg, "replay_npz", "") or ""
@@ -232,12 +273,66 @@ class AlignmentHook(HookBase):
         self.replay: Optional[ReplayLoader] = None
         self.report: List[Dict[str, object]] = []
         self.notes: List[str] = []
+        self.exact = False                 # a replay on virtual ranks: every value should be equal
         check_alignment_config(cfg)
-        if self.replay_dir and not cfg.load:
-            start = os.path.join(self.replay_dir, "start.pth")
-            if os.path.isfile(start):
-                cfg.load = start
-                self.notes.append(f"replay: starting from the recorded weights {start}")
+        if self.replay_dir:
+            self._plan_replay(cfg, int(processes))
+            if not cfg.load:
+                start = os.path.join(self.replay_dir, "start.pth")
+                if os.path.isfile(start):
+                    cfg.load = start
+                    self.notes.append(f"replay: starting from the recorded weights {start}")
+
+    def _plan_replay(self, cfg, processes: int) -> None:
+        """How this run replays the recording: virtual ranks (exact) or merged batches (a comparison)."""
+        meta = read_meta(self.replay_dir)
+        rec_world = int(meta.get("world_size", 1))
+        if "reference" in meta or not meta.get("config"):
+            # another implementation's recording (tools/paddle_reference.py): compared, never equal
+            self.notes.append("replay: the recording comes from another implementation "
+                              f"({meta.get('reference', {}).get('model', 'no gnetmdk config')}): a comparison, "
+                              "judged with the notes' rule (docs/alignment.md)")
+            return
+        asked = int(getattr(cfg, "virtual_ranks", 1) or 1)
+        rec_cfg = meta.get("config") or {}
+        blockers = [k for k in ("inplace_abn", "recompute_stem") if cfg_true(cfg, rec_cfg, k)]
+        if not getattr(cfg, "sync_bn", True) or rec_cfg.get("sync_bn") is False:
+            blockers.append("sync_bn false")
+        if meta.get("complete") is False:
+            self.notes.append(f"replay: warning: '{self.replay_dir}' is incomplete (its recording run did not "
+                              "finish); the iterations it holds are replayed")
+        merged = bool(getattr(cfg, "replay_merged", False))
+        if merged or rec_world % processes or blockers:
+            if asked > 1:
+                raise AlignmentError(f"virtual_ranks {asked} with a merged replay of '{self.replay_dir}': drop "
+                                     "virtual_ranks (a replay sets it) or replay_merged")
+            why = ("replay_merged" if merged else
+                   f"{', '.join(blockers)} (virtual ranks need synchronised DistBatchNorm2d)" if blockers else
+                   f"{processes} processes do not divide the recording's {rec_world} ranks")
+            self.notes.append(f"replay: each process trains on its share of the recorded ranks' batches as one "
+                              f"batch ({why}): a comparison, round-off expected (docs/alignment.md)")
+            return
+        v = rec_world // processes
+        if asked not in (1, v):
+            raise AlignmentError(f"virtual_ranks {asked}: '{self.replay_dir}' records {rec_world} ranks, which "
+                                 f"{processes} process(es) replay with {v} virtual ranks each; drop virtual_ranks "
+                                 "(the replay sets it)")
+        cfg.virtual_ranks = v
+        self.exact = True
+        rec_threads = int(meta.get("threads", 0) or 0)
+        if rec_threads:
+            if cfg.threads not in (0, rec_threads):
+                self.notes.append(f"replay: threads {cfg.threads} -> {rec_threads}, the recording's threads per rank")
+            cfg.threads = rec_threads
+        if "config" in meta and not rec_cfg.get("deterministic", False) and rec_world > 2:
+            self.notes.append("replay: warning: the recording was not made with --deterministic, so its gradients "
+                              "were all-reduced in the backend's order; this replay sums in rank order")
+        kernels, now = meta.get("kernels"), cpu_kernels()
+        if kernels and kernels != now:
+            diff = ", ".join(f"{k} {kernels.get(k)!r} recorded, {now[k]!r} now" for k in now
+                             if kernels.get(k) != now[k])
+            self.notes.append(f"replay: warning: other CPU kernels than the recording's ({diff}): float sums "
+                              "inside operators may be ordered differently")
 
     @property
     def active(self) -> bool:
@@ -258,13 +353,17 @@ class AlignmentHook(HookBase):
                 os.unlink(old)
             start = os.path.join(self.save_dir, "start.pth")
             save_checkpoint(start, trainer.state(trainer.start_epoch, trainer.iteration, False))
-            meta = {"format": RECORD_FORMAT, "version": 1, "stage": trainer.stage.name,
-                    "world_size": get_world_size(), "global_batch": cfg.batch_size,
-                    "local_batch": cfg.batch_size // get_world_size(), "iters_per_epoch": trainer.iters_per_epoch,
-                    "image_size": cfg.image_size, "seed": cfg.seed, "start": "start.pth",
-                    "torch": torch.__version__, "config": cfg.to_dict()}
+            meta = {"format": RECORD_FORMAT, "version": 2, "stage": trainer.stage.name,
+                    "world_size": trainer.ranks, "processes": get_world_size(),
+                    "virtual_ranks": trainer.ranks // get_world_size(), "threads": trainer.threads,
+                    "global_batch": cfg.batch_size, "local_batch": cfg.batch_size // trainer.ranks,
+                    "iters_per_epoch": trainer.iters_per_epoch, "image_size": cfg.image_size, "seed": cfg.seed,
+                    "start": "start.pth", "torch": torch.__version__, "kernels": cpu_kernels(),
+                    "complete": False, "config": cfg.to_dict()}
+            self.meta = meta
             atomic_write_text(os.path.join(self.save_dir, "meta.json"), json.dumps(meta, indent=2, default=str) + "\n")
-            trainer.log(f"[{trainer.stage.name}] recording batches, losses and starting weights into {self.save_dir}")
+            trainer.log(f"[{trainer.stage.name}] recording batches, losses and starting weights into {self.save_dir} "
+                        f"({trainer.ranks} rank(s), {trainer.threads} thread(s) per rank)")
 
     def _start_replay(self, trainer) -> None:
         cfg = trainer.cfg
@@ -289,73 +388,90 @@ class AlignmentHook(HookBase):
             was, now = config_value(rec_cfg, k), config_value(cfg, k)
             if was is not None and now is not None and _norm(was) != _norm(now):
                 diffs.append(f"{k}: recorded {was!r}, now {now!r}")
-        if int(meta.get("iters_per_epoch", trainer.iters_per_epoch)) != trainer.iters_per_epoch:
-            diffs.append(f"iterations per epoch: recorded {meta['iters_per_epoch']}, now {trainer.iters_per_epoch} "
-                         "(the learning-rate schedule differs: use the same training set)")
         for d in diffs:
             trainer.log(f"[replay] warning: config differs from the recording ({d})")
+        # the recorded learning rate of each step is compared as the replay goes (a schedule that differs)
+        self.check_lr = int(meta.get("version", 1)) >= 2 or "reference" in meta
         trainer.train_loader = loader
         self.replay = loader
-        trainer.log(f"[replay] feeding {len(loader.iterations)} recorded iterations of a {meta['world_size']}-process "
-                    f"run ({meta['world_size']} x {meta['local_batch']}) to {get_world_size()} process(es) "
-                    f"({get_world_size()} x {cfg.batch_size // get_world_size()})")
+        how = (f"{trainer.ranks} rank(s) ({trainer.ranks // get_world_size()} per process, "
+               f"{trainer.threads} thread(s) per rank): exact, every value should be equal"
+               if self.exact else
+               f"{get_world_size()} process(es) x {cfg.batch_size // get_world_size()}: a comparison")
+        threads = f", {meta['threads']} thread(s) per rank" if meta.get("threads") else ""
+        trainer.log(f"[replay] feeding {len(loader.iterations)} recorded iterations of a {meta['world_size']}-rank "
+                    f"run ({meta['world_size']} x {meta['local_batch']}{threads}) to {how}")
 
     # ---------------------------------------------------------------- every iteration
     def after_iteration(self, it: Dict[str, object]) -> None:
         """Record this iteration (save_npz) and compare its losses with the recording (replay_npz).
 
-        ``it``: the trainer's iteration record: "batch" (this rank's images, targets, indices as fed to
-        the model), "terms" (this rank's loss terms, 0-d tensors), "values" (their mean over ranks),
-        "epoch", "iteration".
+        ``it``: the trainer's iteration record: "batch" (this process's images, targets, indices as fed to
+        the model), "rank_terms" (this process's ranks' loss terms, 0-d tensors), "values" (their mean over
+        every rank), "rank_values" (every rank's, rank order), "epoch", "iteration", "lr_step".
         """
         trainer, iteration = self.trainer, int(it["iteration"])
         images, targets, indices = it["batch"]
         reduced = it["values"]
         if self.save_dir:
-            self._record(trainer, images, targets, indices, it["terms"], it["epoch"], iteration)
+            self._record(trainer, images, targets, indices, it["rank_terms"], it["epoch"], iteration,
+                         float(it.get("lr_step", it["lr"])))
         if self.replay is not None:
             rec = self.replay.recorded.pop(iteration, None)
             if rec is not None:
-                diff = {k: reduced[k] - rec[k] for k in rec if k in reduced}
-                row = {"iteration": iteration, "loss": reduced.get("total"), "recorded": rec.get("total"),
-                       "diff": diff, "max_abs_diff": max((abs(v) for v in diff.values()), default=0.0)}
-                self.report.append(row)
-                worst = max(diff, key=lambda k: abs(diff[k])) if diff else "total"
-                trainer.log(f"[replay] iteration {iteration}: loss {reduced.get('total', float('nan')):.8g} "
-                            f"recorded {rec.get('total', float('nan')):.8g} diff {diff.get('total', 0.0):+.3e} "
-                            f"(largest term diff {diff.get(worst, 0.0):+.3e}, {worst})")
+                self._compare(trainer, iteration, it, rec)
         if self.max_iters and iteration >= self.max_iters:
             self.stopped = True
         if self.replay is not None and iteration >= self.replay.last_iteration:
             self.stopped = True
 
-    def _record(self, trainer, images, targets, indices, terms, epoch, iteration) -> None:
-        keys = sorted(terms)
-        loss = torch.tensor([float(terms[k].detach()) for k in keys], dtype=torch.float64)
-        parts = [images.detach().cpu().float().contiguous(), targets.detach().cpu().float().contiguous(),
-                 indices.detach().cpu().to(torch.int64).contiguous(), loss]
-        world = get_world_size()
+    def _compare(self, trainer, iteration: int, it: Dict[str, object], rec: Dict[str, object]) -> None:
+        reduced, mean = it["values"], rec["losses"]
+        diff = {k: reduced[k] - mean[k] for k in mean if k in reduced}
+        row = {"iteration": iteration, "loss": reduced.get("total"), "recorded": mean.get("total"), "diff": diff,
+               "max_abs_diff": max((abs(v) for v in diff.values()), default=0.0)}
+        ranks, rec_ranks = it.get("rank_values") or [], rec.get("rank_losses") or []
+        if len(ranks) == len(rec_ranks):          # the same ranks: compare each rank's terms
+            per = [max((abs(a[k] - b[k]) for k in b if k in a), default=0.0) for a, b in zip(ranks, rec_ranks)]
+            row["rank_max_abs_diff"] = per
+            row["max_abs_diff"] = max([row["max_abs_diff"]] + per)
+        lr = float(it.get("lr_step", it["lr"]))
+        if getattr(self, "check_lr", False) and rec.get("lr") is not None:
+            row["lr"], row["recorded_lr"] = lr, rec["lr"]
+            if lr != rec["lr"]:
+                trainer.log(f"[replay] warning: iteration {iteration} steps with learning rate {lr:.8g}, the "
+                            f"recording with {rec['lr']:.8g}: use the recording's learning_rate and schedule")
+        self.report.append(row)
+        worst = max(diff, key=lambda k: abs(diff[k])) if diff else "total"
+        per_rank = (f", every rank's terms within {max(row['rank_max_abs_diff']):.3e}"
+                    if "rank_max_abs_diff" in row else "")
+        trainer.log(f"[replay] iteration {iteration}: loss {reduced.get('total', float('nan')):.8g} "
+                    f"recorded {mean.get('total', float('nan')):.8g} diff {diff.get('total', 0.0):+.3e} "
+                    f"(largest term diff {diff.get(worst, 0.0):+.3e}, {worst}{per_rank})")
+
+    def _record(self, trainer, images, targets, indices, rank_terms, epoch, iteration, lr: float) -> None:
+        """Write one file per rank of the run: this process's batch is split into its ranks' chunks (rank
+        order) and gathered to process 0 with every process's."""
+        v_all = len(rank_terms)
+        keys = sorted(rank_terms[0])
+        loss = torch.tensor([[float(t[k].detach()) for k in keys] for t in rank_terms], dtype=torch.float64)
+        parts = [images.detach().cpu().float(), targets.detach().cpu().float(),
+                 indices.detach().cpu().to(torch.int64)]
+        # (ranks of this process, per-rank batch, ...) rows, gathered over the processes in rank order
+        rows = [t.reshape((v_all, t.shape[0] // v_all) + tuple(t.shape[1:])).contiguous() for t in parts] + [loss]
         if is_dist():
-            import torch.distributed as dist
-            gathered = []
-            for t in parts:
-                bucket = [torch.empty_like(t) for _ in range(world)] if is_main_process() else None
-                dist.gather(t, bucket, dst=0)
-                gathered.append(bucket)
-        else:
-            gathered = [[t] for t in parts]
+            rows = [gather_process_rows(t) for t in rows]
         if not is_main_process():
             return
-        lr = float(trainer.optimizer.param_groups[0]["lr"])
-        for r in range(world):
-            img = gathered[0][r]
+        for r in range(rows[0].shape[0]):
+            img = rows[0][r]
             exact = bool(torch.all((img >= 0) & (img <= 255) & (img == img.round())))
             arrays = {"images": img.numpy().astype(np.uint8) if exact else img.numpy(),
-                      "images_float": np.array(not exact), "targets": gathered[1][r].numpy(),
-                      "indices": gathered[2][r].numpy(), "epoch": np.array(epoch, dtype=np.int64),
+                      "images_float": np.array(not exact), "targets": rows[1][r].numpy(),
+                      "indices": rows[2][r].numpy(), "epoch": np.array(epoch, dtype=np.int64),
                       "iteration": np.array(iteration, dtype=np.int64), "rank": np.array(r, dtype=np.int64),
-                      "world_size": np.array(world, dtype=np.int64), "lr": np.array(lr, dtype=np.float64)}
-            for k, v in zip(keys, gathered[3][r].tolist()):
+                      "world_size": np.array(rows[0].shape[0], dtype=np.int64), "lr": np.array(lr, dtype=np.float64)}
+            for k, v in zip(keys, rows[3][r].tolist()):
                 arrays[f"loss_{k}"] = np.array(v, dtype=np.float64)
             path = os.path.join(self.save_dir, f"iter_{iteration:06d}_rank{r}.npz")
             atomic_write_bytes(path, _npz_bytes(arrays))
@@ -371,22 +487,42 @@ class AlignmentHook(HookBase):
         why = "max_iters" if not (self.replay is not None and trainer.iteration >= self.replay.last_iteration) \
             else "end of the recording"
         trainer.log(f"[{trainer.stage.name}] stopped after {trainer.iteration} iterations ({why}): "
-                    f"last.pth goes to {trainer.out_dir} with the run's other files")
+                    f"{os.path.join(trainer.out_dir, 'last.pth')} is written when the run ends")
         if trainer.best_map is not None and trainer.best_map < 0:
             trainer.best_map = None          # nothing was evaluated: the summary says n/a, not -1
         self.write_report(trainer)
+        self.complete_recording()
         return path
+
+    def complete_recording(self) -> None:
+        """Mark the recording whole: meta.json says ``complete`` once its last iteration file is written."""
+        if self.save_dir and is_main_process() and getattr(self, "meta", None) is not None:
+            self.meta["complete"] = True
+            self.meta["iterations"] = self.trainer.iteration
+            atomic_write_text(os.path.join(self.save_dir, "meta.json"),
+                              json.dumps(self.meta, indent=2, default=str) + "\n")
+
+    def after_train(self) -> None:
+        self.complete_recording()
 
     def write_report(self, trainer) -> None:
         if self.replay is None or not is_main_process():
             return
         worst = max((r["max_abs_diff"] for r in self.report), default=0.0)
         path = trainer.outputs.staged("replay_report.json")      # published with the run's checkpoints
+        final = os.path.join(trainer.out_dir, "replay_report.json")
         atomic_write_text(path, json.dumps({"recording": self.replay_dir, "recorded_world_size": self.replay.rec_world,
-                                            "world_size": get_world_size(), "iterations": self.report,
-                                            "max_abs_loss_diff": worst}, indent=2) + "\n")
-        trainer.log(f"[replay] {len(self.report)} iterations compared: largest loss difference {worst:.3e}; "
-                    f"report {path}")
+                                            "world_size": trainer.ranks, "processes": get_world_size(),
+                                            "virtual_ranks": trainer.ranks // get_world_size(),
+                                            "exact": self.exact, "threads": trainer.threads,
+                                            "iterations": self.report, "max_abs_loss_diff": worst}, indent=2) + "\n")
+        verdict = ("every loss term equal" if worst == 0 else f"largest loss difference {worst:.3e}")
+        trainer.log(f"[replay] {len(self.report)} iterations compared: {verdict}; report {final}")
+
+
+def cfg_true(cfg, rec_cfg: Dict[str, object], key: str) -> bool:
+    """Whether ``key`` is on in this run's config or in the recording's."""
+    return bool(getattr(cfg, key, False)) or bool(rec_cfg.get(key, False))
 
 
 def _norm(v):

@@ -123,7 +123,8 @@ class BaseConfig:
     lr_restart_mult: int = 1                # ... and its growth factor
     num_workers: int = 2
     seed: int = 0
-    threads: int = 0                        # torch.set_num_threads; 0 = leave torch's default
+    threads: int = 0                        # intra-op threads per rank (torch.set_num_threads); 0 = torch's
+                                            # default in one process, cores / processes with several
     # training recipe (docs/training.md)
     amp: bool = False                       # mixed precision: autocast (+ GradScaler for fp16 on CUDA)
     amp_dtype: str = "bf16"                 # bf16 | fp16 (fp16 on CUDA only; CPU autocast is always bf16)
@@ -159,7 +160,13 @@ class BaseConfig:
     save_npz: str = ""                      # alignment: record batches, losses, starting weights here
     replay_npz: str = ""                    # alignment: train on the batches recorded here, compare losses
     max_iters: int = 0                      # stop after this many iterations and save last.pth (0 = off)
-    deterministic: bool = False             # alignment runs: augmentation off, deterministic torch kernels
+    deterministic: bool = False             # alignment runs: augmentation off, deterministic torch kernels,
+                                            # every reduction over ranks in rank order (DDP's too)
+    virtual_ranks: int = 1                  # ranks per process, run in turns by threads: V virtual ranks of P
+                                            # processes compute what V x P processes compute, bit for bit
+                                            # (a replay sets it from its recording; docs/alignment.md)
+    replay_merged: bool = False             # replay: feed each iteration's recorded ranks as one merged batch per
+                                            # process (the notes' plain comparison: round-off expected)
 
     # ---------------------------------------------------------------- decoding and evaluation
     # keep boxes with conf * class score above this for mAP: AP integrates precision over all recall, so

@@ -340,6 +340,15 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("num_workers", "must be >= 0")
     if cfg.threads < 0:
         bad("threads", "must be >= 0 (0 leaves torch's default number of threads)")
+    if cfg.virtual_ranks < 1:
+        bad("virtual_ranks", "must be at least 1 (ranks per process; 1 = the process alone)")
+    elif cfg.virtual_ranks > 1 and not cfg.sync_bn:
+        bad("virtual_ranks", "synchronises BatchNorm over the ranks (as processes with sync_bn true): set sync_bn "
+                             "true, or run real processes to see unsynchronised BatchNorm")
+    elif cfg.virtual_ranks > 1 and (cfg.inplace_abn or cfg.recompute_stem):
+        bad("virtual_ranks", f"runs the project's DistBatchNorm2d only: set "
+                             f"{'inplace_abn' if cfg.inplace_abn else 'recompute_stem'} false (the recording to "
+                             "replay must be made without it too)")
     if cfg.eval_interval < 1:
         bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
     if cfg.tb_images < 0:

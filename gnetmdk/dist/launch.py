@@ -65,6 +65,7 @@ class DistSpec:
             on 127.0.0.1 is chosen).
         timeout: seconds to wait for peers to join, and for every collective.
         use_cuda: NCCL on GPUs, else gloo on CPU.
+        threads: intra-op threads of each process (torch.set_num_threads); 0 leaves torch's default.
     """
     gpus: int = 1
     world_size: int = 1
@@ -72,6 +73,7 @@ class DistSpec:
     dist_url: str = ""
     timeout: float = 300.0
     use_cuda: bool = False
+    threads: int = 0
 
     @property
     def total(self) -> int:
@@ -282,6 +284,8 @@ def _worker(local_rank: int, fn: Callable, spec: DistSpec, url: str, args: tuple
     try:
         if spec.use_cuda:
             torch.cuda.set_device(local_rank)
+        if spec.threads > 0:
+            torch.set_num_threads(spec.threads)
         init_group(backend_for(spec.use_cuda), url, world, rank, spec.timeout)
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the launcher
@@ -424,7 +428,8 @@ def describe(spec: DistSpec, url: str) -> str:
             "CPU process(es), gloo backend (no GPU in use)")
     return (f"launch: {spec.gpus} {kind} on this machine (machine {spec.rank} of {spec.world_size}), "
             f"world size {spec.total}, global ranks {spec.global_rank(0)}..{spec.global_rank(spec.gpus - 1)}, "
-            f"rendezvous {url}, time-out {spec.timeout:g}s")
+            f"rendezvous {url}, time-out {spec.timeout:g}s"
+            + (f", {spec.threads} thread(s) per process" if spec.threads else ""))
 
 
 def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = (),
@@ -518,9 +523,26 @@ def spec_from_args(args, cfg) -> DistSpec:
     spec = DistSpec(gpus=getattr(args, "gpus", 1), world_size=getattr(args, "world_size", 1),
                     rank=getattr(args, "rank", 0), dist_url=getattr(args, "dist_url", "") or "",
                     timeout=float(cfg.dist_timeout if timeout is None else timeout), use_cuda=use_cuda)
+    spec.threads = threads_per_process(cfg.threads, spec.gpus, use_cuda)
     check_spec(spec)
     check_batch_split(cfg.batch_size, spec)
     return spec
+
+
+def threads_per_process(threads: int, local_processes: int, use_cuda: bool) -> int:
+    """The intra-op thread count each process of this machine sets: ``threads`` when given (> 0); with
+    several CPU processes the machine's cores shared out (at least 1 each), so that they do not compete
+    for the cores and every rank sums in an order a replay can reproduce (the replay takes the recorded
+    count); 0 (torch's default) otherwise."""
+    if threads > 0:
+        return int(threads)
+    if local_processes > 1 and not use_cuda:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        return max(1, cores // local_processes)
+    return 0
 
 
 def check_spec(spec: DistSpec) -> None:

@@ -40,18 +40,23 @@ def prepare_model(model: torch.nn.Module, cfg, device: torch.device) -> List[str
     ``cfg.bn_running_var == "biased"``: every BatchNorm becomes DistBatchNorm2d (on CUDA too) and its
     running variance takes the biased batch variance, as PaddlePaddle's BatchNorm (the training
     forward and backward do not change).
+
+    ``cfg.deterministic`` or ``cfg.virtual_ranks`` > 1: DistBatchNorm2d on CUDA too, whose sums over ranks
+    are folded in rank order (torch.nn.SyncBatchNorm's all-reduce is not), so that virtual ranks of one
+    process compute what the processes compute.
     """
     notes: List[str] = []
-    world = get_world_size()
+    world = get_world_size() * max(1, int(getattr(cfg, "virtual_ranks", 1) or 1))
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     biased = getattr(cfg, "bn_running_var", "unbiased") == "biased"
+    ordered = bool(getattr(cfg, "deterministic", False)) or world > get_world_size()
     if getattr(cfg, "sync_bn", True) and has_bn and (device.type != "cuda" or world > 1 or biased):
         # bn_running_var biased: DistBatchNorm2d on CUDA too (torch's kernels update with the unbiased one)
-        cuda_kernel = device.type == "cuda" and not biased
+        cuda_kernel = device.type == "cuda" and not biased and not ordered
         convert_sync_batchnorm(model, use_cuda=cuda_kernel)
         kind = ("torch.nn.SyncBatchNorm" if cuda_kernel else
                 "DistBatchNorm2d, the same arithmetic for any process count")
-        notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} process(es) ({kind})")
+        notes.append(f"BatchNorm: {count_sync_batchnorm(model)} layers synchronised over {world} rank(s) ({kind})")
     if getattr(cfg, "inplace_abn", False):
         # after the synchronised conversion, which would replace the fused layers by plain BatchNorm
         from gnetmdk.layers.inplace_abn import convert_inplace_abn, count_inplace_abn
@@ -100,16 +105,42 @@ def freeze_biases_before_bn(model: torch.nn.Module) -> int:
     return n
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device):
+def wrap_ddp(model: torch.nn.Module, device: torch.device, ordered: bool = False):
     """DistributedDataParallel around ``model``, with buffers synchronised once at construction only.
 
     Every buffer (BatchNorm statistics through synchronised BN, ReLU caps) is equal on every rank, so
     DDP's broadcast of rank 0's buffers before each forward is skipped. Torch names that switch
     differently across the supported versions: ``forward_sync_buffers=False`` where it exists (2.13),
     ``broadcast_buffers=False`` before (2.11); both keep the one broadcast at construction.
+
+    ``ordered`` (``--deterministic``): the gradients are averaged by :func:`ordered_mean_hook` (every
+    rank's bucket gathered, summed in rank order, divided by the world size) instead of DDP's
+    all-reduce, whose order of additions depends on the backend and the world size.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
     ids = [device.index] if device.type == "cuda" else None
     params = inspect.signature(DDP.__init__).parameters
     kw = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-    return DDP(model, device_ids=ids, **kw)
+    ddp = DDP(model, device_ids=ids, **kw)
+    if ordered:
+        ddp.register_comm_hook(None, ordered_mean_hook)
+    return ddp
+
+
+def ordered_mean_hook(state, bucket):
+    """DDP communication hook: the mean over the processes of a gradient bucket, as one fixed
+    computation: every process's bucket is all-gathered and the rows are folded in rank order, then
+    divided by the world size (gnetmdk.dist.comm.fold_rows; DDP does not divide when a hook is
+    registered). Elementwise it is what virtual ranks compute (gnetmdk.dist.virtual.combine_gradients),
+    so a recording made with it replays bit for bit on fewer processes. Costs an all-gather (W times
+    the bucket's memory) instead of an all-reduce; used in ``--deterministic`` runs only.
+
+    Returns a completed ``torch.futures.Future[torch.Tensor]`` holding the bucket's mean (the return
+    annotation is left out: DDP compares it with the class object, and this module's annotations are
+    strings)."""
+    from .comm import fold_rows, gather_process_rows, process_world
+    buf = bucket.buffer()
+    mean = fold_rows(gather_process_rows(buf.unsqueeze(0))).div_(process_world())
+    fut = torch.futures.Future()
+    fut.set_result(mean)
+    return fut

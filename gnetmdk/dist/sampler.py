@@ -47,14 +47,18 @@ class GlobalBatchSampler(Sampler[List[int]]):
         accumulate: A micro-batches per optimizer step: this rank's slice of each global batch is
             yielded as A consecutive micro-batches of b / A images (gradient accumulation), so A
             accumulated micro-batches see exactly the images of one batch of B.
+        virtual: V virtual ranks in this process (gnetmdk.dist.virtual): the process's slice is V
+            rank slices, and its micro-batch k is the concatenation of every one of its ranks'
+            micro-batch k, which the trainer cuts into V chunks: each virtual rank sees what the process
+            of its rank sees in a run of world_size x V processes.
     Raises:
         ConfigError (a ValueError): B does not split over the processes and micro-batches
             (check_batch_split); ValueError: fewer samples than one global batch.
     """
 
     def __init__(self, num_samples: int, global_batch: int, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, seed: int = 0, accumulate: int = 1):
-        check_batch_split(global_batch, world_size, accumulate)
+                 shuffle: bool = True, seed: int = 0, accumulate: int = 1, virtual: int = 1):
+        check_batch_split(global_batch, world_size * virtual, accumulate)
         if num_samples < global_batch:
             raise ValueError(f"the training set has {num_samples} images, fewer than one batch of "
                              f"{global_batch}: lower batch_size")
@@ -64,6 +68,8 @@ class GlobalBatchSampler(Sampler[List[int]]):
         self.rank = rank
         self.world_size = world_size
         self.accumulate = int(accumulate)
+        self.virtual = int(virtual)
+        self.rank_batch = self.local_batch // self.virtual
         self.micro_batch = self.local_batch // self.accumulate
         self.shuffle = shuffle
         self.seed = seed
@@ -87,8 +93,11 @@ class GlobalBatchSampler(Sampler[List[int]]):
         perm = self.global_order()
         for i in range(self.start_batch, self.num_samples // self.global_batch):
             start = i * self.global_batch + self.rank * self.local_batch
+            per_rank = self.rank_batch // self.accumulate          # one rank's micro-batch
             for k in range(self.accumulate):
-                yield perm[start + k * self.micro_batch:start + (k + 1) * self.micro_batch]
+                yield [j for v in range(self.virtual)
+                       for j in perm[start + v * self.rank_batch + k * per_rank:
+                                     start + v * self.rank_batch + (k + 1) * per_rank]]
 
 
 class ShardSampler(Sampler[int]):

@@ -5,10 +5,11 @@ and variance computes something else than one process holding all B images. Sync
 statistics over the processes makes them the statistics of the global batch, so N x B/N equals
 1 x B (alignment.md). ``torch.nn.SyncBatchNorm`` does this on CUDA only (it refuses CPU
 tensors); :class:`DistBatchNorm2d` does it anywhere, as an autograd Function whose forward
-all-reduces the per-channel sums and whose backward all-reduces the per-channel gradient sums (what
-an autograd-aware all-reduce such as ``torch.distributed.nn.functional.all_reduce``, deprecated in
-torch 2.13, gives), so the gradient of every rank's input includes the other ranks' losses exactly
-as in one process.
+gathers every rank's per-channel moments and whose backward gathers every rank's per-channel gradient
+sums (what an autograd-aware all-reduce such as ``torch.distributed.nn.functional.all_reduce``,
+deprecated in torch 2.13, gives), so the gradient of every rank's input includes the other ranks'
+losses exactly as in one process. Every sum over ranks is folded in rank order (gnetmdk.dist.comm),
+so the ranks may be processes or virtual ranks of one process, on any machine, with the same bits.
 
 :func:`convert_sync_batchnorm` swaps every ``BatchNorm2d`` of a model for the synchronised kind
 (sharing the parameters and buffers, so the optimizer and the state_dict keys are unchanged:
@@ -18,20 +19,25 @@ checkpoints written by 1 and by N processes are interchangeable, and BN folding 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+
+from .comm import (VirtualRankError, current_virtual_ranks, fold_rows, gather_process_rows, get_world_size,
+                   process_world, virtual_rank)
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """Ranks of the run (processes x virtual ranks inside a virtual rank's thread; gnetmdk.dist.comm)."""
+    return get_world_size()
 
 
 _DIMS = (0, 2, 3)
 
 
 def _all_reduce_(t: torch.Tensor, sync: bool) -> torch.Tensor:
+    """With ``sync``: ``t`` replaced by the sum over the processes, folded in rank order (an all-gather,
+    then ``fold_rows``: the same additions in the same order on any machine); returns it."""
     if sync:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t.copy_(fold_rows(gather_process_rows(t.unsqueeze(0))))
     return t
 
 
@@ -71,32 +77,42 @@ def batch_moments(x: torch.Tensor):
 def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d"):
     """The global batch's count, mean and biased variance from every rank's :func:`batch_moments`.
 
-    With ``sync`` the (2C + 1,) float64 ``local`` tensors are all-gathered (one collective) and combined
-    in rank order on every rank with Chan et al.'s parallel formula
-    ``M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2`` (float64), so every rank gets the same numbers and
-    one process runs the same arithmetic on a table of one row.
+    ``local``: this process's (2C + 1,) float64 ``[n, mean, M2]`` (or (k, 2C + 1), one row per rank
+    of this process: its virtual ranks). With ``sync`` the rows of every process are all-gathered (one
+    collective) and :func:`combine_table` combines the table in rank order on every rank, so every
+    rank gets the same numbers and one process runs the same arithmetic on a table of one row.
 
     Returns:
         (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
     Raises:
         ValueError: at most one value per channel over the global batch (``who`` names the layer).
     """
-    c = (local.numel() - 1) // 2
+    table = local if local.dim() == 2 else local.unsqueeze(0)
     if sync:
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local)
-        table = torch.stack(parts)                                   # (W, 2C + 1), rank order
-    else:
-        table = local.unsqueeze(0)
+        table = gather_process_rows(table)                          # (W, 2C + 1), rank order
+    return combine_table(table, who)
+
+
+def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d"):
+    """Count, mean and biased variance of the union of W ranks' batches from their (W, 2C + 1) float64
+    rows ``[n, mean, M2]`` in rank order, with Chan et al.'s parallel formula
+    ``M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2`` (Chan, Golub & LeVeque 1979); every sum over ranks
+    is the left fold in rank order (gnetmdk.dist.comm.fold_rows).
+
+    Returns:
+        (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
+    Raises:
+        ValueError: at most one value per channel over the global batch (``who`` names the layer).
+    """
+    c = (table.shape[1] - 1) // 2
     counts = table[:, :1]
-    n = float(counts.sum())
+    n = float(fold_rows(counts)[0])
     if n <= 1:
         raise ValueError(f"{who}: {int(n)} value(s) per channel in the batch; training needs more "
                          "than one (raise batch_size)")
     means = table[:, 1:c + 1]
-    mean = (counts * means).sum(0) / n
-    # Chan et al.: M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2, in float64
-    m2 = table[:, c + 1:].sum(0) + (counts * (means - mean) ** 2).sum(0)
+    mean = fold_rows(counts * means) / n
+    m2 = fold_rows(table[:, c + 1:]) + fold_rows(counts * (means - mean) ** 2)
     var = (m2 / n).clamp_(min=0)
     return n, mean, var
 
@@ -147,68 +163,100 @@ def input_grad_coefficients(total: torch.Tensor, n: float, weight, invstd: torch
 
 
 class _SyncBNFunction(torch.autograd.Function):
-    """Batch normalisation over the global batch (training mode), precise and the same in 1 and N processes.
+    """Batch normalisation over the global batch (training mode), precise and the same for any split
+    of the batch over ranks: processes, virtual ranks of one process (gnetmdk.dist.comm), or both.
+
+    Inputs: ``running_mean, running_var, num_batches_tracked`` (None when not tracked), ``eps``,
+    ``momentum``, ``sync`` (gather over the processes), ``unbiased``, then one ``(x, weight, bias)``
+    triple per rank of this process, in rank order (one triple in a process of its own; V for V virtual
+    ranks, whose weights are their replicas of the same values). Outputs: one normalised tensor per
+    rank, of its x's shape, dtype and memory format.
 
     forward: per rank and channel, the count, the mean and ``M2 = sum (x - mean)^2`` from two passes of
-    float32 reductions (cascade-summed, ~1e-7 relative; squaring deviations from the mean avoids the
-    cancellation of ``E[x^2] - mean^2``, where torch's channels-last CPU BatchNorm loses ~1e-4); one
-    all-gather of these 2C + 1 float64 numbers, combined in rank order on every rank (Chan's parallel
-    formula), gives the global mean and biased variance. The output ``x * scale + shift`` is written
-    into the buffer of the deviations (one large allocation per call, like torch's kernel).
-    backward: the standard BatchNorm gradient; the per-channel ``sum dy`` and ``sum dy * (x - m)``
-    are all-reduced, so every rank's input gradient is that of the sum of all ranks' losses (DDP then
-    averages the parameter gradients: N x B/N equals 1 x B). Saves x and per-channel statistics only.
-    Two small collectives per layer and iteration (an all-gather forward, an all-reduce backward, as
-    torch.nn.SyncBatchNorm); none in one process.
+    float32 reductions over that rank's x (cascade-summed, ~1e-7 relative; squaring deviations from the
+    mean avoids the cancellation of ``E[x^2] - mean^2``, where torch's channels-last CPU BatchNorm loses
+    ~1e-4); the rows of every rank (an all-gather of 2C + 1 float64 numbers over the processes) are
+    combined in rank order (:func:`combine_table`), so every rank gets the global mean and biased
+    variance. Each output ``x * scale + shift`` is written into the buffer of its deviations. The
+    running statistics are updated once per process.
+    backward: the standard BatchNorm gradient; each rank's per-channel ``sum dy`` and
+    ``sum dy * (x - m)`` are gathered from every rank and folded in rank order, so every rank's input
+    gradient is that of the sum of all ranks' losses (the parameter gradients are each rank's own:
+    DDP or the virtual ranks then average them in rank order). Saves x and per-channel statistics only.
+    Two small collectives per layer and iteration (an all-gather forward and backward); none in one
+    process. Every rank computes with its own chunk exactly what a process holding that chunk computes.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, sync,
-                unbiased=True):
-        c = x.shape[1]
+    def forward(ctx, running_mean, running_var, num_batches_tracked, eps, momentum, sync, unbiased, *chunks):
+        xs, weights, biases = chunks[0::3], chunks[1::3], chunks[2::3]
+        x0, weight, bias = xs[0], weights[0], biases[0]
+        c = x0.shape[1]
         view = (1, c, 1, 1)
-        local, dev = batch_moments(x)
-        n, mean, var = combine_moments(local, sync, "DistBatchNorm2d")
+        moments = [batch_moments(x) for x in xs]
+        n, mean, var = combine_moments(torch.stack([m[0] for m in moments]), sync, "DistBatchNorm2d")
         if running_mean is not None:
             update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum, unbiased)
-        mean_f = mean.to(x.dtype)
+        mean_f = mean.to(x0.dtype)
         invstd = torch.rsqrt(var + eps)
         scale = invstd if weight is None else invstd * weight.detach().double()
         shift = -mean * scale if bias is None else bias.detach().double() - mean * scale
-        # out = x * scale + shift, written into the deviation buffer (one large allocation per call)
-        out = dev if dev is not None else torch.empty_like(x)
-        torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view), out=out)
-        ctx.save_for_backward(x, weight, mean_f, invstd)
+        outs = []
+        for x, (_, dev) in zip(xs, moments):
+            # out = x * scale + shift, written into the deviation buffer (one large allocation per call)
+            out = dev if dev is not None else torch.empty_like(x)
+            torch.addcmul(shift.to(x.dtype).view(view), x, scale.to(x.dtype).view(view), out=out)
+            outs.append(out)
+        ctx.save_for_backward(weight, mean_f, invstd, *xs)
         ctx.n = n
         ctx.sync = sync
+        ctx.chunks = len(xs)
         ctx.has_bias = bias is not None
-        return out
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean_f, invstd = ctx.saved_tensors
-        c = x.shape[1]
+    def backward(ctx, *dys):
+        weight, mean_f, invstd, *xs = ctx.saved_tensors
+        c = xs[0].shape[1]
         view = (1, c, 1, 1)
-        buf = torch.sub(x, mean_f.view(view)).mul_(dy)                # dy * (x - m); becomes grad_x below
-        sums = channel_grad_sums(dy, buf)
-        grad_weight = (sums[c:] * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = sums[:c].to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        if not ctx.needs_input_grad[0]:
-            return None, grad_weight, grad_bias, None, None, None, None, None, None, None
-        total = _all_reduce_(sums.clone(), ctx.sync)
-        a, b, base = input_grad_coefficients(total, ctx.n, weight, invstd)
-        # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * x + (-a * mean(dy) - b * m)
-        const = base - b * mean_f.double()
-        grad_x = torch.addcmul(const.to(x.dtype).view(view), x, b.to(x.dtype).view(view), out=buf)
-        grad_x.addcmul_(dy, a.to(x.dtype).view(view))
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
+        need = ctx.needs_input_grad
+        bufs, sums, grads = [], [], []
+        for i, (x, dy) in enumerate(zip(xs, dys)):
+            buf = torch.sub(x, mean_f.view(view)).mul_(dy)            # dy * (x - m); becomes grad_x below
+            s = channel_grad_sums(dy, buf)
+            bufs.append(buf)
+            sums.append(s)
+            grad_weight = (s[c:] * invstd).to(weight.dtype) if weight is not None and need[8 + 3 * i] else None
+            grad_bias = s[:c].to(dy.dtype) if ctx.has_bias and need[9 + 3 * i] else None
+            grads.append([None, grad_weight, grad_bias])
+        if any(need[7 + 3 * i] for i in range(ctx.chunks)):
+            table = torch.stack(sums)                                  # (ranks of this process, 2C)
+            total = fold_rows(gather_process_rows(table) if ctx.sync else table)
+            a, b, base = input_grad_coefficients(total, ctx.n, weight, invstd)
+            # grad_x = a * (dy - mean(dy) - xhat * mean(dy * xhat)) = a * dy + b * x + (-a * mean(dy) - b * m)
+            const = base - b * mean_f.double()
+            for i, (x, dy, buf) in enumerate(zip(xs, dys, bufs)):
+                grad_x = torch.addcmul(const.to(x.dtype).view(view), x, b.to(x.dtype).view(view), out=buf)
+                grad_x.addcmul_(dy, a.to(x.dtype).view(view))
+                grads[i][0] = grad_x
+        return (None,) * 7 + tuple(g for triple in grads for g in triple)
+
+
+def _same_layer(items) -> bool:
+    """Whether the virtual ranks' modules in ``items`` are replicas of one BatchNorm (they share its
+    running buffers, or its parameters' storage)."""
+    def key(m):
+        if m.running_mean is not None:
+            return ("buffer", id(m.running_mean))
+        return ("weight", m.weight.data_ptr() if m.weight is not None else id(m))
+    return len({key(it[3]) for it in items}) == 1 and len({tuple(it[0].shape[1:]) for it in items}) == 1
 
 
 class DistBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm2d whose training statistics are those of the global batch over all processes.
+    """BatchNorm2d whose training statistics are those of the global batch over all ranks.
 
-    Training: the global mean and biased variance from the ranks' all-gathered counts, means and
-    ``sum (x - mean)^2``; the backward all-reduces ``sum dy`` and ``sum dy * (x - mean)``
+    Training: the global mean and biased variance from the ranks' gathered counts, means and
+    ``sum (x - mean)^2``; the backward gathers ``sum dy`` and ``sum dy * (x - mean)``
     (see :class:`_SyncBNFunction`); the running
     statistics are updated like BatchNorm2d (momentum, unbiased variance ``var * n / (n - 1)``,
     ``num_batches_tracked``), identically on every rank; with ``unbiased_running_var = False`` (set by
@@ -218,9 +266,14 @@ class DistBatchNorm2d(nn.BatchNorm2d):
     accumulates channels-last statistics in float32: errors near 1e-4 on activations with a large
     mean, enough to break a 1e-5 alignment). Evaluation: exactly ``nn.BatchNorm2d`` (running statistics).
 
-    Mixed precision (bfloat16 / float16 input under ``amp``): one process uses torch's BatchNorm2d
+    Virtual ranks (gnetmdk.dist.comm.VirtualRanks): each rank runs a replica of the model in its own
+    thread; at this layer the ranks hand their inputs to one :class:`_SyncBNFunction` call over all of
+    them (one autograd node: its backward needs every rank's gradient at once, so no rank waits for
+    another inside the backward pass), whose per-rank arithmetic is that of a process.
+
+    Mixed precision (bfloat16 / float16 input under ``amp``): one rank uses torch's BatchNorm2d
     kernel (float32 statistics; the float64 path is about 4x slower on bfloat16 tensors on CPU); N
-    processes run the synchronised path on the input cast to float32 and return the input's dtype.
+    ranks run the synchronised path on the input cast to float32 and return the input's dtype.
 
     Input / output: (N, C, H, W) float tensors (any memory format); N may differ between ranks.
     In training every rank must call forward (and backward) the same number of times: they are collectives.
@@ -237,19 +290,31 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         if x.dim() != 4:
             raise ValueError(f"DistBatchNorm2d expects (N, C, H, W) input, got {tuple(x.shape)}")
-        sync = _world() > 1
+        ranks = _world()
         low = x.dtype in (torch.bfloat16, torch.float16)
-        if low and not sync and self.unbiased_running_var:
+        if low and ranks == 1 and self.unbiased_running_var:
             # mixed precision (amp), one process: torch's kernel (float32 statistics, vectorised for
             # bfloat16 and about 4x faster here than the float64 path on bfloat16 tensors); amp runs are
             # not bit-aligned between 1 and N processes anyway (docs/distributed.md)
             return super().forward(x)
         track = self.track_running_stats and self.training
-        y = _SyncBNFunction.apply(x.float() if low else x, self.weight, self.bias,
-                                  self.running_mean if track else None, self.running_var if track else None,
-                                  self.num_batches_tracked if track else None, self.eps, self.momentum, sync,
-                                  self.unbiased_running_var)
-        # mixed precision over N processes: statistics from the float32 values (a bfloat16 sum keeps
+        head = (self.running_mean if track else None, self.running_var if track else None,
+                self.num_batches_tracked if track else None, self.eps, self.momentum, process_world() > 1,
+                self.unbiased_running_var)
+        xin = x.float() if low else x
+        vr = current_virtual_ranks()
+        if vr is None:
+            (y,) = _SyncBNFunction.apply(*head, xin, self.weight, self.bias)
+        else:
+            v = virtual_rank()
+
+            def joint(items):
+                if not _same_layer(items):
+                    raise VirtualRankError("virtual ranks reached different BatchNorm layers")
+                return _SyncBNFunction.apply(*head, *(t for it in items for t in it[:3]))
+
+            y = vr.exchange(v, (xin, self.weight, self.bias, self), joint)[v]
+        # mixed precision over N ranks: statistics from the float32 values (a bfloat16 sum keeps
         # 8 bits), the output handed back in the input's precision
         return y.to(x.dtype) if low else y
 

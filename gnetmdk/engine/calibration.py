@@ -6,9 +6,11 @@ over the training data, and their statistics become the caps.
 percentile (the output layer's ``output_cap_percentile``, 100 by default). ``method "mse"``: two passes;
 the first finds each layer's largest value, the second histograms the positive values over [0,
 largest], and each cap minimises the 5-bit quantization error over that histogram
-(gnetmdk.gti.quantize.mse_cap_from_histogram). Over N processes the maxima are all-reduced (MAX), the
+(gnetmdk.gti.quantize.mse_cap_from_histogram). Over N ranks (processes, or virtual ranks that each run
+their chunk of the batch: gnetmdk.dist.virtual.forward_batch) the maxima are all-reduced (MAX), the
 percentiles are those of the global batch (gnetmdk.dist.comm.global_percentile) and the histograms are
-summed (exact counts), so the caps equal one process's bit for bit (tests/test_dist_train.py).
+summed (exact counts), so N processes and one process of N virtual ranks give the same caps bit for bit
+(tests/test_dist_train.py).
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from gnetmdk.dist.comm import all_reduce, global_percentile, is_dist
+from gnetmdk.dist.comm import all_reduce, percentile
+from gnetmdk.dist.virtual import forward_batch
 from gnetmdk.gti.quantize import mse_cap_from_histogram
-from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver, batch_percentile,
+from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver,
                                       observe_inputs)
 
 #: bins of the MSE method's histograms
@@ -49,7 +52,7 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
     def one_pass(observers, desc: str) -> None:
         with observe_inputs(relus, observers):
             for images in progress(batches(), desc):
-                model(images.to(device, non_blocking=True).float())
+                forward_batch(model, images.to(device, non_blocking=True).float())
 
     def stacked(observers) -> torch.Tensor:
         zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -66,8 +69,8 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
         all_reduce(counts, "sum")
         values = [mse_cap_from_histogram(h, c) if c > 0 else 0.0 for h, c in zip(counts, caps.tolist())]
     else:
-        fn = global_percentile if is_dist() else batch_percentile
-        observers = [PercentileObserver(r.percentile, fn) for r in relus]
+        # the global batch's percentile over every rank (virtual ranks included), the batch's in one
+        observers = [PercentileObserver(r.percentile, percentile) for r in relus]
         one_pass(observers, "cal")
         values = all_reduce(stacked(observers), "max").tolist()
     return [float(torch.tensor(float(c), dtype=torch.float32)) for c in values]
@@ -114,12 +117,13 @@ def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]],
         r.cap.fill_(c)
     apply_stage(model, STAGES["cal"])
     model.eval()
-    refs = [model(x).double() for x in data]
+    refs = [forward_batch(model, x).double() for x in data]
     apply_stage(model, STAGES["step3"])
     model.eval()
 
     def error() -> float:
-        per = torch.cat([((model(x).double() - r) ** 2).flatten(1).sum(1) for x, r in zip(data, refs)]).cpu()
+        per = torch.cat([((forward_batch(model, x).double() - r) ** 2).flatten(1).sum(1)
+                         for x, r in zip(data, refs)]).cpu()
         values = torch.cat(all_gather_object(per))
         return float(torch.sort(values).values.sum())
 

@@ -7,8 +7,9 @@ The trainer (gnetmdk.engine.trainer.Trainer) calls, in the order the hooks are l
     before_train()                    model, data and optimizer are set up (and resumed)
     after_step()                      after each optimizer step (its values are not read back yet)
     after_iteration(it)               an iteration's values were read back: it = {"epoch", "iteration",
-                                      "values" (mean over ranks), "terms" (this rank's tensors),
-                                      "batch" (images, targets, indices), "lr"}
+                                      "values" (mean over ranks), "rank_values" (every rank's, rank
+                                      order), "rank_terms" (this process's ranks' tensors), "batch"
+                                      (this process's images, targets, indices), "lr"}
     after_epoch(epoch, result)        result = {"train": the epoch's mean loss terms, seconds,
                                       images_per_s}; hooks add to it ("eval", "best", ...)
     after_train()                     the run finished (not after a failure)

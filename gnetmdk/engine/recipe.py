@@ -47,6 +47,11 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def backward_all(self, losses) -> None:
+        """One backward pass from several losses (the virtual ranks' of one process), each scaled as
+        :meth:`backward` scales one."""
+        torch.autograd.backward([self.scaler.scale(l) if self.scaler is not None else l for l in losses])
+
     def step(self, optimizer: torch.optim.Optimizer, params, grad_clip: float) -> torch.Tensor:
         """Unscale (fp16), clip the gradient norm, step the optimizer, update the scale.
 

@@ -28,7 +28,8 @@ from gnetmdk.checkpoint.outputs import StageOutputs, check_writable
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
 from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
-                               reduce_mean_dict)
+                               rows_over_ranks)
+from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import prepare_model, wrap_ddp
 from .device import configure_backends, resolve_device
@@ -89,9 +90,21 @@ class Trainer:
         self.world_size = get_world_size()
         self.main = is_main_process()
         self.device = device or resolve_device(cfg)
+        # record / replay / max_iters (gnetmdk.align); a replay takes its recording's ranks per process
+        # (virtual_ranks) and threads per rank
+        self.align = AlignmentHook(cfg, self.world_size)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
-        self.parallel_notes = []
+        self.threads = torch.get_num_threads()
+        #: V virtual ranks in this process (None for one): ranks = processes x V (gnetmdk.dist.virtual)
+        self.virtual = set_virtual_ranks(cfg.virtual_ranks)
+        self.ranks = self.world_size * cfg.virtual_ranks
+        self.parallel_notes = [f"{self.threads} intra-op thread(s) per rank"]
+        if self.virtual is not None:
+            self.parallel_notes.append(
+                f"virtual ranks: {self.virtual.size} per process, run in turns by threads ({self.ranks} ranks in "
+                f"all): each rank's chunk through forward and backward as a process of its own, every sum over "
+                "ranks in rank order")
         if self.device.type == "cpu" and cfg.cpu_keep_memory:
             self.parallel_notes.append(R.keep_freed_memory())
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
@@ -99,7 +112,6 @@ class Trainer:
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.teacher = None                                 # the float model when distill > 0 (load_teacher)
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
-        self.align = AlignmentHook(cfg)                     # record / replay / max_iters (gnetmdk.align)
         self.tensorboard = TensorboardHook()
         self.ema_hook = EMAHook() if cfg.ema else None
         # in call order: the EMA is updated before anything reads it; the evaluation writes best.pth
@@ -134,15 +146,16 @@ class Trainer:
     def build_data(self) -> None:
         cfg = self.cfg
         accumulate = 1 if self.stage.name == "cal" else cfg.accumulate
-        check_batch_split(cfg.batch_size, self.world_size, accumulate)
-        self.local_batch = cfg.batch_size // self.world_size
+        check_batch_split(cfg.batch_size, self.ranks, accumulate)
+        self.local_batch = cfg.batch_size // self.world_size      # this process's share (all its ranks)
         self.micro_batch = self.local_batch // accumulate
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "valid")
         g = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
         shuffle = self.stage.name != "cal"
         self.train_sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, self.rank, self.world_size,
-                                                shuffle=shuffle, seed=cfg.seed, accumulate=accumulate)
+                                                shuffle=shuffle, seed=cfg.seed, accumulate=accumulate,
+                                                virtual=cfg.virtual_ranks)
         if self.stage.name == "cal":
             self.train_set.augment = False
         # workers persist over the epochs (no start-up per epoch: the epoch travels with each index,
@@ -273,7 +286,7 @@ class Trainer:
               "best_epoch": getattr(self, "best_epoch", None), "best_seconds": getattr(self, "best_seconds", None),
               "elapsed": time.time() - self.t_start if getattr(self, "t_start", None) is not None else None,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
-              "world_size": self.world_size}
+              "world_size": self.ranks}
         if getattr(m, "calibrated_caps", None):
             st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
         st["eval_weights"] = "ema" if self.ema is not None else "model"
@@ -399,8 +412,10 @@ class Trainer:
         self._epoch_t0 = t0
         accumulate = cfg.accumulate
         micro = 0
-        acc: Dict[str, torch.Tensor] = {}
+        n_ranks = self.virtual.size if self.virtual is not None else 1     # ranks of this process
+        acc: List[Dict[str, torch.Tensor]] = [{} for _ in range(n_ranks)]
         micro_totals: List[torch.Tensor] = []
+        reps = None                                  # virtual ranks: the replicas of this optimizer step
         pending = None
         lag = not self.align.active
         self.optimizer.zero_grad(set_to_none=True)
@@ -410,29 +425,33 @@ class Trainer:
             targets = targets.to(self.device, non_blocking=True)
             micro += 1
             last_micro = micro == accumulate
-            # DDP: gradients are all-reduced on the last micro-batch of the step only
-            sync = contextlib.nullcontext() if last_micro or not hasattr(self.ddp_model, "no_sync") \
-                else self.ddp_model.no_sync()
-            with sync:
-                with self.precision.autocast():
-                    pred = self.ddp_model(images)
-                    terms = model.loss(pred, targets)
-                    if self.teacher is not None:
-                        with torch.no_grad():
-                            soft = self.teacher(images)
-                        terms["distill"] = self.cfg.distill * self.family.distill_loss(pred, soft)
-                        terms["total"] = terms["total"] + terms["distill"]
-                loss = terms["total"]
-                self.precision.backward(loss / accumulate if accumulate > 1 else loss)
-            micro_totals.append(loss.detach().float())
-            for k, v in terms.items():
-                v = v.detach().float()
-                acc[k] = acc[k] + v / accumulate if k in acc else (v / accumulate if accumulate > 1 else v)
+            if self.virtual is not None:
+                if reps is None:
+                    reps = [replica(model) for _ in range(n_ranks)]
+                rank_terms = self._virtual_micro_batch(reps, images, targets, accumulate)
+            else:
+                # DDP: gradients are all-reduced on the last micro-batch of the step only
+                sync = contextlib.nullcontext() if last_micro or not hasattr(self.ddp_model, "no_sync") \
+                    else self.ddp_model.no_sync()
+                with sync:
+                    terms = self._forward_loss(self.ddp_model, model, images, targets)
+                    loss = terms["total"]
+                    self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+                rank_terms = [terms]
+            for v, terms in enumerate(rank_terms):
+                micro_totals.append(terms["total"].detach().float())
+                for k, t in terms.items():
+                    t = t.detach().float()
+                    a = acc[v]
+                    a[k] = a[k] + t / accumulate if k in a else (t / accumulate if accumulate > 1 else t)
             if not last_micro:
                 continue
             micro = 0
-            terms, acc = acc, {}
-            if self.learned_caps and is_dist():     # DDP averages parameters' gradients; caps are buffers
+            rows, acc = acc, [{} for _ in range(n_ranks)]
+            if reps is not None:                    # virtual ranks: the mean of every rank's gradients
+                combine_gradients(model, reps)
+                reps = None
+            elif self.learned_caps and is_dist():   # DDP averages parameters' gradients; caps are buffers
                 g = torch.stack([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.learned_caps])
                 all_reduce(g, "mean")
                 for c, gi in zip(self.learned_caps, g):
@@ -443,15 +462,17 @@ class Trainer:
                     for c in self.learned_caps:
                         c.clamp_(min=CAP_FLOOR)
             self.optimizer.zero_grad(set_to_none=True)
+            lr_step = self.optimizer.param_groups[0]["lr"]        # the rate of this step (recorded)
             self.scheduler.step()
             for hook in self.hooks:                 # the EMA's update
                 hook.after_step()
             self.iteration += 1
             self.batch_in_epoch += 1
-            keys = sorted(terms)
-            step = {"epoch": epoch, "iteration": self.iteration, "keys": keys, "terms": terms,
-                    "packed": torch.stack([terms[k] for k in keys] + [norm.float()] + micro_totals),
-                    "batch": (images, targets, indices), "lr": self.optimizer.param_groups[0]["lr"]}
+            keys = sorted(rows[0])
+            step = {"epoch": epoch, "iteration": self.iteration, "keys": keys, "rank_terms": rows,
+                    "packed": torch.stack([r[k] for r in rows for k in keys] + [norm.float()] + micro_totals),
+                    "batch": (images, targets, indices), "lr": self.optimizer.param_groups[0]["lr"],
+                    "lr_step": lr_step}
             micro_totals = []
             if pending is not None:
                 self._finish_step(pending)
@@ -479,6 +500,34 @@ class Trainer:
         mean["images_per_s"] = count * cfg.batch_size / max(mean["seconds"], 1e-9)
         return mean
 
+    def _forward_loss(self, net, model, images: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """One rank's forward pass and loss terms (with the distillation term when a teacher is set):
+        ``net`` computes (the DDP wrapper, the model or a virtual rank's replica), ``model`` gives the
+        loss. Returns {term: 0-d tensor}, "total" among them."""
+        with self.precision.autocast():
+            pred = net(images)
+            terms = model.loss(pred, targets)
+            if self.teacher is not None:
+                with torch.no_grad():
+                    soft = self.teacher(images)
+                terms["distill"] = self.cfg.distill * self.family.distill_loss(pred, soft)
+                terms["total"] = terms["total"] + terms["distill"]
+        return terms
+
+    def _virtual_micro_batch(self, reps, images: torch.Tensor, targets: torch.Tensor,
+                             accumulate: int) -> List[Dict[str, torch.Tensor]]:
+        """This process's micro-batch as its virtual ranks compute it: chunk v (rank order) through
+        replica v's forward and loss in virtual rank v's thread (gnetmdk.dist.virtual), then one backward
+        pass over every rank's loss (each replica gets its own gradients; synchronised BatchNorm is one
+        node over all ranks). Returns each rank's loss terms, in rank order."""
+        v_all = len(reps)
+        img, tgt = split_batch(images, v_all), split_batch(targets, v_all)
+        rank_terms = self.virtual.run([(lambda v=v: self._forward_loss(reps[v], reps[v], img[v], tgt[v]))
+                                       for v in range(v_all)])
+        losses = [t["total"] / accumulate if accumulate > 1 else t["total"] for t in rank_terms]
+        self.precision.backward_all(losses)
+        return rank_terms
+
     def _finish_step(self, step: Dict[str, object]) -> None:
         """Read one iteration's packed values back (the one wait for the device per iteration), stop the
         run on a non-finite loss or gradient, and log: mean over ranks, tensorboard, progress bar, the
@@ -489,27 +538,31 @@ class Trainer:
                 gradient norm, with the iteration and the last good checkpoint. The weights of that
                 iteration are never written (:meth:`save` also refuses non-finite weights).
         """
-        keys, n = step["keys"], len(step["keys"])
+        keys, n, rows = step["keys"], len(step["keys"]), len(step["rank_terms"])
         vals = step["packed"].tolist()
-        local, norm, micro = dict(zip(keys, vals[:n])), vals[n], vals[n + 1:]
+        local = [dict(zip(keys, vals[r * n:(r + 1) * n])) for r in range(rows)]
+        norm, micro = vals[rows * n], vals[rows * n + 1:]
         epoch, iteration, accumulate = step["epoch"], step["iteration"], self.cfg.accumulate
-        for m, total in enumerate(micro):
+        for m, total in enumerate(micro):          # per micro-batch, each rank of this process in turn
             if not math.isfinite(total):
+                where = [f"micro-batch {m // rows + 1}/{accumulate}"] if accumulate > 1 else []
+                where += [f"virtual rank {m % rows}"] if rows > 1 else []
+                detail = f" ({', '.join(where)})" if where else ""
                 raise TrainingError(
-                    f"non-finite loss ({total}) at epoch {epoch + 1}, iteration {iteration}"
-                    f"{f' (micro-batch {m + 1}/{accumulate})' if accumulate > 1 else ''}; "
+                    f"non-finite loss ({total}) at epoch {epoch + 1}, iteration {iteration}{detail}; "
                     f"{self.last_good_checkpoint()}: lower learning_rate or check the data")
         if not math.isfinite(norm) and self.precision.scaler is None:
             raise TrainingError(
                 f"non-finite gradient (norm {norm}) at epoch {epoch + 1}, iteration {iteration}; the run "
                 f"stops before these weights are written; {self.last_good_checkpoint()}: lower learning_rate "
                 "or check the data")
-        values = reduce_mean_dict(local)          # mean over ranks (one small collective)
+        # every rank's terms (one small all-gather) and their mean, folded in rank order
+        rank_values, values = rows_over_ranks(local)
         for k, v in values.items():
             self._sums[k] = self._sums.get(k, 0.0) + v
         self._count += 1
-        it = {"epoch": epoch, "iteration": iteration, "values": values, "terms": step["terms"],
-              "batch": step["batch"], "lr": step["lr"]}
+        it = {"epoch": epoch, "iteration": iteration, "values": values, "rank_values": rank_values,
+              "rank_terms": step["rank_terms"], "batch": step["batch"], "lr": step["lr"], "lr_step": step["lr_step"]}
         for hook in self.hooks:                     # record / replay, tensorboard
             hook.after_iteration(it)
         if self.main and hasattr(self._bar, "set_postfix"):
@@ -534,7 +587,7 @@ class Trainer:
         saved, now = {}, {}
         for k in RESUME_CHECKED:
             if k == "world_size":
-                saved[k], now[k] = int(st.get("world_size", 1) or 1), self.world_size
+                saved[k], now[k] = int(st.get("world_size", 1) or 1), self.ranks
                 continue
             a, b = config_value(old_cfg, k), config_value(self.cfg, k)
             if a is not None and b is not None and (k in raw or k in (raw.get(self.family.name) or {})):
@@ -643,10 +696,12 @@ class Trainer:
         return self.outputs.last_good()
 
     def wrap_model(self, model):
-        """Data-parallel wrapper (DistributedDataParallel when world size > 1)."""
-        if not is_dist():
+        """Data-parallel wrapper: DistributedDataParallel when there are several processes (with the
+        ordered gradient mean in ``--deterministic`` runs), none with virtual ranks (their gradients are
+        combined by gnetmdk.dist.virtual.combine_gradients) or in one process."""
+        if not is_dist() or self.virtual is not None:
             return model
-        return wrap_ddp(model, self.device)
+        return wrap_ddp(model, self.device, ordered=bool(self.cfg.deterministic))
 
     def save_best(self, epoch: int, iteration: int) -> None:
         """Write best.pth for ``epoch``, recording that epoch and the stage seconds so far in it."""
@@ -676,7 +731,8 @@ class Trainer:
         self.start_batch = 0
         self.check_disk_space()
         self.log(f"[{stage.name}] {len(self.train_set)} train / {len(self.val_set)} val images, "
-                 f"batch {cfg.batch_size} ({self.world_size} x {cfg.batch_size // self.world_size}), "
+                 f"batch {cfg.batch_size} ({self.ranks} x {cfg.batch_size // self.ranks}"
+                 f"{f': {self.virtual.size} virtual ranks in each of {self.world_size} process(es)' if self.virtual else ''}), "
                  f"device {self.device}, model {cfg.model_name} {self.family.describe(cfg)}")
         if stage.name == "cal":
             return self._run_cal(t_start)
@@ -726,13 +782,17 @@ class Trainer:
         barrier()
         for hook in self.hooks:         # tensorboard closed; the run's files become the stage's outputs
             hook.after_train()
+        # a run stopped early without an evaluation (max_iters, a replay's end) writes last.pth alone
+        wrote_best = self.best_epoch is not None or not self.align.stopped
         self.summary.update(best_map=self.best_map, final_map=self.last_map, seconds=time.time() - t_start,
-                            best_path=os.path.join(self.out_dir, "best.pth"), best_epoch=self.best_epoch,
+                            best_path=os.path.join(self.out_dir, "best.pth") if wrote_best else None,
+                            last_path=os.path.join(self.out_dir, "last.pth"), best_epoch=self.best_epoch,
                             best_seconds=self.best_seconds)
         when = "" if self.best_epoch is None else f" (epoch {self.best_epoch}, {self.best_seconds:.0f}s)"
+        where = (self.summary["best_path"] if wrote_best else
+                 f"{self.summary['last_path']} (stopped after iteration {self.iteration}; no best.pth)")
         self.log(f"[{stage.name}] done in {self.summary['seconds']:.0f}s: entry mAP "
-                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(self.best_map)}{when} -> "
-                 f"{self.summary['best_path']}")
+                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(self.best_map)}{when} -> {where}")
         return self.summary
 
     def _run_cal(self, t_start: float) -> Dict[str, object]:

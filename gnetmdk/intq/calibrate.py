@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from gnetmdk.dist.comm import all_reduce
+from gnetmdk.dist.virtual import forward_batch
 from .fake import ACT_QMAX, round_half_up
 
 __all__ = ["METHODS", "HIST_BINS", "MSE_RATIOS", "calibrate_ranges", "range_from_histogram"]
@@ -109,7 +110,7 @@ def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[
 
     def run(desc: str) -> None:
         for images in progress(batches(), desc):
-            model(images.to(device, non_blocking=True).float())
+            forward_batch(model, images.to(device, non_blocking=True).float())
 
     def min_max(i):
         def obs(x):
