@@ -4,6 +4,7 @@ and the reference script's batches (tools/paddle_reference.py). The check itself
 environment: docs/alignment.md, "Against PaddleDetection"."""
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -134,5 +135,11 @@ def test_align_paddle_script_refusals_device_cpu(tmp_path):
     assert r.returncode == 2 and "usage: bash tools/align_paddle.sh" in r.stderr
     r = subprocess.run(["bash", script, str(tmp_path / "no-python"), str(tmp_path / "out")], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 2 and "error: the step above failed" in r.stderr
-    assert not (tmp_path / "out" / "gnetmdk").exists()
+    assert r.returncode == 2 and "cannot import paddle and ppdet" in r.stderr and "no-python" in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    # the gnetmdk steps' interpreter (GNETMDK_PYTHON) is checked first, and named
+    env = dict(os.environ, GNETMDK_PYTHON=str(tmp_path / "no-gnetmdk"))
+    r = subprocess.run(["bash", script, sys.executable, str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 2 and "cannot import torch and gnetmdk: set GNETMDK_PYTHON" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -6,12 +6,13 @@ on fixed batches, written as a gnetmdk recording that `train.py --replay-npz` re
 This script runs in its own environment with paddlepaddle and paddledet; gnetmdk never imports it and
 neither package is a gnetmdk dependency. It imports neither torch nor gnetmdk.
 
-    python3 -m venv paddle-env
-    paddle-env/bin/pip install paddlepaddle paddledet "numpy<1.24" "scikit-learn<1.4" opencv-python
+    python3.11 -m venv paddle-env
+    paddle-env/bin/pip install -r tools/paddle-requirements.txt
     paddle-env/bin/python tools/paddle_reference.py --out paddle-ref          # cards, r18vd, 10 iterations
 
-(paddledet 2.6 needs numpy below 1.24 and imports scikit-learn; measured with paddlepaddle 3.3.1 and
-paddledet 2.6.0 on CPU.) It writes into --out:
+(Python 3.11 or older: paddledet 2.6 needs numpy below 1.24, which has no wheels for 3.12, and imports
+scikit-learn; tools/paddle-requirements.txt pins the measured set, paddlepaddle 3.3.1 and paddledet
+2.6.0, run on CPU.) It writes into --out:
 
     before.pdparams, after.pdparams   the model's weights before the first and after the last iteration
                                       (a pickle of {name: numpy array}, the layout of PaddleDetection's
