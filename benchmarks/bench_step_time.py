@@ -142,6 +142,8 @@ def time_trainer(cfg, overrides, iters: int) -> float:
         t.build_model()
         t.best_map, t.last_map, t.iteration, t.start_epoch, t.start_batch = -1.0, None, 0, 0, 0
         t.setup_optimizer()
+        for hook in t.hooks:                               # as Trainer.run: the EMA when the config has it
+            hook.before_train()
         t.train_one_epoch(0)                               # warm-up: workers start, caches fill
         rates, epoch, done = [], 1, 0
         while done < iters:

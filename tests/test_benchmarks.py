@@ -213,3 +213,16 @@ def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_pa
     lines = acc.chip_lines(str(tmp_path), {"raccoon": [0, 1, 2]})
     assert len(lines) == 2 and "seed 0: chip model equal: 0 mismatches" in lines[0]
     assert "seed 1: chip model NOT equal (exit 2)" in lines[1]
+
+
+def test_step_time_trainer_runs_the_hooks_ema_included_device_cpu(tmp_path):
+    """time_trainer runs the trainer as a user does: its hooks set up (the EMA when the config has it),
+    then timed epochs; it returns images per second."""
+    from dist_helpers import make_workspace
+    from gnetmdk.config import build_config, load_config_class
+    bench = _load("bench_step_time")
+    path = make_workspace(str(tmp_path), num_train=16, num_val=2)
+    over = ["ema", "true", "ema_ramp", "2", "batch_size", "8", "num_workers", "0", "threads", "1"]
+    cfg = build_config(load_config_class(path), over, step=1)
+    rate = bench.time_trainer(cfg, over, 2)
+    assert rate > 0
