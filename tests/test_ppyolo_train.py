@@ -199,6 +199,35 @@ def test_two_processes_equal_one_process(ws):
 
 
 @needs_cards
+def test_quantized_stages_two_processes_equal_virtual_ranks(ws):
+    """PP-YOLO's integer target: calibration on 2 processes and on one process of 2 virtual ranks gives the
+    same ranges (multi-level outputs concatenated per level), and step 3 (fake-quantized, BatchNorm
+    folded) recorded on 2 processes replays bit for bit on one."""
+    root, path = ws
+    c = ["--config", path, "eval_before", "false", "num_epochs", "3"]
+    run([TRAIN, *c, "--step", "1", "--max-iters", "2", *_out(root, "q1")], root, timeout=300).check()
+    run([TRAIN, *c, "--step", "2", "--max-iters", "2", "load", os.path.join(root, "q1", "checkpoint", "step1", "last.pth"),
+         *_out(root, "q2")], root, timeout=300).check()
+    step2 = os.path.join(root, "q2", "checkpoint", "step2", "last.pth")
+    cals = {}
+    for name, launcher, extra in (("c2", TRAIN_DIST, ["--gpus", "2"]), ("cv", TRAIN, ["virtual_ranks", "2"])):
+        r = run([launcher, *c, "--cal", *extra, "load", step2, *_out(root, "q" + name)], root, timeout=300).check()
+        assert "batch 4 (2 x 2" in r.stdout
+        cals[name] = os.path.join(root, "q" + name, "checkpoint", "step2", "cal.pth")
+    assert_bit_identical(cals["c2"], cals["cv"])
+    ranges = [open(os.path.join(root, "q" + n, "model", "act_ranges.txt")).read() for n in ("c2", "cv")]
+    assert ranges[0] == ranges[1] and len(ranges[0].splitlines()) > 10
+    rec = os.path.join(root, "rec3")
+    run([TRAIN_DIST, *c, "--step", "3", "--deterministic", "--gpus", "2", "--max-iters", "3", "load", cals["c2"],
+         "--save-npz", rec, *_out(root, "q3a")], root, timeout=300).check()
+    b = run([TRAIN, *c, "--step", "3", "--deterministic", "--replay-npz", rec, *_out(root, "q3b")], root,
+            timeout=300).check()
+    assert "every loss term equal" in b.stdout
+    assert_bit_identical(os.path.join(root, "q3a", "checkpoint", "step3", "last.pth"),
+                         os.path.join(root, "q3b", "checkpoint", "step3", "last.pth"))
+
+
+@needs_cards
 def test_amp_accumulation_and_resume_give_the_uninterrupted_weights(ws):
     """bf16 autocast and 2 micro-batches per step, 2 epochs of 2 steps: a run cut after 3 iterations
     and resumed ends with the uninterrupted run's weights bit for bit (the multi-scale sizes, the

@@ -56,7 +56,8 @@ def forward_batch(model: Callable, images: torch.Tensor) -> torch.Tensor:
     it is ``model(images)``.
 
     Args:
-        model: a callable of (n, ...) tensors returning an (n, ...) tensor.
+        model: a callable of (n, ...) tensors returning an (n, ...) tensor, or a list / tuple / dict of
+            them (concatenated per entry).
         images: (B, ...) this process's batch; B divisible by V.
     """
     ranks = _RANKS
@@ -64,7 +65,20 @@ def forward_batch(model: Callable, images: torch.Tensor) -> torch.Tensor:
         return model(images)
     chunks = split_batch(images, ranks.size)
     outs = ranks.run([(lambda c=c: model(c)) for c in chunks])
-    return torch.cat(outs)
+    return _cat_outputs(outs)
+
+
+def _cat_outputs(outs: List):
+    """The ranks' outputs concatenated along dim 0: tensors, or lists / tuples / dicts of them (a
+    multi-level detector's outputs), in the structure of one rank's output."""
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs)
+    if isinstance(first, (list, tuple)):
+        return type(first)(_cat_outputs([o[i] for o in outs]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _cat_outputs([o[k] for o in outs]) for k in first}
+    raise TypeError(f"cannot concatenate the virtual ranks' outputs of type {type(first).__name__}")
 
 
 def replica(model: nn.Module) -> nn.Module:
