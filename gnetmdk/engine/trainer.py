@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 
 from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, check_compatible,
                                    load_checkpoint, load_matching)
-from gnetmdk.checkpoint.outputs import StageOutputs, check_writable
+from gnetmdk.checkpoint.lock import OutputLock
+from gnetmdk.checkpoint.outputs import StageOutputs, check_writable, file_sha256, manifest_source
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
 from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
@@ -187,11 +188,15 @@ class Trainer:
             self.model = build_model_from_checkpoint(ckpt, cfg, last, weights="model")
             self.resume_state = ckpt
             self.source_stage = stage.name
+            self.outputs.source = ckpt.get("source")          # the interrupted run's own start
             self.log(f"[{stage.name}] resuming from {last} (epoch {ckpt['epoch']}, iteration {ckpt['iteration']})")
         else:
             path = source_path(cfg, stage)
             if path and os.path.exists(path):      # a folder is refused by load_checkpoint, by name
                 ckpt = load_checkpoint(path)
+                if not cfg.load:
+                    self.check_provenance(path)
+                self.outputs.source = {"path": path, "sha256": file_sha256(path)}
                 self.source_stage = ckpt.get("stage")
                 if stage.name == "step1" and not cfg.load:
                     # a pretrained step0 model: take what fits (another class count keeps its backbone)
@@ -224,6 +229,27 @@ class Trainer:
         self.model.train()
         self.teacher = self.load_teacher()
         self.setup_parallel()
+
+    def check_provenance(self, path: str) -> None:
+        """Refuse to start from a stage's default input when that input was made from a checkpoint that
+        has been replaced since (cal.pth after step 2 was trained again, step 3's best.pth after a new
+        calibration): its set's manifest records the checkpoint it started from, with its SHA-256.
+
+        Raises:
+            CheckpointError: naming both files and the fixes (run the earlier stage again, or ``load
+                PATH`` to start from the input anyway).
+        """
+        src = manifest_source(path)
+        if src is None or not os.path.isfile(src["path"]):
+            return
+        if file_sha256(src["path"]) != src["sha256"]:
+            made = src.get("stage", "")
+            again = ("train.py --cal" if made == "cal" else f"train.py --step {made[4:]}" if made.startswith("step")
+                     else "the stage that wrote it")
+            raise CheckpointError(
+                f"'{path}' was made from an earlier '{src['path']}', which has been replaced since (its SHA-256 "
+                f"differs from the one recorded in {path}'s manifest): run {again} again, or set 'load {path}' to "
+                "start from it anyway")
 
     def load_teacher(self):
         """``distill`` > 0 in steps 2-4: the float model (``distill_from``, default step1/best.pth, its
@@ -286,7 +312,7 @@ class Trainer:
               "best_epoch": getattr(self, "best_epoch", None), "best_seconds": getattr(self, "best_seconds", None),
               "elapsed": time.time() - self.t_start if getattr(self, "t_start", None) is not None else None,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
-              "world_size": self.ranks}
+              "world_size": self.ranks, "source": self.outputs.source}
         if getattr(m, "calibrated_caps", None):
             st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
         st["eval_weights"] = "ema" if self.ema is not None else "model"
@@ -718,9 +744,27 @@ class Trainer:
         carries the seconds spent before it (``elapsed``), and the time between the interruption and
         the resume is not counted. None for a checkpoint written before these keys existed.
         """
+        self.check_output_dir()
+        lock = None
+        if self.main:
+            # one writer per output folder for the run's life (a second run is refused, naming this one)
+            lock = OutputLock(self.out_dir, f"the {self.stage.name} outputs", "set checkpoint_root to another folder")
+            note = lock.acquire()
+            if note:
+                self.log(f"[{self.stage.name}] note: {note}")
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()
+            self.align.release()
+
+    def _run(self) -> Dict[str, object]:
         cfg, stage = self.cfg, self.stage
         t_start = self.t_start = time.time()
-        self.check_output_dir()
+        note = self.outputs.repair()          # a set an interrupted run was publishing: complete it first
+        if note:
+            self.log(f"[{stage.name}] note: {note}")
         self.build_data()
         self.build_model()
         self.best_map = -1.0
@@ -766,7 +810,8 @@ class Trainer:
             hook.before_train()
         if cfg.num_epochs == 0 and self.resume_state is None:
             self.log(f"[{stage.name}] num_epochs 0: nothing to train; the entry model becomes this stage's "
-                     f"best.pth and last.pth in {self.out_dir}")
+                     f"best.pth and last.pth in {self.out_dir} (the set it replaces moves to "
+                     f"{self.outputs.previous_dir})")
             if not cfg.eval_before:
                 self.save_best(0, 0)
             self.save("last.pth", 0, 0, full=True)
