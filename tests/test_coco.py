@@ -19,7 +19,9 @@ from gnetmdk.evaluation.voc import evaluate_detections
 
 torch.set_num_threads(1)
 
-CARDS = "/work/shared/data/cards"
+#: the project's real VOC sets sit in ../shared/data beside the repository
+CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
+                     "cards")
 CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
 
 

@@ -282,7 +282,8 @@ def test_failed_run_keeps_previous_outputs(tmp_path):
     with pytest.raises(VOCFormatError):
         convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt")
     assert ((tmp_path / "t.txt").read_bytes(), (tmp_path / "v.txt").read_bytes()) == before
-    assert sorted(os.listdir(tmp_path)) == ["ds", "t.txt", "v.txt"]  # no temp files left
+    # no temp files left (the meta files and their image-size records, as one set)
+    assert sorted(os.listdir(tmp_path)) == ["ds", "t.sizes.json", "t.txt", "v.sizes.json", "v.txt"]
 
 
 def test_listed_id_without_annotation(tmp_path):

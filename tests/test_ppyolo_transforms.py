@@ -25,7 +25,9 @@ from gnetmdk.dataset.ppyolo_transforms import (
 
 cv2.setNumThreads(1)
 
-CARDS = "/work/shared/data/cards"
+#: the project's real VOC sets sit in ../shared/data beside the repository
+CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
+                     "cards")
 RED, BLUE = (250, 20, 20), (20, 20, 250)
 
 

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
             cfg = load_config(args.config)
         ckpt = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
         out = args.out or cfg.model_root
+        from gnetmdk.checkpoint.outputs import check_output_folder
+        check_output_folder(out, "the chip model files", "--out")   # before any work: a file, a path below one, ...
         names = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
         cm, model = convert_checkpoint(ckpt, names, cap_file=os.path.join(out, "relu_cap.txt"))
         os.makedirs(out, exist_ok=True)

@@ -93,6 +93,8 @@ def main(argv=None) -> int:
         from gnetmdk.intq.onnx_export import build_onnx
         from gnetmdk.intq.program import ProgramError
         cfg = load_config(args.config, overrides)
+        from gnetmdk.checkpoint.outputs import check_output_folder
+        check_output_folder(args.out or cfg.model_root, "the ONNX model", "--out")   # before any work
         threads = args.threads or cfg.threads
         if threads > 0:
             torch.set_num_threads(threads)

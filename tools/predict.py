@@ -64,6 +64,8 @@ def main(argv=None) -> int:
         kind, files = list_inputs(args.input)
         thresh = pred.predict_thresh if args.thresh is None else args.thresh
         nms = pred.nms_thresh if args.nms is None else args.nms
+        from gnetmdk.checkpoint.outputs import check_output_folder
+        check_output_folder(args.out, "the predictions", "--out")
         os.makedirs(args.out, exist_ok=True)
         results, skipped = [], []
         t0 = time.time()

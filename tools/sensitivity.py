@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (module docstring); config overrides come back apart."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least, parse_with_overrides
+    from gnetmdk.gti.chip.cli_util import Parser, at_least, fraction, parse_with_overrides
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
@@ -39,7 +39,8 @@ def parse_args(argv):
                                                "<checkpoint_root>/step2/cal.pth when it exists)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     p.add_argument("--batch-size", type=at_least(1), default=16)
-    p.add_argument("--tolerance", type=float, default=0.005, help="mAP a scheme may lose (default 0.005)")
+    p.add_argument("--tolerance", type=fraction(high_open=True), default=0.005,
+                   help="mAP a scheme may lose, in [0, 1) (default 0.005)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write sensitivity.png/.json in DIR")
     return parse_with_overrides(p, argv)
 
@@ -82,8 +83,6 @@ def main(argv=None) -> int:
             from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
             prepare_plot_dir(args.plots)
             require_matplotlib()
-        if not 0 <= args.tolerance < 1:
-            raise ValueError(f"--tolerance {args.tolerance}: an mAP difference in [0, 1), e.g. 0.005")
         cfg = load_config(args.config, overrides)
         if cfg.model_name != "gnetdet":
             raise CheckpointError(f"tools/sensitivity.py measures GNetDet's chip quantization; the config's model is "

@@ -93,12 +93,18 @@ def load_state(path: str, full: bool = False) -> Dict[str, torch.Tensor]:
     Raises:
         CompareError: missing or unreadable file, or no tensors in it.
     """
+    if os.path.isdir(path):
+        raise CompareError(f"'{path}' is a folder: pass a checkpoint file in it (e.g. {os.path.join(path, 'last.pth')})")
     if not os.path.isfile(path):
         raise CompareError(f"'{path}' does not exist")
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CompareError(f"'{path}' cannot be read as a weights file ({type(exc).__name__}: {exc})") from None
+        from gnetmdk.checkpoint.io import _read_failure
+        raise CompareError(f"'{path}' cannot be read as a weights file: {_read_failure(exc, path)}") from None
     obj = raw
     if isinstance(obj, dict):
         for key in ("model", "state_dict", "model_state_dict"):

@@ -90,10 +90,18 @@ def read_meta(folder: str) -> Dict[str, object]:
     if not os.path.isfile(path):
         raise AlignmentError(f"replay_npz '{folder}' holds no recording (no meta.json): record one first with "
                              "--save-npz DIR (and the same config)")
-    with open(path, encoding="utf-8") as fh:
-        meta = json.load(fh)
-    if meta.get("format") != RECORD_FORMAT:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise AlignmentError(f"'{path}' cannot be read ({exc}: cut, or not JSON): record again with --save-npz") from None
+    if not isinstance(meta, dict) or meta.get("format") != RECORD_FORMAT:
         raise AlignmentError(f"'{path}' is not a gnetmdk recording (format tag '{RECORD_FORMAT}' missing)")
+    bad = [k for k, kind in (("world_size", int), ("global_batch", int), ("local_batch", int), ("stage", str))
+           if not isinstance(meta.get(k), kind) or isinstance(meta.get(k), bool)]
+    if bad or meta["world_size"] < 1 or meta["global_batch"] < 1:
+        raise AlignmentError(f"'{path}' lacks or has no valid {', '.join(bad) or 'world_size / global_batch'}: an "
+                             "incomplete recording; record again with --save-npz")
     return meta
 
 
@@ -154,6 +162,12 @@ def load_iteration(files: Dict[int, str], world: int) -> Dict[str, object]:
     images, targets, indices, losses, epochs, rank_losses, lrs = [], [], [], {}, [], [], []
     for r in range(world):
         z = read_npz(files[r])
+        shape = tuple(np.shape(z["images"]))
+        first = tuple(images[0].shape)[1:] if images else shape[1:]
+        if len(shape) != 4 or shape[1] != 3 or shape[1:] != first:
+            raise AlignmentError(f"recording file '{files[r]}' holds images of shape {shape}, rank 0's of this iteration "
+                                 f"(3, H, W) = {first}: every rank of an iteration records one size; record again with "
+                                 "--save-npz")
         images.append(torch.from_numpy(z["images"].astype(np.float32)))
         targets.append(torch.from_numpy(z["targets"].astype(np.float32)))
         indices.append(torch.from_numpy(z["indices"].astype(np.int64)))
@@ -348,11 +362,20 @@ class AlignmentHook(HookBase):
     def _start_record(self, trainer) -> None:
         cfg = trainer.cfg
         if is_main_process():
+            from gnetmdk.checkpoint.lock import OutputLock
+            self.lock = OutputLock(self.save_dir, "a recording", "record into another folder (--save-npz DIR)")
+            note = self.lock.acquire()
+            if note:
+                trainer.log(f"[{trainer.stage.name}] note: {note}")
             os.makedirs(self.save_dir, exist_ok=True)
             for old in glob.glob(os.path.join(self.save_dir, "iter_*_rank*.npz")):
                 os.unlink(old)
+
             start = os.path.join(self.save_dir, "start.pth")
-            save_checkpoint(start, trainer.state(trainer.start_epoch, trainer.iteration, False))
+            try:
+                save_checkpoint(start, trainer.state(trainer.start_epoch, trainer.iteration, False))
+            except OSError as exc:
+                raise self._write_error(exc) from None
             meta = {"format": RECORD_FORMAT, "version": 2, "stage": trainer.stage.name,
                     "world_size": trainer.ranks, "processes": get_world_size(),
                     "virtual_ranks": trainer.ranks // get_world_size(), "threads": trainer.threads,
@@ -361,7 +384,10 @@ class AlignmentHook(HookBase):
                     "start": "start.pth", "torch": torch.__version__, "kernels": cpu_kernels(),
                     "complete": False, "config": cfg.to_dict()}
             self.meta = meta
-            atomic_write_text(os.path.join(self.save_dir, "meta.json"), json.dumps(meta, indent=2, default=str) + "\n")
+            try:
+                atomic_write_text(os.path.join(self.save_dir, "meta.json"), json.dumps(meta, indent=2, default=str) + "\n")
+            except OSError as exc:
+                raise self._write_error(exc) from None
             trainer.log(f"[{trainer.stage.name}] recording batches, losses and starting weights into {self.save_dir} "
                         f"({trainer.ranks} rank(s), {trainer.threads} thread(s) per rank)")
 
@@ -373,6 +399,9 @@ class AlignmentHook(HookBase):
             raise AlignmentError(f"'{self.replay_dir}' was recorded with batch_size {meta['global_batch']} "
                                  f"({meta['world_size']} x {meta['local_batch']}); replay with batch_size "
                                  f"{meta['global_batch']} (any process count that divides it)")
+        if cfg.model_name == "gnetdet" and meta.get("image_size") not in (None, cfg.image_size):
+            raise AlignmentError(f"'{self.replay_dir}' was recorded at image_size {meta['image_size']}, this run's model "
+                                 f"takes {cfg.image_size}: replay with image_size {meta['image_size']}")
         last_epoch = max(loader._epochs.values())
         if last_epoch >= cfg.num_epochs:
             raise AlignmentError(f"'{self.replay_dir}' records iterations of epoch {last_epoch + 1}, this run trains "
@@ -474,7 +503,17 @@ class AlignmentHook(HookBase):
             for k, v in zip(keys, rows[3][r].tolist()):
                 arrays[f"loss_{k}"] = np.array(v, dtype=np.float64)
             path = os.path.join(self.save_dir, f"iter_{iteration:06d}_rank{r}.npz")
-            atomic_write_bytes(path, _npz_bytes(arrays))
+            try:
+                atomic_write_bytes(path, _npz_bytes(arrays))
+            except OSError as exc:
+                raise self._write_error(exc) from None
+
+    def _write_error(self, exc: OSError) -> AlignmentError:
+        """One line for a recording that cannot be written (a full or read-only disk): the folder stays
+        marked incomplete (meta.json's ``complete`` is false), the training's own outputs are unaffected."""
+        return AlignmentError(f"cannot write the recording into '{self.save_dir}' ({exc.strerror or exc}): free disk "
+                              "space or record into another folder (--save-npz DIR); what was written stays marked "
+                              "incomplete")
 
     def should_stop(self) -> bool:
         return self.stopped
@@ -499,11 +538,20 @@ class AlignmentHook(HookBase):
         if self.save_dir and is_main_process() and getattr(self, "meta", None) is not None:
             self.meta["complete"] = True
             self.meta["iterations"] = self.trainer.iteration
-            atomic_write_text(os.path.join(self.save_dir, "meta.json"),
-                              json.dumps(self.meta, indent=2, default=str) + "\n")
+            try:
+                atomic_write_text(os.path.join(self.save_dir, "meta.json"),
+                                  json.dumps(self.meta, indent=2, default=str) + "\n")
+            except OSError as exc:
+                raise self._write_error(exc) from None
 
     def after_train(self) -> None:
         self.complete_recording()
+
+    def release(self) -> None:
+        """Give back the recording folder's lock (the trainer calls it when the run ends, however)."""
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
 
     def write_report(self, trainer) -> None:
         if self.replay is None or not is_main_process():

@@ -120,11 +120,14 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
         path: the .pth file.
         hint: what to run to produce it (added to the error).
     Raises:
-        CheckpointError: missing, unreadable, or not a gnetmdk checkpoint.
+        CheckpointError: missing, unreadable, or not a gnetmdk checkpoint; a file of a stage's output set
+            that is not whole (gnetmdk.checkpoint.outputs.check_published).
     """
     if os.path.isdir(path):
         raise CheckpointError(f"'{path}' is a folder, not a checkpoint file: pass the .pth inside it "
                               f"(e.g. {os.path.join(path, 'best.pth')})")
+    from .outputs import check_published
+    check_published(path)                      # a stage output set that is mixed or half published: refused
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint '{path}' does not exist" + (f": {hint}" if hint else ""))
     try:
@@ -132,28 +135,54 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
             warnings.simplefilter("ignore")        # torch's notes on pickle protocols: the refusal says enough
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint '{path}' cannot be read: {_read_failure(exc)}") from None
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {_read_failure(exc, path)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a gnetmdk checkpoint (no format tag '{FORMAT}')")
     return ckpt
 
 
-def _read_failure(exc: Exception) -> str:
+def _read_failure(exc: Exception, path: str = "") -> str:
     """Why torch.load failed, in one line of this project's words (torch's own text runs over many
-    lines and advises ``weights_only=False``, which would execute whatever the file asks: never)."""
+    lines and advises ``weights_only=False``, which would execute whatever the file asks: never).
+    The file's first bytes tell what it is when torch's error does not: empty, a cut zip archive (the
+    format torch saves), an ONNX model, or not torch's format at all."""
     text = str(exc)
     low = text.lower()
     if isinstance(exc, PermissionError):
         return "permission denied: fix the file's permissions"
-    if isinstance(exc, OSError) and not isinstance(exc, EOFError):
-        return exc.strerror or (text.splitlines()[0] if text else type(exc).__name__)
-    if "weights only load failed" in low or "unsupported global" in low or "weights_only" in low:
+    head = b""
+    size = -1
+    if path:
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as fh:
+                head = fh.read(64)
+        except OSError:
+            pass
+    if size == 0:
+        return "the file is empty (a copy or a write that did not finish): use another checkpoint"
+    if "unsupported global" in low or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+                                       and "weights only load failed" in low):
+        # a Python pickle (protocol 2-5) that asks for more than tensors and plain data
         return ("it holds objects other than tensors and plain data (a pickle of classes or code), which are "
                 "never unpickled here; a gnetmdk checkpoint holds only tensors, numbers, strings, lists and dicts")
-    if isinstance(exc, EOFError) or "eof" in low or "truncat" in low or "central directory" in low or \
-            "failed finding central directory" in low:
+    if head.startswith(b"PK\x03\x04"):
+        return ("a zip archive (torch's checkpoint format) that is truncated or damaged (a copy or a write that did "
+                f"not finish: {size} bytes): use another checkpoint")
+    if _looks_like_onnx(head):
+        return "an ONNX model, not a checkpoint: pass the .pth the model was exported from"
+    if isinstance(exc, OSError) and not isinstance(exc, EOFError) and exc.strerror and "invalid argument" not in low:
+        return exc.strerror
+    if isinstance(exc, EOFError) or "eof" in low or "truncat" in low:
         return "the file is truncated or empty (a copy or a write that did not finish): use another checkpoint"
-    return "not a checkpoint torch can read (truncated, corrupted, or another format): use another checkpoint"
+    return ("not a checkpoint: its bytes are not torch's format (a zip archive of tensors), so it is another kind of "
+            "file or a damaged one: use another checkpoint")
+
+
+def _looks_like_onnx(head: bytes) -> bool:
+    """An ONNX ModelProto starts with field 1 (ir_version, varint: 0x08) and field 2 or 3 (producer name,
+    0x12 / 0x1a) soon after; torch's zip starts with PK, legacy pickles with 0x80."""
+    return len(head) > 3 and head[0] == 0x08 and (b"\x12" in head[2:12] or b"\x1a" in head[2:12])
 
 
 def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):

@@ -68,6 +68,53 @@ def convert_value(name: str, raw: Any, typ: Any) -> Any:
     return raw
 
 
+def check_value(name: str, value: Any, typ: Any) -> Any:
+    """A value from configs.py, ``per_step`` or the command line, as the field's type: strings are read as
+    :func:`convert_value` reads the command line (``"4"`` -> 4, ``"no"`` -> False), other values must
+    already be of the type (an int is a float; a whole float is an int), and numbers must be finite.
+
+    Raises:
+        ConfigError: naming the field, the value and the type it needs.
+    """
+    tname = getattr(typ, "__name__", str(typ))
+    if isinstance(value, str) and typ is not str:
+        value = convert_value(name, value, typ)
+    origin = typing.get_origin(typ)
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config field '{name}' = {value!r}: {why}")
+
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise bad("must be true or false")
+    elif typ is int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("must be an integer")
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("must be a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise bad("must be a finite number")
+    elif typ is str:
+        if not isinstance(value, str):
+            raise bad("must be a string")
+    elif origin in (list, tuple, List):
+        if not isinstance(value, (list, tuple)):
+            raise bad(f"must be a list ({tname})")
+        (inner,) = typing.get_args(typ) or (Any,)
+        if inner is not Any:
+            value = [check_value(f"{name}[{i}]", v, inner) for i, v in enumerate(value)]
+        else:
+            value = list(value)
+    elif origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise bad("must be a dict")
+    return value
+
+
 def split_overrides(tokens: Sequence[str]) -> List[Tuple[str, str]]:
     """``key value`` / ``key=value`` words -> [(key, raw value)], keys with ``-`` read as ``_``.
 
@@ -123,7 +170,7 @@ def parse_overrides(tokens: Sequence[str], known: Dict[str, Any]) -> Dict[str, A
     out: Dict[str, Any] = {}
     for key, value in split_overrides(tokens):
         key = _resolve_key(key, known)
-        out[key] = convert_value(key, value, known[key])
+        out[key] = check_value(key, value, known[key])
     return out
 
 
@@ -202,20 +249,63 @@ def load_config_class(config_file: str | None) -> Type[BaseConfig]:
 
 
 def _check_class_fields(klass: Type[BaseConfig]) -> None:
-    """Refuse attributes in a Config subclass that look like misspelt fields."""
+    """Refuse attributes of a Config subclass (and of its bases between it and BaseConfig) that are not
+    config fields: a misspelt field would otherwise be ignored. Helpers start with ``_``; methods and
+    ``DEFAULT_STEP`` are allowed.
+
+    Raises:
+        ConfigError: naming the attribute and the closest field names.
+    """
     known = dict(BaseConfig.field_types())
     for name, fields in BaseConfig.section_types().items():
         known[name] = dict
         known.update(fields)
-    for k in klass.__dict__:
-        if k.startswith("_") or k in known or k == "DEFAULT_STEP":
+    for k in klass.__mro__:
+        if k is BaseConfig or not issubclass(k, BaseConfig):
             continue
-        v = klass.__dict__[k]
-        if callable(v) or isinstance(v, (property, classmethod, staticmethod)):
-            continue
-        close = difflib.get_close_matches(k, list(known), n=1, cutoff=0.8)
-        if close:
-            raise ConfigError(f"{klass.__name__}.{k} is not a config field; did you mean {close[0]}?")
+        for name, v in vars(k).items():
+            if name.startswith("_") or name in known or name == "DEFAULT_STEP":
+                continue
+            if callable(v) or isinstance(v, (property, classmethod, staticmethod)):
+                continue
+            close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"{k.__name__}.{name} is not a config field{hint} (fields: gnetmdk/config/base.py and "
+                              "gnetmdk/models/<family>/config.py; a helper's name starts with '_')")
+
+
+#: the keys of ``per_step``: the stages
+STAGE_KEYS = (1, 2, 3, 4, "cal")
+
+
+def _check_per_step(per_step: Any, known: Dict[str, Any], family: str, sections: Dict[str, Dict[str, Any]]) -> None:
+    """Every stage's entry of ``per_step``: the stage keys, dicts, known fields of this config's family.
+
+    Raises:
+        ConfigError: a key that is not a stage, an entry that is not a dict, a field that is not one, or
+            another family's section field (it would be ignored).
+    """
+    if not isinstance(per_step, dict):
+        raise ConfigError(f"config field 'per_step' = {per_step!r}: must be a dict {{stage: {{field: value}}}}")
+    for key, values in per_step.items():
+        stage = key if key == "cal" else (int(key) if str(key).isdigit() else key)
+        if stage not in STAGE_KEYS:
+            raise ConfigError(f"per_step[{key!r}]: the stages are 1, 2, 3, 4 and 'cal'")
+        if not isinstance(values, dict):
+            raise ConfigError(f"per_step[{key!r}] = {values!r}: must be a dict of fields")
+        for name, value in values.items():
+            rkey = _resolve_key(str(name), known)
+            _check_family(rkey, family, f"per_step[{key!r}]")
+            check_value(rkey, value, known[rkey])
+
+
+def _check_family(key: str, family: str, where: str) -> None:
+    """Refuse ``section.field`` of another model family than the config's (it would be ignored)."""
+    if "." in key:
+        sec = key.split(".", 1)[0]
+        if sec != family:
+            raise ConfigError(f"{where}: '{key}' is a field of the {sec} family, but this config trains {family}: it "
+                              f"would be ignored; drop it (or set model_name {sec})")
 
 
 def build_config(klass: Type[BaseConfig], overrides: Sequence[str] = (), step: int | None = None,
@@ -242,7 +332,7 @@ def build_config(klass: Type[BaseConfig], overrides: Sequence[str] = (), step: i
     cfg = klass()
     # the instance starts with the class values; copy mutable defaults so edits stay per instance
     for name in top:
-        value = getattr(klass, name)
+        value = check_value(name, getattr(klass, name), top[name])     # configs.py's values, as the CLI's
         setattr(cfg, name, list(value) if isinstance(value, (list, tuple)) else
                 dict(value) if isinstance(value, dict) else value)
     default_step = getattr(klass, "DEFAULT_STEP", None)
@@ -284,23 +374,23 @@ def build_config(klass: Type[BaseConfig], overrides: Sequence[str] = (), step: i
         for f, value in given.items():
             if f not in sections[name]:
                 _resolve_key(f"{name}.{f}", known)              # refused with the closest names
-            setattr(getattr(cfg, name), f, convert_value(f"{name}.{f}", value, sections[name][f]))
+            setattr(getattr(cfg, name), f, check_value(f"{name}.{f}", value, sections[name][f]))
     for f in _class_section_fields(klass, top, sections):
         owners = _section_owner(f, sections)
         if family not in owners:
             raise ConfigError(f"{klass.__name__}.{f} is a field of the {' / '.join(owners)} section, but this "
                               f"config trains {cfg.model_name}: remove it, or write "
                               f"{owners[0]} = dict({f}=...) to keep it for that family")
-        setattr(getattr(cfg, family), f, convert_value(f, getattr(klass, f), sections[family][f]))
+        setattr(getattr(cfg, family), f, check_value(f, getattr(klass, f), sections[family][f]))
+    _check_per_step(cfg.per_step, known, family, sections)
     for name, value in stage_values.items():
-        rkey = _resolve_key(str(name), known) if str(name) in known else None
-        if rkey is None:
-            raise ConfigError(f"per_step[{key!r}] sets unknown field '{name}'")
-        _place(cfg, rkey, convert_value(rkey, value, known[rkey]), family, f"per_step[{key!r}]")
+        rkey = _resolve_key(str(name), known)
+        _place(cfg, rkey, check_value(rkey, value, known[rkey]), family, f"per_step[{key!r}]")
     cli = parse_overrides([w for k, v in pairs for w in (k, v)], known)
     for name, value in cli.items():
         if name in ("step", "cal"):
             continue
+        _check_family(name, family, "command line")
         _place(cfg, name, value, family, "command line")
     validate_config(cfg)
     return cfg
@@ -334,6 +424,12 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("batch_size", "must be at least 1")
     if not cfg.learning_rate > 0:
         bad("learning_rate", "must be positive")
+    if not cfg.weight_decay >= 0:
+        bad("weight_decay", "must be >= 0 (0 = no weight decay)")
+    if not 0 <= cfg.momentum < 1:
+        bad("momentum", "must be in [0, 1) (SGD's momentum; 0.9 is usual)")
+    if not cfg.grad_clip >= 0:
+        bad("grad_clip", "must be >= 0 (the largest gradient norm; 0 = no clipping)")
     if cfg.num_epochs < 0:
         bad("num_epochs", "must be >= 0")
     if cfg.num_workers < 0:

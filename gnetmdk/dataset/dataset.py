@@ -207,7 +207,7 @@ class DetectionDataset(Dataset):
                  seed: int = 0, hsv_gain: Sequence[float] = (0.015, 0.5, 0.3),
                  scale_range: Sequence[float] = (0.75, 1.25), shift_fraction: float = 0.15,
                  flip_prob: float = 0.5, blur_prob: float = 0.1, mosaic_prob: float = 0.0,
-                 rotate_prob: float = 0.0, records=None):
+                 rotate_prob: float = 0.0, records=None, expected_sizes=None):
         for name, value in (("mosaic_prob", mosaic_prob), ("rotate_prob", rotate_prob)):
             if not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"{name} {value} must be in [0, 1]")
@@ -241,6 +241,7 @@ class DetectionDataset(Dataset):
         self.mosaic_prob = float(mosaic_prob)
         self.rotate_prob = float(rotate_prob)
         self.sizes: List[Optional[Tuple[int, int]]] = [None] * len(self.records)   # original (W, H)
+        self.expected_sizes = expected_sizes   # gnetmdk.dataset.records.ExpectedSizes, or None
         self._cache: Optional[List[Tuple[np.ndarray, float]]] = None
         if cache:
             self._cache = [self._load(i) for i in range(len(self.records))]
@@ -270,6 +271,8 @@ class DetectionDataset(Dataset):
         """Decode and downscale to at most 2 x image_size on the long side; returns (image, scale)."""
         img = decode_image(self.image_path(index))
         h, w = img.shape[:2]
+        if self.expected_sizes is not None:
+            self.expected_sizes.check(index, self.image_path(index), w, h)
         self.sizes[index] = (w, h)
         limit = 2 * self.image_size
         scale = 1.0
@@ -397,8 +400,9 @@ def build_dataset(cfg, split: str):
 def build_gnetdet_dataset(cfg, split: str) -> DetectionDataset:
     """DetectionDataset of ``split`` ("train" or "valid") from a resolved config (records from the meta
     file or the COCO json: gnetmdk.dataset.records)."""
-    from .records import load_records
+    from .records import load_split
     train = split == "train"
+    records, sizes = load_split(cfg, split)
     g = cfg.gnetdet                     # GNetDet's augmentation settings
     return DetectionDataset(
         cfg.train_meta if train else cfg.valid_meta, os.path.join(cfg.dataset_dir, cfg.image_dir),
@@ -406,4 +410,4 @@ def build_gnetdet_dataset(cfg, split: str) -> DetectionDataset:
         max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,
         hsv_gain=g.hsv_gain, scale_range=g.scale_range, shift_fraction=g.shift_fraction,
         flip_prob=g.flip_prob, blur_prob=g.blur_prob, mosaic_prob=g.mosaic_prob,
-        rotate_prob=g.rotate_prob, records=load_records(cfg, split))
+        rotate_prob=g.rotate_prob, records=records, expected_sizes=sizes)

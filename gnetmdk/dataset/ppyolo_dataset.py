@@ -53,8 +53,10 @@ class PPYOLODataset(Dataset):
     def __init__(self, records: Sequence[Record], image_dir: str, num_classes: int, image_size: int,
                  train: bool = False, augment: bool = True, train_sizes: Sequence[int] = (320,),
                  random_interp: bool = True, mixup_epochs: int = 0, mixup_alpha: float = 1.5,
-                 mixup_beta: float = 1.5, max_boxes: int = 50, cache: bool = True, seed: int = 0):
+                 mixup_beta: float = 1.5, max_boxes: int = 50, cache: bool = True, seed: int = 0,
+                 expected_sizes=None):
         self.records = list(records)
+        self.expected_sizes = expected_sizes   # gnetmdk.dataset.records.ExpectedSizes, or None
         self.image_dir = image_dir
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
@@ -89,6 +91,8 @@ class PPYOLODataset(Dataset):
         stay relative to the image, so the scale does not matter for them)."""
         img = decode_image(self.image_path(index))
         h, w = img.shape[:2]
+        if self.expected_sizes is not None:
+            self.expected_sizes.check(index, self.image_path(index), w, h)
         self.sizes[index] = (w, h)
         if max(h, w) > self.cache_side:
             s = self.cache_side / max(h, w)
@@ -148,12 +152,14 @@ class PPYOLODataset(Dataset):
 
 
 def build_ppyolo_dataset(cfg, split: str) -> PPYOLODataset:
-    """PPYOLODataset of ``split`` ("train" or "valid") from a resolved config (records:
-    gnetmdk.dataset.records.load_records)."""
-    from .records import load_records
+    """PPYOLODataset of ``split`` ("train" or "valid") from a resolved config (records and the image sizes
+    they were written for: gnetmdk.dataset.records.load_split)."""
+    from .records import load_split
     p = cfg.ppyolo
     train = split == "train"
-    return PPYOLODataset(load_records(cfg, split), os.path.join(cfg.dataset_dir, cfg.image_dir), cfg.num_classes,
+    records, sizes = load_split(cfg, split)
+    return PPYOLODataset(records, os.path.join(cfg.dataset_dir, cfg.image_dir), cfg.num_classes,
                          cfg.image_size, train=train, augment=cfg.augment, train_sizes=p.train_sizes,
                          random_interp=p.random_interp, mixup_epochs=p.mixup_epochs, mixup_alpha=p.mixup_alpha,
-                         mixup_beta=p.mixup_beta, max_boxes=p.max_boxes, cache=cfg.cache_images, seed=cfg.seed)
+                         mixup_beta=p.mixup_beta, max_boxes=p.max_boxes, cache=cfg.cache_images, seed=cfg.seed,
+                         expected_sizes=sizes)

@@ -40,6 +40,8 @@ __all__ = [
     "write_meta",
     "format_meta_line",
     "write_voc_xml",
+    "sizes_path",
+    "read_sizes",
 ]
 
 #: extensions tried, in order, when the XML's <filename> does not name an existing image
@@ -287,6 +289,44 @@ def _split_ids(dataset_dir: str, ann_dir: str, val_fraction: float, seed: int):
     return train_ids, val_ids, f"random split (seed={seed}, val_fraction={val_fraction:g})"
 
 
+SIZES_FORMAT = "gnetmdk-image-sizes"
+
+
+def sizes_path(meta_path: str) -> str:
+    """The image-size file beside a meta file: ``<name>.sizes.json`` for ``<name>.txt``."""
+    meta_path = str(meta_path)
+    return (meta_path[:-4] if meta_path.endswith(".txt") else meta_path) + ".sizes.json"
+
+
+def sizes_text(entries) -> str:
+    """JSON of {image name: [width, height]} for ``(image_name, boxes, labels, (width, height))`` entries."""
+    import json
+    return json.dumps({"format": SIZES_FORMAT, "sizes": {n: [int(wh[0]), int(wh[1])] for n, _, _, wh in entries}},
+                      separators=(",", ":")) + "\n"
+
+
+def read_sizes(meta_path: str) -> dict | None:
+    """{image name: (width, height)} that tools/xml_2_txt.py recorded beside a meta file (the sizes the
+    boxes were converted for), or None when there is no such file (meta files written before it).
+
+    Raises:
+        MetaFormatError: the file exists but is not such a record.
+    """
+    import json
+    path = sizes_path(meta_path)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rec = json.load(fh)
+        sizes = rec["sizes"] if isinstance(rec, dict) and rec.get("format") == SIZES_FORMAT else None
+        out = {str(k): (int(v[0]), int(v[1])) for k, v in sizes.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        raise MetaFormatError(f"'{path}' is not the image-size record tools/xml_2_txt.py writes: run "
+                              "tools/xml_2_txt.py again") from None
+    return out
+
+
 def format_meta_line(image_name: str, boxes: Iterable[Sequence[int]], labels: Iterable[int]) -> str:
     """One meta line ``image_name x1 y1 x2 y2 cls ...`` (no newline)."""
     parts = [image_name]
@@ -449,9 +489,12 @@ def convert_voc_to_meta(
             warnings.append(f"{why}: the trainer evaluates every stage on it and will refuse an empty one; "
                             f"check ImageSets/Main/{source} or set val_fraction")
     if writer is None:
+        # the meta files and the image sizes their boxes were converted for, as one set
         _atomic_write_many({
             str(out_train): "".join(format_meta_line(n, b, l) + "\n" for n, b, l, _ in lines["train"]),
             str(out_valid): "".join(format_meta_line(n, b, l) + "\n" for n, b, l, _ in lines["valid"]),
+            sizes_path(out_train): sizes_text(lines["train"]),
+            sizes_path(out_valid): sizes_text(lines["valid"]),
         })
     else:
         writer({str(out_train): lines["train"], str(out_valid): lines["valid"]}, class_names)

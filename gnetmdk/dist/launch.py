@@ -30,7 +30,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,13 @@ def normalise_url(url: str) -> str:
     u = url.strip()
     if u.startswith("tcp://"):
         u = u[len("tcp://"):]
+    elif "://" in u:
+        raise LaunchError(f"--dist-url '{url}': the rendezvous is a TCP address, host:port or tcp://host:port "
+                          f"(machine 0's, e.g. 192.168.3.100:8888), not a {u.split('://', 1)[0]}:// URL")
     host, sep, port = u.rpartition(":")
+    if "/" in host or "/" in port:
+        raise LaunchError(f"--dist-url '{url}' must be host:port or tcp://host:port without a path (machine 0's "
+                          "address, e.g. 192.168.3.100:8888)")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise LaunchError(f"--dist-url '{url}' must be host:port or tcp://host:port (machine 0's address, "
                           "e.g. 192.168.3.100:8888)")
@@ -219,10 +225,39 @@ def init_group(backend: str, url: str, world: int, rank: int, timeout: float) ->
         if not wait_for_rendezvous(host, port, timeout):
             raise _join_error(TimeoutError(f"connect to {host}:{port} timed out"), url, world, rank, timeout)
     try:
-        dist.init_process_group(backend, init_method=url, world_size=world, rank=rank,
-                                timeout=datetime.timedelta(seconds=timeout))
+        _bounded(lambda: dist.init_process_group(backend, init_method=url, world_size=world, rank=rank,
+                                                 timeout=datetime.timedelta(seconds=timeout)), timeout + 10.0,
+                 lambda: LaunchError(
+                     f"rank {rank}: nothing answered as a torch rendezvous at {url} within {timeout:g}s, though the port "
+                     "accepts connections: another program (or another run) listens there. Check that --dist-url is "
+                     "machine 0's address and port and that machine 0 runs the same command (--rank 0)"))
+    except LaunchError:
+        raise
     except Exception as exc:  # rendezvous time-out, refused connection, ...
         raise _join_error(exc, url, world, rank, timeout) from None
+
+
+def _bounded(fn: Callable[[], None], seconds: float, on_timeout: Callable[[], Exception]) -> None:
+    """Run ``fn`` in a daemon thread and wait at most ``seconds`` for it: torch's store client waits
+    without end for an answer from a listener that never speaks its protocol, so the wait is bounded
+    here. Raises ``on_timeout()`` when it does not return (the thread is left to the process's exit,
+    which follows: a failed worker ends with os._exit), else what ``fn`` raised."""
+    import threading
+    box: Dict[str, BaseException] = {}
+
+    def body():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["exc"] = exc
+
+    t = threading.Thread(target=body, name="rendezvous", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise on_timeout()
+    if "exc" in box:
+        raise box["exc"]
 
 
 def _destroy() -> None:
@@ -265,6 +300,11 @@ def _classify(exc: BaseException, user_errors: tuple) -> Tuple[int, str, bool]:
     if user_errors and isinstance(exc, user_errors):
         return 2, str(exc), False
     text = f"{type(exc).__name__}: {exc}".strip()
+    low = text.lower()
+    if "timed out waiting" in low or ("timeout" in low and ("recv" in low or "send" in low or "collective" in low)):
+        return 1, ("a collective with the other processes timed out (" + text.splitlines()[0][:160] + "): another "
+                   "process stopped answering (frozen, paused or overloaded) or ended; its console has the cause "
+                   "(dist_timeout / --dist-timeout sets the wait)"), False
     if _peer_lost(text):
         first = text.splitlines()[0].split(" This is typically caused")[0]
         return 1, (f"lost the connection to another process ({first}): a process on another "
@@ -293,7 +333,7 @@ def _worker(local_rank: int, fn: Callable, spec: DistSpec, url: str, args: tuple
         if code != 0:
             record = {"rank": rank, "local_rank": local_rank, "pid": os.getpid(), "code": code,
                       "message": msg, "type": type(exc).__name__, "time": time.time(),
-                      "traceback": traceback.format_exc()}
+                      "traceback": traceback.format_exc(), "printed": bool(show_tb)}
             path = os.path.join(err_dir, f"rank{local_rank}.json")
             try:
                 with open(path + ".tmp", "w", encoding="utf-8") as fh:
@@ -353,7 +393,8 @@ def _failure(procs, err_dir: str, spec: DistSpec, first=None) -> WorkerFailed:
         if r["code"] == 2:
             msg = r["message"] if r["message"].startswith(f"rank {r['rank']}") else f"rank {r['rank']}: {r['message']}"
             return WorkerFailed(msg + stopped, 2, r["rank"])
-        above = " (traceback above)" if r["code"] == 1 and "lost the connection" not in r["message"] else ""
+        above = " (traceback above)" if r.get("printed", r["code"] == 1 and "lost the connection" not in r["message"]) \
+            else ""
         return WorkerFailed(f"rank {r['rank']} (pid {r['pid']}) failed: {r['message']}{above}{stopped}",
                             r["code"] or 1, r["rank"])
     order = list(enumerate(procs))
@@ -557,5 +598,6 @@ def check_spec(spec: DistSpec) -> None:
     if not 0 <= spec.rank < spec.world_size:
         raise LaunchError(f"--rank {spec.rank} must be in 0..{spec.world_size - 1} (this machine's index, from 0; "
                           f"--world-size is the number of machines)")
-    if not spec.timeout > 0:
-        raise LaunchError(f"--dist-timeout {spec.timeout:g} must be a positive number of seconds")
+    if not (spec.timeout > 0 and spec.timeout < float("inf")):
+        raise LaunchError(f"--dist-timeout {spec.timeout:g} must be a positive, finite number of seconds (every wait for "
+                          "the other processes ends after it; default 300)")

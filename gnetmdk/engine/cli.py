@@ -74,14 +74,12 @@ def _worker_entry(recipe: dict) -> None:
 
 
 def user_errors():
-    """Exception types that are the user's to fix: printed as one line, exit code 2."""
-    from gnetmdk.checkpoint.io import CheckpointError
-    from gnetmdk.dataset.dataset import ImageReadError
-    from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
+    """Exception types that are the user's to fix: printed as one line, exit code 2 (the tools' kinds,
+    gnetmdk.gti.chip.cli_util.user_errors, and the launcher's and the trainer's)."""
     from gnetmdk.dist.launch import LaunchError
+    from gnetmdk.gti.chip.cli_util import user_errors as tool_errors
     from .trainer import TrainingError
-    return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, LaunchError,
-            TrainingError, FileNotFoundError)
+    return tool_errors() + (LaunchError, TrainingError)
 
 
 def main(argv: Optional[Sequence[str]] = None, distributed: bool = False) -> int:

@@ -82,21 +82,65 @@ class EMAHook(HookBase):
         return {"ema": self.ema.state_dict()} if self.ema is not None else {}
 
 
+def _quiet_writer_threads() -> None:
+    """Keep an OSError of tensorboard's writer thread (a full log disk) from printing a traceback: the
+    writer raises it again in the trainer's thread, where :class:`TensorboardHook` reports it in one
+    line. Other threads' exceptions are printed as before."""
+    import threading
+    if getattr(threading.excepthook, "_gnetmdk", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        if issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    hook._gnetmdk = True
+    threading.excepthook = hook
+
+
 class TensorboardHook(HookBase):
     """Loss terms and learning rate per iteration, val mAP and loss per evaluation, into
-    ``<log_root>/<stage>`` (rank 0 only; the folder was checked writable before any work)."""
+    ``<log_root>/<stage>`` (rank 0 only; the folder was checked writable before any work). When the log
+    cannot be written later (a full or read-only disk), the curves stop with one warning and training
+    goes on: checkpoints have their own checks, and the log is not worth a run."""
 
     def __init__(self):
         self.writer = None
+        self.failed = False
+
+    def _guard(self, fn) -> None:
+        """Run a writer call; an OSError (tensorboard re-raises its writer thread's) ends the log with
+        one warning."""
+        if self.failed:
+            return
+        try:
+            fn()
+        except OSError as exc:
+            self.failed = True
+            t = self.trainer
+            t.log(f"[{t.stage.name}] warning: the tensorboard log stops here: cannot write '{t.cfg.log_dir}' "
+                  f"({exc.strerror or exc}); training goes on (free disk space, or set log_root, to keep the curves)")
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                try:
+                    writer.close()
+                except Exception:  # noqa: BLE001 - the log is already given up
+                    pass
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         t = self.trainer
-        if not t.main:
+        if not t.main or self.failed:
             return
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(t.cfg.log_dir)
-        self.writer.add_scalar(tag, value, step)
+
+        def write():
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+                _quiet_writer_threads()
+                self.writer = SummaryWriter(t.cfg.log_dir)
+            self.writer.add_scalar(tag, value, step)
+        self._guard(write)
 
     def after_iteration(self, it: Dict[str, object]) -> None:
         name = self.trainer.stage.name
@@ -139,14 +183,18 @@ class TensorboardHook(HookBase):
                 img = cv2.resize(img, (round(img.shape[1] * scale), round(img.shape[0] * scale)),
                                  interpolation=cv2.INTER_AREA)
             name = os.path.splitext(os.path.basename(t.val_set.image_path(i)))[0]
-            self.writer.add_image(f"{t.stage.name}/predictions/{name}", img[:, :, ::-1].copy(), step,
-                                  dataformats="HWC")
+            if self.writer is None:
+                return
+            self._guard(lambda: self.writer.add_image(f"{t.stage.name}/predictions/{name}", img[:, :, ::-1].copy(),
+                                                      step, dataformats="HWC"))
 
     def after_train(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-            self.writer = None
+            def close():
+                self.writer.flush()
+                self.writer.close()
+                self.writer = None
+            self._guard(close)
 
 
 class EvalHook(HookBase):

@@ -31,15 +31,17 @@ def at_least(low: int):
     return parse
 
 
-def fraction(low_open: bool = False):
-    """argparse type: a number in [0, 1] (``low_open``: in (0, 1]), e.g. a score or IoU threshold."""
+def fraction(low_open: bool = False, high_open: bool = False):
+    """argparse type: a number in [0, 1] (``low_open``: above 0; ``high_open``: below 1), e.g. a score,
+    an IoU threshold or an mAP difference."""
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not ((0 < v if low_open else 0 <= v) and v <= 1):
-            raise argparse.ArgumentTypeError(f"must be in {'(0' if low_open else '[0'}, 1], got {v:g}")
+        if not ((0 < v if low_open else 0 <= v) and (v < 1 if high_open else v <= 1)):
+            raise argparse.ArgumentTypeError(f"must be in {'(0' if low_open else '[0'}, {'1)' if high_open else '1]'}, "
+                                             f"got {v:g}")
         return v
     return parse
 
@@ -57,13 +59,16 @@ def parse_with_overrides(parser, argv):
 def user_errors() -> Tuple[type, ...]:
     """Exception types a user can cause (bad path, bad config, wrong checkpoint, a model the chip cannot
     run): the tools print them as one line ``error: ...`` and exit with status 2."""
+    from gnetmdk.align.compare import CompareError
     from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.checkpoint.paddle import PaddleFormatError
     from gnetmdk.config.base import ConfigError          # ChipModelError, ConversionError, ChipLimitError
+    from gnetmdk.dataset.coco import CocoFormatError
     from gnetmdk.dataset.dataset import ImageReadError
     from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
     from gnetmdk.evaluation.plots import PlotError
     return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, FileNotFoundError,
-            PlotError)
+            PlotError, CocoFormatError, PaddleFormatError, CompareError)
 
 
 def fail(msg: str, code: int = 2) -> int:

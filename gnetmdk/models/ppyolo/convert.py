@@ -110,6 +110,8 @@ class ConversionReport:
         class_surgery: ``None``, or with ``num_classes`` given: ``{"paddle_classes", "num_classes",
             "class_rows", "copied_class_rows"}``.
         only_backbone: the mode used.
+        nonfinite: ``(paddle name, count)`` of mapped arrays holding NaN or infinite values (an error:
+            such weights would train or evaluate as NaN).
     """
     matched: List[Tuple[str, str]] = field(default_factory=list)
     unmatched: List[str] = field(default_factory=list)
@@ -120,11 +122,12 @@ class ConversionReport:
     naming: List[str] = field(default_factory=list)
     class_surgery: Optional[Dict[str, object]] = None
     only_backbone: bool = False
+    nonfinite: List[Tuple[str, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when nothing is unmatched, missing or mis-shaped (the tool exits non-zero otherwise)."""
-        return not (self.unmatched or self.missing or self.mismatched)
+        """True when nothing is unmatched, missing, mis-shaped or non-finite (the tool exits non-zero otherwise)."""
+        return not (self.unmatched or self.missing or self.mismatched or self.nonfinite)
 
     def format(self, limit: int = 4) -> str:
         """One paragraph for a log or the terminal: counts, up to ``limit`` names per problem, verdict."""
@@ -143,6 +146,9 @@ class ConversionReport:
         mis = [f"{p} {tuple(ps)}{' (not a float array)' if tuple(ps) == tuple(ks) else ''} vs {k} {tuple(ks)}"
                for p, k, ps, ks in self.mismatched]
         parts.append(f"{len(self.mismatched)} shape/dtype mismatches" + (f" [{few(mis)}]" if mis else ""))
+        if self.nonfinite:
+            bad = [f"{n} ({c} values)" for n, c in self.nonfinite]
+            parts.append(f"{len(self.nonfinite)} arrays with NaN or infinite values [{few(bad)}]")
         if self.ignored:
             parts.append(f"{len(self.ignored)} Paddle keys ignored on purpose [{few(self.ignored)}]")
         if self.kept_init:
@@ -163,6 +169,8 @@ class ConversionReport:
         if self.missing and not self.only_backbone and all(k.startswith(("neck.", "head.")) for k in self.missing):
             hint += (" The file has no neck / head tensors (an ImageNet backbone file?): convert with only_backbone "
                      "(--only-backbone).")
+        if self.nonfinite:
+            hint += " Non-finite weights come from a diverged or damaged training run: convert another file."
         verdict = "OK." if self.ok else "NOT OK: the weights do not fit this model." + hint
         return "; ".join(parts) + ". " + verdict
 
@@ -480,6 +488,9 @@ def convert_paddle_state(params: Mapping[str, np.ndarray], model: nn.Module, num
         if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
             report.mismatched.append((name, slot.key, arr_shape, tuple(target.shape)))
             continue
+        bad = int(arr.size - np.isfinite(arr).sum())
+        if bad:
+            report.nonfinite.append((name, bad))
         if slot.kind == "head" and num_classes is not None:
             try:
                 tensor, c_src, k = rebuild_class_rows(arr, target, model.head.num_anchors[slot.level], iou_aware,
