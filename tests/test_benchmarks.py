@@ -106,6 +106,12 @@ def test_accuracy_matrix_aggregates_seeds_and_checks_the_goal():
     cmd = acc.pipeline_command("cards", 2, "/o", ["threads", "1"])
     assert cmd[-2:] == ["threads", "1"] and "seed" in cmd and cmd[cmd.index("seed") + 1] == "2"
     assert cmd[cmd.index("--json") + 1] == os.path.join("/o", "cards", "seed2", "stages.json")
+    assert "--control" in cmd and "--control" not in acc.pipeline_command("cards", 2, "/o", [], control=False)
+    # with the float control the cost is step 4 - max(step 1, control): a control that trained on to
+    # 0.93 makes a step 4 of 0.92 one point below, where step 1's 0.90 alone would show it two above
+    ctl = acc.aggregate({"c": {0: rows(0.90, 0.92) + [{"stage": "control", "best_map": 0.93}]}})
+    assert ctl["c"]["delta"] == [pytest.approx(-0.01)] and ctl["c"]["stages"]["control"]["mean"] == 0.93
+    assert "step 4 - max(step 1, control)" in acc.format_table(ctl)
 
 
 def test_accuracy_matrix_tables_a_tiled_set_on_the_whole_images_too(tmp_path, capsys):
@@ -226,3 +232,35 @@ def test_step_time_trainer_runs_the_hooks_ema_included_device_cpu(tmp_path):
     cfg = build_config(load_config_class(path), over, step=1)
     rate = bench.time_trainer(cfg, over, 2)
     assert rate > 0
+
+
+def test_pipeline_control_trains_the_float_model_with_steps_2_to_4_schedules_device_cpu(tmp_path):
+    """run_pipeline.py --control: after step 1, three float stages with the schedules of steps 2, 3 and 4
+    (learning rate, epochs), each from the previous best.pth, the first from step 1's; their outputs
+    under checkpoint/control/, step 1's untouched; the table and its JSON get a "control" row."""
+    import hashlib
+    import json as _json
+    from dist_helpers import make_workspace, run
+    root = str(tmp_path)
+    extra = ("    per_step = {2: dict(learning_rate=1e-5, num_epochs=1), 3: dict(learning_rate=2e-5, num_epochs=1),\n"
+             "                4: dict(learning_rate=3e-5, num_epochs=2)}\n")
+    cfg = make_workspace(root, num_train=16, num_val=4, extra=extra)
+    tool = os.path.join(ROOT, "tools", "run_pipeline.py")
+    js = os.path.join(root, "stages.json")
+    r = run([tool, "--config", cfg, "--stages", "step1", "--control", "--json", js, "batch_size", "8",
+             "num_epochs", "1"], root, timeout=600)
+    r.check()
+    ck = os.path.join(root, "out", "checkpoint")
+    step1 = os.path.join(ck, "step1", "best.pth")
+    digest = hashlib.sha256(open(step1, "rb").read()).hexdigest()
+    rows = {row["stage"]: row for row in _json.load(open(js))}
+    assert set(rows) == {"step1", "control"} and rows["control"]["best_map"] is not None
+    for k, lr, epochs in ((2, 1e-5, 1), (3, 2e-5, 1), (4, 3e-5, 1)):     # num_epochs 1 on the command line
+        d = os.path.join(ck, "control", f"as_step{k}", "step1")
+        conf = _json.load(open(os.path.join(d, "config.json")))
+        assert conf["learning_rate"] == lr and conf["num_epochs"] == epochs and conf["step"] == 1
+        assert os.path.isfile(os.path.join(d, "best.pth"))
+    last = torch.load(os.path.join(ck, "control", "as_step4", "step1", "best.pth"), weights_only=True)
+    assert last["stage"] == "step1" and any(".bn." in k for k in last["model"])          # the float model
+    assert hashlib.sha256(open(step1, "rb").read()).hexdigest() == digest
+    assert "===== control (float, step 4's schedule) =====" in r.stdout

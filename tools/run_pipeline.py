@@ -7,6 +7,10 @@
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
 `--make-shapes` first generates the synthetic shapes dataset and its meta files.
+`--control` then trains the float control (gnetmdk/engine/control.py): step 1's float model trained on with
+the schedules of steps 2, 3 and 4 (as many epochs, the same learning rates and EMA), each from the previous
+one's best.pth, its outputs under <checkpoint_root>/control/; the table gets a "control" row and the line
+"quantization cost: step 4 - max(step 1, control)".
 `--plots DIR` writes stages.png/.json after the table: entry and best mAP per stage as bars; for GNetDet
 also layer_drift.png/.json: each sublayer's output drift from step 1 along the stages to the chip model
 (converted in memory from step 4) on the first 64 val images, as tools/stage_report.py computes it
@@ -81,6 +85,8 @@ def main(argv=None):
     p.add_argument("--make-shapes", action="store_true",
                    help="first generate the synthetic shapes dataset in the config's dataset_dir, and its meta files")
     p.add_argument("--json", default=None, help="also write the table as JSON to this file")
+    p.add_argument("--control", action="store_true",
+                   help="also train the float control: the float model as long as steps 2-4 train, with their schedules")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write stages.png/.json (entry and best mAP per stage) in DIR after the table "
                         "(created if missing; needs matplotlib)")
@@ -116,6 +122,15 @@ def main(argv=None):
             s = run_stage(cfg)
             rows.append((name, s.get("entry_map"), s.get("best_map"), s.get("best_epoch"), s.get("best_seconds"),
                          s.get("seconds", 0.0)))
+        if args.control:
+            from gnetmdk.engine.control import CONTROL_OF, control_configs
+            summaries = []
+            for k, cfg in zip(CONTROL_OF, control_configs(klass, overrides)):
+                print(f"\n===== control (float, step {k}'s schedule) =====", flush=True)
+                summaries.append(run_stage(cfg))
+            last = summaries[-1]
+            rows.append(("control", summaries[0].get("entry_map"), last.get("best_map"), None, None,
+                         sum(x.get("seconds", 0.0) for x in summaries)))
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         if made_plots:                              # the --plots folder this run created stays only if used
@@ -126,6 +141,11 @@ def main(argv=None):
         return 2
     print("\nPer-stage mAP@0.5 (entry = the loaded model after the stage's entry edits, before training)")
     print(format_table(rows))
+    best = {r[0]: r[2] for r in rows}
+    if all(best.get(k) is not None for k in ("step1", "control", "step4")):
+        from gnetmdk.engine.control import quantization_cost
+        cost = quantization_cost(best["step1"], best["control"], best["step4"])
+        print(f"quantization cost: step 4 - max(step 1, control) = {100 * cost:+.1f} points")
     print(f"total {time.time() - t0:.0f}s")
     records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5])
                for r in rows]

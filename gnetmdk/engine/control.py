@@ -1,0 +1,57 @@
+"""The float control of a pipeline run: the float model trained on for as long as the quantized stages
+train, so that the cost of quantization is measured against a float model trained as long.
+
+Steps 2, 3 and 4 each fine-tune for their own schedule (``per_step``: learning rate, epochs, warm-up,
+EMA, evaluation interval), and a step-4 model that beats step 1 may only have trained longer. The
+control runs three float stages (step 1's model: BatchNorm, no quantizer) with exactly those
+schedules, each from the previous one's best.pth, the first from step 1's: the same epochs, the same
+learning rates, the same EMA and the same choice of best.pth by val mAP. The cost of quantization is
+then ``step 4 - max(step 1, control)`` (docs/results.md).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Sequence
+
+from gnetmdk.config import build_config
+
+#: what a control stage takes from the quantized stage it stands for: its schedule and optimizer
+SCHEDULE_FIELDS = ("learning_rate", "num_epochs", "warmup_epochs", "warmup_factor", "lr_scheduler", "min_lr_ratio",
+                   "lr_step_size", "lr_milestones", "lr_gamma", "lr_restart_epochs", "lr_restart_mult",
+                   "eval_interval", "patience", "ema", "ema_decay", "ema_ramp", "optimizer", "weight_decay",
+                   "momentum", "nesterov", "grad_clip", "batch_size", "accumulate")
+#: the quantized stages whose schedules the control follows, in order
+CONTROL_OF = (2, 3, 4)
+
+
+def control_configs(klass, overrides: Sequence[str] = ()) -> List[object]:
+    """The configs of the control's three float stages (step 1 with the schedules of steps 2, 3, 4).
+
+    Each is ``build_config(klass, overrides, step=1)`` with :data:`SCHEDULE_FIELDS` taken from the
+    config of the step it stands for, ``load`` the previous stage's best.pth (the first: step 1's), and
+    its outputs in ``<checkpoint_root>/control/as_step<k>`` (logs in ``<log_root>/control/as_step<k>``),
+    so step 1's own outputs are never touched.
+
+    Returns:
+        a list of 3 resolved configs, run in order.
+    """
+    first = build_config(klass, overrides, step=1)
+    prev = os.path.join(first.checkpoint_dir(1), "best.pth")
+    out = []
+    for k in CONTROL_OF:
+        like = build_config(klass, overrides, step=k)
+        cfg = build_config(klass, overrides, step=1)
+        for f in SCHEDULE_FIELDS:
+            setattr(cfg, f, getattr(like, f))
+        cfg.load = prev
+        cfg.checkpoint_root = os.path.join(first.checkpoint_root, "control", f"as_step{k}")
+        cfg.log_root = os.path.join(first.log_root, "control", f"as_step{k}")
+        prev = os.path.join(cfg.checkpoint_dir(1), "best.pth")
+        out.append(cfg)
+    return out
+
+
+def quantization_cost(step1: float, control: float, step4: float) -> float:
+    """``step4 - max(step1, control)`` (mAP as a fraction): what quantization cost against the better of
+    the float model and the float model trained as long as the quantized stages."""
+    return step4 - max(step1, control)
