@@ -496,3 +496,26 @@ def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
     assert tool.size_head_warning([(0.3, 0.2)] * 10, "linear") is None          # large boxes: no warning
     assert "size_head log" in tool.size_head_warning([(0.1, 0.1)] * 10, "linear")   # 0.1 < 4 / 31
     assert tool.size_head_warning([(0.1, 0.1)] * 10, None) is None              # no config, or PP-YOLO
+
+
+def test_xml_2_txt_small_minority_class_and_crowded_cells():
+    """Per-class sizes: a class whose boxes are small is named even when the set's boxes are mostly
+    large (7 small of 60 boxes, under the set's 20%); the share of boxes in cells holding more boxes than
+    the model's box slots, counted by hand."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("xml_2_txt", os.path.join(REPO, "tools", "xml_2_txt.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    sizes = [(0.3, 0.3)] * 53 + [(0.06, 0.06)] * 7 + [(0.05, 0.05)] * 5          # 0.06 < 4 / 31 = 0.129
+    labels = [0] * 50 + [1] * 3 + [1] * 7 + [2] * 5
+    assert tool.size_head_warning(sizes, "linear") is None                       # 12 of 65: under the set's 20%
+    lines, warn = tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16, "linear")
+    assert "mixed (70% of its 10 boxes)" in warn and "tiny" not in warn          # 5 boxes: too few to judge
+    assert "gnetdet.size_head log" in warn and "The size head" in warn
+    assert any(l.split()[:2] == ["big", "50"] for l in lines)
+    assert tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16, "log")[1] is None
+    # grid 2: image 0 has three centres in cell (0, 0) and one in (1, 1); image 1 one in (0, 0)
+    centres = [(0.1, 0.1, 0), (0.2, 0.3, 0), (0.4, 0.4, 0), (0.9, 0.9, 0), (0.1, 0.1, 1)]
+    line = tool.shared_cell_line(centres, 2, 1)
+    assert "more than 1 box(es)" in line and ": 60.0%" in line and "at most 60.0%" in line
+    assert ": 0.0%" in tool.shared_cell_line(centres, 2, 3)

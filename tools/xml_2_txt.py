@@ -101,6 +101,9 @@ def resolve_settings(args) -> dict:
         "cell": cell,
         "fixed_cell": fixed,
         "size_head": _size_head(cfg),
+        "grid": cfg.grid_size if cfg is not None and getattr(cfg, "model_name", "gnetdet") == "gnetdet" else None,
+        "slots": int(cfg.gnetdet.box_slots) if cfg is not None and getattr(cfg, "model_name", "gnetdet") == "gnetdet"
+        else None,
         "name": str(pick(args.name, "DS_NAME")),
         "dataset_dir": str(pick(args.dataset_dir, "dataset_dir")),
         "classes": classes,
@@ -161,6 +164,63 @@ def size_head_warning(sizes, size_head):
             "head (size_head linear, GTI) the chip model rounds their width and height to those steps. Set "
             "gnetdet.size_head log in the config (sizes in log space, the same relative step at every size) "
             "before step 1")
+
+
+#: a class is looked at on its own from this many train boxes
+CLASS_MIN_BOXES = 10
+
+
+def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_head=None):
+    """Per class: boxes, median size and the shares below a grid cell and (linear size head) below
+    :data:`SIZE_STEPS` output code steps; and the warning for a class whose boxes are small even when
+    the whole set's are not (a minority class of small objects, which the set's shares hide).
+
+    Args:
+        sizes: [(w, h)] relative to the image; labels: the class index of each; classes: the names.
+        image_size, cell: as :func:`box_size_lines`; size_head: the config's ``gnetdet.size_head``.
+    Returns:
+        (lines to print, a warning or None).
+    """
+    import numpy as np
+    if not sizes:
+        return [], None
+    rel = np.sqrt(np.prod(np.asarray(sizes, dtype=np.float64), axis=1))
+    labels = np.asarray(labels, dtype=np.int64)
+    lines, small_classes = ["  per class: boxes, median size, below a grid cell, below "
+                            f"{SIZE_STEPS} output code steps"], []
+    for c, name in enumerate(classes):
+        r = rel[labels == c]
+        if not len(r):
+            continue
+        med = f"{np.median(r) * image_size:.1f} px" if image_size else f"{np.median(r):.3f} of the side"
+        below_cell = f"{100 * np.mean(r * image_size < cell):.0f}%" if image_size and cell else "-"
+        steps = float(np.mean(r < SIZE_STEPS / 31.0))
+        lines.append(f"    {name:<16} {len(r):6d}  {med:>14}  {below_cell:>5}  {100 * steps:.0f}%")
+        if size_head == "linear" and len(r) >= CLASS_MIN_BOXES and steps > SMALL_SHARE:
+            small_classes.append(f"{name} ({100 * steps:.0f}% of its {len(r)} boxes)")
+    warn = None
+    if small_classes:
+        warn = (f"class(es) {', '.join(small_classes)} span fewer than {SIZE_STEPS} steps of the chip's 5-bit output "
+                "codes: with the linear size head the chip model rounds their width and height to those steps, "
+                "however few of the set's boxes they are. Set gnetdet.size_head log before step 1 (on the dense set "
+                "of 4-16 px shapes it took step 4 from 14-16 points below step 1 to within half a point: "
+                "docs/results.md, 'The size head')")
+    return lines, warn
+
+
+def shared_cell_line(centres, grid: int, slots: int):
+    """The share of train boxes whose grid cell (the one holding their centre) holds more boxes than the
+    model has box slots per cell: what a cell can predict at most (GNetDet's ``box_slots``), so the rest
+    of those boxes cannot be found at that input. None without a grid."""
+    from collections import Counter
+    if not centres or not grid:
+        return None
+    cells = Counter((int(min(cx * grid, grid - 1)), int(min(cy * grid, grid - 1)), img) for cx, cy, img in centres)
+    crowded = sum(n for n in cells.values() if n > slots)
+    over = sum(n - slots for n in cells.values() if n > slots)
+    return (f"  boxes in a grid cell with more than {slots} box(es) (the model's box slots per cell): "
+            f"{100 * crowded / len(centres):.1f}%; at most {100 * (len(centres) - over) / len(centres):.1f}% of the boxes "
+            f"can be predicted at this grid ({grid} x {grid})")
 
 
 def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
@@ -261,9 +321,16 @@ def main(argv=None, coco: bool = False) -> int:
     if report["skipped"]:
         print(f"{len(report['skipped'])} file(s) skipped", file=sys.stderr)
     print_summary(report)
-    warn = size_warn = None
+    warn = size_warn = class_warn = None
     for split, st in report["splits"].items():
         lines, w = box_size_lines(st.get("box_sizes", []), st_cfg["image_size"], st_cfg["cell"], st_cfg["fixed_cell"])
+        if split == "train":
+            more, class_warn = class_size_lines(st.get("box_sizes", []), st.get("box_labels", []), report["classes"],
+                                                st_cfg["image_size"], st_cfg["cell"], st_cfg.get("size_head"))
+            lines += more
+            if st_cfg.get("grid"):
+                shared = shared_cell_line(st.get("box_centres", []), st_cfg["grid"], st_cfg["slots"])
+                lines += [shared] if shared else []
         if lines:
             print(f"{split}:")
             for line in lines:
@@ -271,7 +338,7 @@ def main(argv=None, coco: bool = False) -> int:
         if split == "train":
             warn = w
             size_warn = size_head_warning(st.get("box_sizes", []), st_cfg.get("size_head"))
-    for w in (warn, size_warn):
+    for w in (warn, size_warn or class_warn):
         if w:
             print(f"warning: {w}", file=sys.stderr)
     return 0

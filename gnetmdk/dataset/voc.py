@@ -390,7 +390,8 @@ def convert_voc_to_meta(
         ``{"dataset_dir", "split_source", "classes", "skipped": [(path, reason), ...], "warnings": [...],
         "splits": {"train"|"valid": {"file", "ids", "images", "boxes", "per_class": {name: n},
         "no_objects": [xml paths], "dropped_difficult": n, "box_sizes": [(w / image width, h / image
-        height) per kept box]}}}``.
+        height) per kept box], "box_labels": [class index per kept box], "box_centres": [(x / width,
+        y / height, image number) per kept box]}}}``.
 
     Raises:
         FileNotFoundError: ``dataset_dir``, its image folder or its annotation folder is missing.
@@ -428,7 +429,7 @@ def convert_voc_to_meta(
         stats = {
             "file": str(out), "ids": len(ids), "images": 0, "boxes": 0,
             "per_class": OrderedDict((c, 0) for c in class_names),
-            "no_objects": [], "dropped_difficult": 0, "box_sizes": [],
+            "no_objects": [], "dropped_difficult": 0, "box_sizes": [], "box_labels": [], "box_centres": [],
         }
         split_lines = []
         for stem in ids:
@@ -471,8 +472,11 @@ def convert_voc_to_meta(
             split_lines.append((image_name, ann["boxes"], ann["labels"], (ann["width"], ann["height"])))
             stats["images"] += 1
             stats["boxes"] += len(ann["boxes"])
-            for x1, y1, x2, y2 in ann["boxes"]:
-                stats["box_sizes"].append(((x2 - x1) / max(ann["width"], 1), (y2 - y1) / max(ann["height"], 1)))
+            for (x1, y1, x2, y2), label in zip(ann["boxes"], ann["labels"]):
+                w_img, h_img = max(ann["width"], 1), max(ann["height"], 1)
+                stats["box_sizes"].append(((x2 - x1) / w_img, (y2 - y1) / h_img))
+                stats["box_labels"].append(int(label))
+                stats["box_centres"].append(((x1 + x2) / 2 / w_img, (y1 + y2) / 2 / h_img, stats["images"]))
             for label in ann["labels"]:
                 stats["per_class"][class_names[label]] += 1
         splits[split] = stats
