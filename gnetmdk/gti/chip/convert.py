@@ -13,7 +13,6 @@ that width the model is refused.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
@@ -22,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from gnetmdk.checkpoint.outputs import file_sha256
 from gnetmdk.config.base import BaseConfig
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 from gnetmdk.gti.spec import get_chip_spec
@@ -58,15 +58,6 @@ def padded_output_channels(used: int, major_widths: Sequence[int], min_channels:
                 f"larger width_mult")
         return width
     return max(_next_pow2(used), int(min_channels))
-
-
-def file_sha256(path: str) -> str:
-    """SHA-256 hex digest of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
