@@ -146,8 +146,32 @@ def test_ppyolo_quantized_stages_integer_export_and_check_device_cpu(ws, capsys)
     text = capsys.readouterr().out
     assert "EQUAL: 0 code mismatches in 44 layers, 0 output differences" in text
     assert os.path.isfile(os.path.join(root, "q", "model", "int_model.onnx"))
+    # step 4 with the runtime's conv rounding: its integer export is still equal, and its QDQ export run
+    # by onnxruntime (uint8 weights: no 16-bit saturation on any x86 CPU) meets the goal
     step3 = os.path.join(root, "q", "checkpoint", "step3", "best.pth")
+    assert main(["--config", path, "--step", "4", "ppyolo.requant", "float", "load", step3, *_out(root, "qf")]) == 0
+    assert "step 4's conv requantization: float (ppyolo.requant)" in capsys.readouterr().out
+    step4f = os.path.join(root, "qf", "checkpoint", "step4", "best.pth")
+    assert load_checkpoint(step4f)["model_meta"]["quant"]["requant"] == "float"
+    qf_model = os.path.join(root, "qf", "model")
+    assert tool.main([step4f, "--config", path, "--check", "--out", qf_model]) == 0
+    assert "EQUAL: 0 code mismatches in 44 layers" in capsys.readouterr().out
+    assert tool.main([step4f, "--config", path, "--format", "qdq", "--weights", "uint8", "--check",
+                      "--out", qf_model]) == 0
+    text = capsys.readouterr().out
+    assert "QDQ model of 44 ops" in text and "requant float" in text and "WITHIN GOAL" in text, text
+    assert os.path.isfile(os.path.join(qf_model, "qdq_model.onnx"))
+    with pytest.raises(SystemExit) as stop:
+        tool.main([step4f, "--config", path, "--weights", "uint8"])
+    assert stop.value.code == 2
+    assert "--weights applies to --format qdq only" in capsys.readouterr().err
+    import onnxruntime
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        assert tool.main([step4f, "--config", path, "--format", "qdq", "--check", "--provider", "cuda"]) == 2
+        assert "no CUDAExecutionProvider" in capsys.readouterr().err
     assert tool.main([step3, "--config", path, "--out", os.path.join(root, "q", "x")]) == 2
+    assert "not step4" in capsys.readouterr().err
+    assert tool.main([step3, "--config", path, "--format", "qdq", "--out", os.path.join(root, "q", "x")]) == 2
     assert "not step4" in capsys.readouterr().err
     assert tool.main([os.path.join(root, "q", "none.pth"), "--config", path]) == 2
     assert "none.pth" in capsys.readouterr().err

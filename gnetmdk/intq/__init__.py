@@ -23,6 +23,10 @@ for Efficient Integer-Arithmetic-Only Inference", CVPR 2018; the ONNX QOperator 
   the output's scale; max pooling and nearest upsampling act on the codes. The detection head's
   accumulators are dequantized to float32 (``acc * s_x * s_w,c`` in float64, rounded once).
 
+The integer model is written as ONNX in two forms: integer operators that equal step 4 bit for bit
+(gnetmdk.intq.onnx_export), and the QDQ form the int8 runtimes take, whose distance from step 4 is
+measured (gnetmdk.intq.qdq_export; step 4's ``requant "float"`` rounds its convs as those runtimes do).
+
 What a family provides is a graph (gnetmdk.intq.graph): nodes naming its modules, which the
 fake-quantized forward, calibration, the integer program and the ONNX export all read.
 """

@@ -9,6 +9,8 @@ Graph (opset 13; integer operators from the image to the head's accumulators):
               -> Add b (int32) -> Cast int64 -> Mul M (Where(acc < 0, M_neg, M) under leaky ReLU)
               -> Add 2^(n-1) + 2^61 -> Div 2^n -> Sub 2^(61-n)      = floor((acc M + 2^(n-1)) / 2^n)
               -> Add z_out -> Clip(lo, 255) -> Cast uint8
+              (requant "float": Cast float -> Mul m_c (float32) -> Round (ties to even) -> Cast int64
+              -> Add z_out -> Clip -> Cast uint8)
     add:      Cast int64, Sub z, Mul M per input, Add, then the same rounding tail
     concat:   each input requantized as above (when its scale or zero point differs), Concat
     maxpool:  Pad(codes, 0) -> MaxPool on uint8;  upsample: Resize nearest x2 on uint8
@@ -26,7 +28,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-__all__ = ["build_onnx", "make_session", "run_onnx", "OUTPUT_PREFIX", "INPUT_NAME", "META_KEY"]
+__all__ = ["build_onnx", "make_session", "run_onnx", "PROVIDERS", "check_provider", "OUTPUT_PREFIX", "INPUT_NAME", "META_KEY"]
 
 OPSET = 13
 IR_VERSION = 8
@@ -110,6 +112,16 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
                 nodes.append(helper.make_node("Cast", [f], [out], to=TensorProto.FLOAT))
                 outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * 4))
                 continue
+            if "m_float" in op:                    # requant "float": rint(float32(acc) * m_c) + z_out
+                f = node("Cast", [acc], "accf", to=TensorProto.FLOAT)
+                f = node("Mul", [f, const("mf", np.asarray(op["m_float"]).reshape(1, -1, 1, 1), np.float32)], "fm")
+                v = node("Cast", [node("Round", [f], "rint")], "r64", to=TensorProto.INT64)
+                v = node("Add", [v, const("zp", op["zp"], np.int64)], "rq")
+                v = node("Clip", [v, const("lo", op["lo"], np.int64), const("hi", 255, np.int64)], "rq")
+                nodes.append(helper.make_node("Cast", [v], [name], to=TensorProto.UINT8))
+                if all_layers:
+                    layer_outputs.append(helper.make_tensor_value_info(name, TensorProto.UINT8, [None] * 4))
+                continue
             a64 = node("Cast", [acc], "acc64", to=TensorProto.INT64)
             if np.array_equal(op["m_pos"], op["m_neg"]):
                 m = const("m", pc(op["m_pos"]), np.int64)
@@ -166,16 +178,43 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
     return model
 
 
-def make_session(model, threads: int = 0):
-    """An onnxruntime InferenceSession (CPU provider) for ``model`` (ModelProto, serialized bytes or
-    a file path) with ``threads`` intra-op threads (0: onnxruntime's default)."""
+#: onnxruntime execution providers by the name the tools take
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def check_provider(provider: str) -> str:
+    """onnxruntime's name of ``provider`` ("cpu" or "cuda").
+
+    Raises:
+        ValueError: an unknown provider, or one this onnxruntime build does not have (the message
+            names the installed ones and the fix).
+    """
     import onnxruntime as ort
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown onnxruntime provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    name = PROVIDERS[provider]
+    if name not in ort.get_available_providers():
+        raise ValueError(f"this onnxruntime has no {name} (it has {', '.join(ort.get_available_providers())}); "
+                         "install onnxruntime-gpu for --provider cuda, or use --provider cpu")
+    return name
+
+
+def make_session(model, threads: int = 0, provider: str = "cpu"):
+    """An onnxruntime InferenceSession for ``model`` (ModelProto, serialized bytes or a file path) with
+    ``threads`` intra-op threads (0: onnxruntime's default) on ``provider`` ("cpu" or "cuda").
+
+    Raises:
+        ValueError: an unknown provider, or one this onnxruntime build does not have (the message
+            names the installed ones).
+    """
+    import onnxruntime as ort
+    name = check_provider(provider)
     if not isinstance(model, (bytes, str)):
         model = model.SerializeToString()
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
-    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, opts, providers=[name])
 
 
 def run_onnx(model, image: np.ndarray, threads: int = 0) -> Dict[str, np.ndarray]:

@@ -20,6 +20,14 @@ docstring gives the scheme):
 * concat: each input requantized to the output's (scale, zero point), then concatenated;
 * max pool (padding by code 0, below every code) and nearest upsampling on the codes;
 * output convs: ``acc * (s_x s_w,c)`` in float64, rounded once to float32.
+
+Requantization modes (``requant``): "fixed" (the default, above) is the integer arithmetic of Jacob et
+al. 2018; "float" computes a conv with ReLU or no activation as the int8 runtimes' fused quantized conv
+does (onnxruntime's QLinearConv: ``m_c = s_x * s_w,c / s_out`` in float32, in that order, and
+``q_out = clamp(rint(float32(acc) * m_c) + z_out, lo, 255)``, ties to even), so that step 4 equals a
+runtime that executes the QDQ export (gnetmdk.intq.qdq_export) with those kernels. Leaky-ReLU convs,
+adds and concatenations keep the fixed-point form in both modes (a runtime computes them in float,
+docs/ppyolo.md).
 """
 from __future__ import annotations
 
@@ -34,12 +42,14 @@ import torch.nn.functional as F
 from .fake import ACT_QMAX, quantize_weight, round_half_up, weight_scales
 from .graph import LEAKY_SLOPE, Node, tensor_quantizers
 
-__all__ = ["build_program", "run_program", "requant_multipliers", "ProgramError", "ACC_LIMIT"]
+__all__ = ["build_program", "run_program", "requant_multipliers", "ProgramError", "ACC_LIMIT", "REQUANT_MODES"]
 
 #: bound on |acc * M| (int64 headroom, also for the ONNX model's rounding offset 2^61)
 ACC_LIMIT = 2 ** 60
 #: multipliers have at most this many bits
 M_BITS = 31
+#: requantization of convs with ReLU or no activation (module docstring)
+REQUANT_MODES = ("fixed", "float")
 
 
 class ProgramError(ValueError):
@@ -77,11 +87,13 @@ def _qparams(quant: nn.ModuleDict, key: str, where: str) -> Tuple[float, int]:
 
 @torch.no_grad()
 def build_program(model: nn.Module, nodes: Sequence[Node], quant: nn.ModuleDict, weight_bits: int,
-                  weight_scale: str, normalize) -> Dict[str, Any]:
+                  weight_scale: str, normalize, requant: str = "fixed") -> Dict[str, Any]:
     """The integer program of a graph's model (layout in the module docstring).
 
     Args:
         model, nodes, quant, weight_bits, weight_scale, normalize: as gnetmdk.intq.graph.run_graph.
+        requant: :data:`REQUANT_MODES` ("fixed": integer multiplier and shift, ties up; "float": a
+            float32 multiplier and ties to even for convs with ReLU or no activation).
 
     Returns:
         ``{"ops": [...], "tensors": {name: {"scale": float, "zp": int}}, "outputs": [names]}``: plain
@@ -89,7 +101,10 @@ def build_program(model: nn.Module, nodes: Sequence[Node], quant: nn.ModuleDict,
 
     Raises:
         ProgramError: an uncalibrated quantizer, a multiplier or accumulator out of range.
+        ValueError: an unknown ``requant``.
     """
+    if requant not in REQUANT_MODES:
+        raise ValueError(f"requant must be one of {REQUANT_MODES}, got {requant!r}")
     owner = tensor_quantizers(nodes)
     tensors: Dict[str, Dict[str, Any]] = {}
     for name, key in owner.items():
@@ -108,7 +123,7 @@ def build_program(model: nn.Module, nodes: Sequence[Node], quant: nn.ModuleDict,
             x = normalize(pixels.to(next(iter(model.buffers())).device)).float().cpu()
             op["lut"] = torch.clamp(round_half_up(x / s) + z, 0, ACT_QMAX).view(3, 256).numpy().astype(np.uint8)
         elif n.op == "conv":
-            op.update(_conv_op(model, n, tensors, weight_bits, weight_scale))
+            op.update(_conv_op(model, n, tensors, weight_bits, weight_scale, requant))
             if n.quant is None:
                 outputs.append(n.output)
         elif n.op == "maxpool":
@@ -120,7 +135,7 @@ def build_program(model: nn.Module, nodes: Sequence[Node], quant: nn.ModuleDict,
             so, zo = tensors[n.output]["scale"], tensors[n.output]["zp"]
             m, shift = requant_multipliers(np.array([sa / so, sb / so]), n.output)
             op.update(zp_a=za, zp_b=zb, m_a=int(m[0]), m_b=int(m[1]), shift=shift, zp=zo,
-                      lo=zo if n.act == "relu" else 0)
+                      lo=zo if n.act == "relu" else 0, act=n.act)
             if n.act not in (None, "relu"):
                 raise ProgramError(f"{n.output}: add with activation {n.act!r} is not supported (None or relu)")
         else:                                                     # concat
@@ -135,10 +150,11 @@ def build_program(model: nn.Module, nodes: Sequence[Node], quant: nn.ModuleDict,
                     parts.append({"zp_in": zi, "m": int(m[0]), "shift": shift})
             op.update(parts=parts, zp=zo)
         ops.append(op)
-    return {"ops": ops, "tensors": tensors, "outputs": outputs}
+    return {"ops": ops, "tensors": tensors, "outputs": outputs, "requant": requant}
 
 
-def _conv_op(model: nn.Module, n: Node, tensors, weight_bits: int, weight_scale: str) -> Dict[str, Any]:
+def _conv_op(model: nn.Module, n: Node, tensors, weight_bits: int, weight_scale: str,
+             requant: str = "fixed") -> Dict[str, Any]:
     conv = model.get_submodule(n.module)
     w = conv.weight.detach().float().cpu()
     if conv.groups != 1 or tuple(conv.dilation) != (1, 1):
@@ -159,8 +175,9 @@ def _conv_op(model: nn.Module, n: Node, tensors, weight_bits: int, weight_scale:
     bound = np.abs(wq_np.astype(np.int64)).reshape(wq_np.shape[0], -1).sum(1) * ACT_QMAX + np.abs(bq)
     if bound.max() >= 2 ** 31:
         raise ProgramError(f"{n.module}: accumulators could reach {bound.max():.3g}, beyond int32")
+    w_scale = sw.float().numpy() / (4.0 if n.pool else 1.0)              # float32; /4 is exact
     op: Dict[str, Any] = {"w": wq_np, "b": bq.astype(np.int32), "stride": stride, "pad": pad, "zp_in": zx,
-                          "pool": bool(n.pool)}
+                          "pool": bool(n.pool), "w_scale": w_scale.astype(np.float32), "act": n.act}
     if n.quant is None:
         op["scale"] = acc_scale
         return op
@@ -177,6 +194,9 @@ def _conv_op(model: nn.Module, n: Node, tensors, weight_bits: int, weight_scale:
     if float(bound.max()) * float(max(m_pos.max(), m_neg.max())) >= ACC_LIMIT:
         raise ProgramError(f"{n.module}: accumulator x multiplier could exceed 2^60")
     op.update(m_pos=m_pos, m_neg=m_neg, shift=shift, zp=zo, lo=zo if n.act == "relu" else 0)
+    if requant == "float" and n.act in (None, "relu"):
+        # the runtime's float32 multiplier, formed as it forms it: (s_x * s_w,c) / s_out, each step rounded
+        op["m_float"] = (np.float32(sx) * w_scale.astype(np.float32)) / np.float32(so)
     return op
 
 
@@ -231,8 +251,12 @@ def run_program(prog: Dict[str, Any], image: torch.Tensor, keep: bool = False
                 outs.append((acc.to(torch.float64) * sc).to(torch.float32))
                 env[name] = acc
                 continue
-            m = torch.where(acc < 0, _per_channel(op["m_neg"], dev), _per_channel(op["m_pos"], dev))
-            v = _requant(acc, m, op["shift"], op["zp"], op["lo"])
+            if "m_float" in op:
+                mf = torch.as_tensor(op["m_float"], dtype=torch.float32, device=dev).view(1, -1, 1, 1)
+                v = torch.clamp(torch.round(acc.to(torch.float32) * mf).to(torch.int64) + op["zp"], op["lo"], ACT_QMAX)
+            else:
+                m = torch.where(acc < 0, _per_channel(op["m_neg"], dev), _per_channel(op["m_pos"], dev))
+                v = _requant(acc, m, op["shift"], op["zp"], op["lo"])
         elif kind == "maxpool":
             x = env[op["inputs"][0]]
             p = op["p"]

@@ -61,6 +61,8 @@ class PPYOLOConfig(ConfigSection):
     weight_scale: str = "max"                # per-channel scale: "max" (max |W|) or "mse" (least squared error)
     act_method: str = "mse"                  # cal: activation ranges by "mse", "percentile" or "minmax"
     act_percentile: float = 99.99            # for act_method "percentile"
+    requant: str = "fixed"                   # step 4's conv requantization: "fixed" (integer multiplier and shift)
+                                             # or "float" (as onnxruntime's QLinearConv; docs/ppyolo.md, QDQ export)
 
 
 register_section("ppyolo", PPYOLOConfig)
@@ -114,6 +116,8 @@ def check_ppyolo_config(cfg) -> None:
         bad("weight_bits", "an int in 4..8 (bits per conv weight from step 2)")
     if p.weight_scale not in ("max", "mse"):
         bad("weight_scale", '"max" or "mse"')
+    if p.requant not in ("fixed", "float"):
+        bad("requant", '"fixed" (integer multiplier and shift) or "float" (the QDQ runtimes\' float32 multiplier)')
     if p.act_method not in ("mse", "percentile", "minmax"):
         bad("act_method", '"mse", "percentile" or "minmax"')
     if not 50.0 < p.act_percentile <= 100.0:

@@ -100,6 +100,9 @@ class PPYOLOFamily(DetectorFamily):
                 raise CheckpointError(f"{stage.name} needs calibrated activation ranges, and {len(missing)} of "
                                       f"{len(model.quant)} quantizers have none (e.g. {missing[0]}): run calibration "
                                       "first (train.py --cal), or load its checkpoint/step2/cal.pth")
+        if model._meta["quant"].get("requant", "fixed") != p.requant:
+            model.set_requant(p.requant)
+            out.append(f"step 4's conv requantization: {p.requant} (ppyolo.requant)")
         if stage.integer:
             out.append("evaluation runs the integer model (int8 weights, uint8 activations, int32 accumulators; "
                        "gnetmdk.intq.program); training runs step 3's fake quantization")

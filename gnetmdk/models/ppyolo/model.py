@@ -86,7 +86,8 @@ class PPYOLO(nn.Module):
             (0.01, -1, False, 2.0); the score threshold and keep_top_k come from :meth:`decode`.
         coord_range: CoordConv channel range, "full" [-1, 1] or "paddle" [-1, -0.5] (PaddleDetection's
             ``add_coord`` since 2021; :func:`~.neck.coord_channels`).
-        quant: None (float model), or ``{"weight_bits": b, "weight_scale": "max" | "mse"}``: the folded,
+        quant: None (float model), or ``{"weight_bits": b, "weight_scale": "max" | "mse"[, "requant":
+            "fixed" | "float"]}``: the folded,
             quantizable structure of stages 2..4 (:meth:`prepare_quant` without folding: the layout of
             a quantized checkpoint, whose state dict then gives the weights and ranges).
 
@@ -153,6 +154,7 @@ class PPYOLO(nn.Module):
         self.q_integer = False          # evaluation runs the integer program (step 4)
         if quant is not None:
             self.prepare_quant(int(quant["weight_bits"]), str(quant["weight_scale"]), fold=False)
+            self.set_requant(str(quant.get("requant", "fixed")))
 
     # ------------------------------------------------------------------ description
     def meta(self) -> Dict[str, object]:
@@ -196,6 +198,21 @@ class PPYOLO(nn.Module):
         self._meta["quant"] = {"weight_bits": int(weight_bits), "weight_scale": str(weight_scale)}
         return n
 
+    def set_requant(self, mode: str) -> None:
+        """Step 4's conv requantization, "fixed" or "float" (gnetmdk.intq.program.REQUANT_MODES),
+        recorded in :meth:`meta` so a checkpoint rebuilds with it.
+
+        Raises:
+            RuntimeError: the model is not quantizable yet (:meth:`prepare_quant`).
+            ValueError: an unknown mode.
+        """
+        from gnetmdk.intq.program import REQUANT_MODES
+        if self.qgraph is None:
+            raise RuntimeError("PPYOLO.set_requant before prepare_quant (the float model has no integer form)")
+        if mode not in REQUANT_MODES:
+            raise ValueError(f"requant must be one of {REQUANT_MODES}, got {mode!r}")
+        self._meta["quant"]["requant"] = mode
+
     def set_quant_mode(self, weights: bool, acts: str, integer: bool) -> None:
         """The quantized stages' switches: ``weights`` fake-quantized; ``acts`` "off", "observe" or
         "fake" (every activation quantizer); ``integer``: evaluation (eval mode) runs the integer
@@ -222,7 +239,8 @@ class PPYOLO(nn.Module):
         """
         from gnetmdk.intq.program import build_program
         q = self._meta["quant"]
-        return build_program(self, self.qgraph, self.quant, q["weight_bits"], q["weight_scale"], self.normalize)
+        return build_program(self, self.qgraph, self.quant, q["weight_bits"], q["weight_scale"], self.normalize,
+                             q.get("requant", "fixed"))
 
     @property
     def max_stride(self) -> int:
