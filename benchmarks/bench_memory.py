@@ -5,6 +5,7 @@ activation checkpointing of the same blocks. Prints a table; asserts nothing.
 
     python3 benchmarks/bench_memory.py [--batch 8] [--steps 2] [--rounds 3] [--threads 2]
         [--variants bn,dist_bn,abn,stem,abn_stem,ckpt,ckpt_stem] [--gpu-batch-ppyolo 8] [--gpu-batch-gnetdet 64]
+        [--gpu-only]
 
 Variants (the model's function is the same in all):
   bn       the model as built (torch BatchNorm2d, then the activation);
@@ -265,6 +266,7 @@ def main():
     p.add_argument("--variants", default=",".join(ALL_VARIANTS))
     p.add_argument("--gpu-batch-ppyolo", type=int, default=8)
     p.add_argument("--gpu-batch-gnetdet", type=int, default=64)
+    p.add_argument("--gpu-only", action="store_true", help="skip the CPU part (the GPU lines only)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -274,6 +276,13 @@ def main():
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; choose from {ALL_VARIANTS}")
     torch.set_num_threads(args.threads)
+    if not args.gpu_only:
+        cpu_part(args, variants)
+    gpu_part(args, variants)
+
+
+def cpu_part(args, variants):
+    """The CPU table (module docstring)."""
     print(f"torch {torch.__version__}, {args.threads} CPU thread(s); GNetDet 448 x1.0, batch {args.batch}, "
           f"channels_last, AdamW")
     mem = cpu_memory(args, variants)
@@ -295,6 +304,10 @@ def main():
               f"{sl:7.1f} MiB ({pct(sl, bl)});  peak RSS {m['peak_mb']:7.1f} / {l['peak_mb']:7.1f} MiB;  "
               f"step {times[v]:6.3f} s ({pct(times[v], times[base])});  saved for backward {m['saved_mb']:7.1f} MiB "
               f"(pool indices {m['int64_mb']:.1f})")
+
+
+def gpu_part(args, variants):
+    """The GPU tables (module docstring), or the line saying they were skipped."""
     if torch.cuda.is_available():
         for name, batch in (("ppyolo", args.gpu_batch_ppyolo), ("gnetdet", args.gpu_batch_gnetdet)):
             gv = [v for v in variants if v != "dist_bn"]

@@ -264,3 +264,73 @@ def test_pipeline_control_trains_the_float_model_with_steps_2_to_4_schedules_dev
     assert last["stage"] == "step1" and any(".bn." in k for k in last["model"])          # the float model
     assert hashlib.sha256(open(step1, "rb").read()).hexdigest() == digest
     assert "===== control (float, step 4's schedule) =====" in r.stdout
+
+
+def test_gpu_check_reads_what_the_parts_print_device_cpu(capsys):
+    """gpu_check's parsers on the parts' own printing: pytest's summary and failures, the step-time
+    ratios against their goals, bench_memory's GPU table (a variant meets -35% at +10% or none does),
+    run_pipeline's table; the suite's shards are balanced by file size."""
+    gc = _load("gpu_check")
+    text = ("..F.s\nFAILED tests/test_a.py::test_x - AssertionError\nERROR tests/test_b.py::test_y\n"
+            "=== 3 passed, 1 failed, 1 skipped, 1 error, 2 deselected in 4.20s ===\n")
+    s = gc.pytest_summary(text)
+    assert (s["passed"], s["failed"], s["skipped"], s["errors"], s["deselected"]) == (3, 1, 1, 1, 2)
+    assert s["failures"] == ["tests/test_a.py::test_x", "tests/test_b.py::test_y"]
+    merged = gc.merge_summaries([s, gc.pytest_summary("1 passed in 0.1s\n")])
+    assert merged["passed"] == 4 and len(merged["failures"]) == 2
+    ratios = gc.step_time_ratios("ratio step3/step1      1.216   (median ...; goal <= 1.15)\n"
+                                 "speed bf16/fp32        3.070   (fp32 time / bf16 time ...)\n"
+                                 "ratio trainer/step      0.93   (against ...)\n"
+                                 "ratio loop/step         0.78   (1: ...)\n")
+    assert ratios["step3/step1"]["met"] is False and ratios["bf16/fp32"]["met"] is True
+    assert ratios["trainer/step"]["value"] == 0.93 and ratios["loop/step"]["met"] is None
+    mem = _load("bench_memory")
+    mem.report("GPU H100: GNetDet 448 x1.0, batch 64, max_memory_allocated:",
+               {"bn": (1000.0, 1.0, ""), "stem": (500.0, 1.75, ""), "ckpt": (600.0, 1.05, "")}, "bn")
+    mem.report("GPU H100: PP-YOLO r50vd 608 px, batch 8, max_memory_allocated:",
+               {"bn": (1000.0, 1.0, ""), "abn": (870.0, 2.4, "")}, "bn")
+    rows = gc.memory_rows(capsys.readouterr().out)
+    g, p = rows["GPU H100: GNetDet 448 x1.0, batch 64, max_memory_allocated"], rows[
+        "GPU H100: PP-YOLO r50vd 608 px, batch 8, max_memory_allocated"]
+    assert g["rows"]["stem"] == [500.0, -50.0, 1.75, 75.0]
+    assert g["met"] and g["best"] == "ckpt" and not p["met"] and p["best"] is None
+    spec = importlib.util.spec_from_file_location("run_pipeline", os.path.join(ROOT, "tools", "run_pipeline.py"))
+    rp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rp)
+    table = rp.format_table([("step1", 0.0, 0.9286, 40, 50.0, 61.0), ("cal", 0.9191, 0.9179, None, None, 9.0),
+                             ("step4", 0.92, 0.9203, 1, 3.0, 12.0)])
+    stages = gc.pipeline_rows(table)
+    assert stages == {"step1": {"entry": 0.0, "best": 0.9286, "seconds": 61.0},
+                      "cal": {"entry": 0.9191, "best": 0.9179, "seconds": 9.0},
+                      "step4": {"entry": 0.92, "best": 0.9203, "seconds": 12.0}}
+    files = [os.path.join(ROOT, "tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
+             if f.startswith("test_") and f.endswith(".py")]
+    bins = gc.shards(files, 3)
+    assert sorted(f for b in bins for f in b) == sorted(files) and len(bins) == 3
+    sizes = [sum(os.path.getsize(f) for f in b) for b in bins]
+    assert max(sizes) - min(sizes) <= max(os.path.getsize(f) for f in files)
+
+
+def test_gpu_check_without_a_gpu_says_so_and_runs_the_cpu_parts_device_cpu(tmp_path):
+    """No GPU: the dry run names the GPU parts as not run; a run of the CUDA lane writes its log and a
+    summary whose GPU parts are skipped and whose all_met is false; bad parts are one message."""
+    import json
+    import subprocess
+    import sys
+    script = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = subprocess.run([sys.executable, script, "--dry-run"], cwd=str(tmp_path), capture_output=True, text=True)
+    assert r.returncode == 0 and "no GPU: running what a CPU can" in r.stdout
+    assert "memory: not run without a GPU" in r.stdout and "pipeline: not run without a GPU" in r.stdout
+    r = subprocess.run([sys.executable, script, "--parts", "cuda_lane,memory", "--out", str(tmp_path / "o")],
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.load(open(tmp_path / "o" / "summary.json"))
+    lane = summary["parts"]["cuda_lane"]
+    assert summary["cuda"] is False and summary["all_met"] is False
+    assert lane["failed"] == 0 and lane["skipped"] > 0 and lane["passed"] == 0
+    assert summary["parts"]["memory"] == {"not_run": "no GPU"}
+    assert os.path.isfile(tmp_path / "o" / "cuda_lane.log")
+    r = subprocess.run([sys.executable, script, "--parts", "gpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown part(s) ['gpu']" in r.stderr

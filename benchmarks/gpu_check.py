@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""One command that checks the project on a GPU machine, in this order: the CUDA test lane, the rest of
+the test suite in parallel workers, bench_step_time with the trainer, the GPU part of bench_memory,
+and the cards pipeline on CUDA timed alone. Prints one summary table (device, torch, passed / failed
+with the failures' names, every ratio beside its goal, the pipeline's seconds and mAP per stage) and
+writes it as JSON.
+
+    python3 benchmarks/gpu_check.py                      # everything; summary in gpu_check/summary.json
+    python3 benchmarks/gpu_check.py --out DIR --workers 6 --parts cuda_lane,step_time
+    python3 benchmarks/gpu_check.py --dry-run            # the commands it would run, nothing else
+
+Without a CUDA GPU it says so and runs what a CPU can: the CUDA lane (collected and skipped), the
+step-time benchmark on the CPU in a short form (the trainer's host overhead shows there too) and,
+with ``--suite``, the rest of the suite; the GPU-only parts are listed as not run.
+
+Each part runs as its own process with a time limit (``--part-timeout``); its whole output is kept in
+``DIR/<part>.log``. The suite's workers are pytest-xdist's (``-n``) where it is installed, else that
+many pytest processes, each over a share of the test files (largest files first, to the least loaded
+worker): xdist is not among the test requirements, and a CPU-only machine needs nothing more.
+
+Goals (docs/training.md, benchmarks/bench_step_time.py, benchmarks/bench_memory.py): no failed test;
+step3/step1 <= 1.15, bf16/fp32 >= 1.25, load/train >= 1.5, trainer/step >= 0.9; a variant with at
+least 35% less peak memory at no more than 10% more step time, per model; the cards pipeline in at
+most 120 s. Exit status: 0 every part that ran met its goal (``all_met`` in the JSON: and every part
+ran, on a GPU); 1 a part failed or missed its goal; 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+PARTS = ("cuda_lane", "suite", "step_time", "memory", "pipeline")
+#: the issue's GPU timing setting: full-width GNetDet-448 on the cards images
+STEP_TIME_GPU = ["--config", "examples/cards.py", "--device", "cuda", "--trainer", "image_size", "448",
+                 "gnetdet.width_mult", "1.0", "gnetdet.mask_bits", "8,3,3,3,3,3,8", "batch_size", "32",
+                 "num_workers", "12", "threads", "8"]
+STEP_TIME_CPU = ["--config", "examples/cards.py", "--device", "cpu", "--trainer", "--iters", "4", "--rounds", "2",
+                 "num_workers", "0"]
+RATIO_GOALS = {  # printed label in bench_step_time -> (name, comparison, goal)
+    "ratio step3/step1": ("step3/step1", "<=", 1.15),
+    "speed bf16/fp32": ("bf16/fp32", ">=", 1.25),
+    "ratio load/train": ("load/train", ">=", 1.5),
+    "ratio loop/step": ("loop/step", None, None),
+    "ratio trainer/step": ("trainer/step", ">=", 0.9),
+}
+MEMORY_GOAL = (-35.0, 10.0)      # peak change (%) at most, step-time change (%) at most
+PIPELINE_GOAL_S = 120.0
+
+
+def pytest_summary(text: str) -> Dict[str, Any]:
+    """Counts and failed test ids from pytest output (run with ``-rfE``).
+
+    Returns:
+        {"passed", "failed", "skipped", "errors", "deselected": int, "failures": [test ids]}.
+    """
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "deselected": 0}
+    lines = [l for l in text.splitlines() if re.match(r"^=+ .* in [\d.]+s", l) or re.match(r"^\d+ \w+.* in [\d.]+s", l)]
+    for line in lines[-1:]:
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", line):
+            counts["errors" if word.startswith("error") else word] += int(n)
+    failures = [l.split()[1] for l in text.splitlines() if l.startswith(("FAILED ", "ERROR "))]
+    return {**counts, "failures": failures}
+
+
+def merge_summaries(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The sum of several :func:`pytest_summary` results (the suite's shards)."""
+    out = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "deselected": 0, "failures": []}
+    for p in parts:
+        for k in out:
+            out[k] = out[k] + p[k]
+    return out
+
+
+def step_time_ratios(text: str) -> Dict[str, Dict[str, Any]]:
+    """bench_step_time's ratio lines -> {name: {"value", "goal", "cmp", "met"}} (``met`` None where
+    the ratio has no goal)."""
+    out = {}
+    for line in text.splitlines():
+        for label, (name, cmp, goal) in RATIO_GOALS.items():
+            if line.startswith(label):
+                value = float(line[len(label):].split()[0])
+                met = None if goal is None else (value <= goal if cmp == "<=" else value >= goal)
+                out[name] = {"value": value, "goal": goal, "cmp": cmp, "met": met}
+    return out
+
+
+def memory_rows(text: str) -> Dict[str, Dict[str, Any]]:
+    """bench_memory's GPU tables -> {model title: {"rows": {variant: [peak MiB, peak %, step s, step %]},
+    "met": bool, "best": variant or None}} (a variant meets the goal with peak change <= -35% and step
+    change <= +10%)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    title = None
+    row = re.compile(r"^\s+(\w+)\s+peak\s+([\d.]+) MiB \(\s*([+-][\d.]+)%\)\s+step\s+([\d.]+) s \(\s*([+-][\d.]+)%\)")
+    for line in text.splitlines():
+        if line.startswith("GPU ") and line.rstrip().endswith(":"):
+            title = line.rstrip(":")
+            out[title] = {"rows": {}}
+            continue
+        m = row.match(line)
+        if m and title:
+            out[title]["rows"][m.group(1)] = [float(m.group(i)) for i in range(2, 6)]
+    for entry in out.values():
+        ok = [v for v, (_, dp, _, dt) in entry["rows"].items() if dp <= MEMORY_GOAL[0] and dt <= MEMORY_GOAL[1]]
+        entry["met"] = bool(ok)
+        entry["best"] = min(ok, key=lambda v: entry["rows"][v][1]) if ok else None
+    return out
+
+
+def pipeline_rows(text: str) -> Dict[str, Dict[str, Optional[float]]]:
+    """run_pipeline's table -> {stage: {"entry", "best", "seconds"}} (None for "-")."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(step1|step2|cal|step3|step4|control)\s+(\S+)\s+(\S+)\s+.*?\s(\d+)\s*$", line)
+        if m:
+            val = lambda s: None if s == "-" else float(s)  # noqa: E731
+            out[m.group(1)] = {"entry": val(m.group(2)), "best": val(m.group(3)), "seconds": float(m.group(4))}
+    return out
+
+
+def shards(files: List[str], workers: int) -> List[List[str]]:
+    """Test files dealt to ``workers`` shards, largest first to the least loaded (size as the cost)."""
+    bins: List[List[str]] = [[] for _ in range(max(1, workers))]
+    load = [0] * len(bins)
+    for f in sorted(files, key=lambda f: (-os.path.getsize(f), f)):
+        i = load.index(min(load))
+        bins[i].append(f)
+        load[i] += os.path.getsize(f)
+    return [b for b in bins if b]
+
+
+def have_xdist() -> bool:
+    try:
+        import xdist  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class Check:
+    """The parts' commands, their runs and the summary (module docstring)."""
+
+    def __init__(self, args, cuda: bool):
+        self.args, self.cuda = args, cuda
+        self.results: Dict[str, Dict[str, Any]] = {}
+
+    def commands(self, part: str) -> List[List[str]]:
+        a = self.args
+        pytest = [PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
+        if part == "cuda_lane":
+            return [pytest + ["-m", "cuda"]]
+        if part == "suite":
+            if have_xdist():
+                return [pytest + ["-m", "not cuda", "-n", str(a.workers)]]
+            files = [os.path.join("tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
+                     if f.startswith("test_") and f.endswith(".py")]
+            return [pytest + ["-m", "not cuda", *s] for s in shards([os.path.join(ROOT, f) for f in files], a.workers)]
+        if part == "step_time":
+            return [[PY, "benchmarks/bench_step_time.py", *(STEP_TIME_GPU if self.cuda else STEP_TIME_CPU)]]
+        if part == "memory":
+            return [[PY, "benchmarks/bench_memory.py", "--gpu-only"]]
+        if part == "pipeline":
+            ck = os.path.join(os.path.abspath(a.out), "pipeline")
+            return [[PY, "tools/run_pipeline.py", "--config", "examples/cards.py", "device", "cuda",
+                     "checkpoint_root", os.path.join(ck, "checkpoint"), "log_root", os.path.join(ck, "log"),
+                     "model_root", os.path.join(ck, "model")]]
+        raise ValueError(part)
+
+    def skipped_without_gpu(self, part: str) -> bool:
+        return not self.cuda and (part in ("memory", "pipeline") or (part == "suite" and not self.args.suite))
+
+    def run(self, part: str) -> Dict[str, Any]:
+        cmds = self.commands(part)
+        env = dict(os.environ)
+        if part == "suite" and len(cmds) > 1:           # the shards share the cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // len(cmds))))
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for c in cmds]
+        texts, timed_out = [], False
+        for p in procs:
+            left = max(1.0, self.args.part_timeout - (time.perf_counter() - t0))
+            try:
+                out, _ = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                p.kill()
+                out, _ = p.communicate()
+            texts.append(out or "")
+        seconds = time.perf_counter() - t0
+        text = "\n".join(texts)
+        with open(os.path.join(self.args.out, f"{part}.log"), "w") as fh:
+            fh.write(text)
+        res: Dict[str, Any] = {"seconds": round(seconds, 1), "exit": [p.returncode for p in procs],
+                               "timed_out": timed_out, "commands": [" ".join(c) for c in cmds]}
+        if part in ("cuda_lane", "suite"):
+            res.update(merge_summaries([pytest_summary(t) for t in texts]))
+            res["met"] = not timed_out and res["failed"] == 0 and res["errors"] == 0 and res["passed"] + res["skipped"] > 0
+        elif part == "step_time":
+            res["ratios"] = step_time_ratios(text)
+            if not res["ratios"] or timed_out or procs[0].returncode != 0:
+                res["met"] = False
+            elif self.cuda:
+                res["met"] = all(r["met"] is not False for r in res["ratios"].values())
+            else:                                        # the goals are a GPU's: on a CPU the ratios inform
+                res["met"] = None
+        elif part == "memory":
+            res["models"] = memory_rows(text)
+            res["met"] = bool(res["models"]) and all(m["met"] for m in res["models"].values())
+        else:
+            res["stages"] = pipeline_rows(text)
+            res["met"] = (not timed_out and procs[0].returncode == 0 and "step4" in res["stages"]
+                          and seconds <= PIPELINE_GOAL_S)
+        return res
+
+    def table(self) -> str:
+        lines = [f"{'part':<13} {'result':<58} {'goal':<14} {'seconds':>7}"]
+        for part in PARTS:
+            r = self.results.get(part)
+            if r is None:
+                continue
+            if "not_run" in r:
+                lines.append(f"{part:<13} {'not run: ' + r['not_run']:<58} {'':<14} {'':>7}")
+                continue
+            secs = f"{r['seconds']:7.0f}"
+            if part in ("cuda_lane", "suite"):
+                res = f"{r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped"
+                if r["timed_out"]:
+                    res += " (TIMED OUT)"
+                lines.append(f"{part:<13} {res:<58} {'0 failed':<14} {secs}")
+                lines += [f"{'':<13}   FAILED {f}" for f in r["failures"]]
+            elif part == "step_time":
+                lines.append(f"{part:<13} {'(bench_step_time' + (' on the CPU, short' if not self.cuda else '') + ')':<58}"
+                             f" {'':<14} {secs}")
+                for name, q in r["ratios"].items():
+                    goal = "" if q["goal"] is None else f"{q['cmp']} {q['goal']:g}"
+                    mark = "" if q["met"] is None or not self.cuda else ("met" if q["met"] else "MISSED")
+                    lines.append(f"{'':<13}   {name:<20} {q['value']:<33.3f} {goal:<8} {mark:<5}")
+            elif part == "memory":
+                lines.append(f"{part:<13} {'(bench_memory, GPU)':<58} {'-35% at +10%':<14} {secs}")
+                for title, m in r["models"].items():
+                    best = m["best"] or "none"
+                    lines.append(f"{'':<13}   {title[:44]:<44} best {best:<8} {'met' if m['met'] else 'MISSED'}")
+                    for v, (pk, dp, st, dt) in m["rows"].items():
+                        lines.append(f"{'':<13}     {v:<10} peak {pk:9.1f} MiB {dp:+6.1f}%  step {st:.3f} s {dt:+6.1f}%")
+            else:
+                stages = ", ".join(f"{k} {v['best']:.4f}" for k, v in r["stages"].items() if v["best"] is not None)
+                lines.append(f"{part:<13} {stages[:58]:<58} {'<= 120 s':<14} {secs}")
+        return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default="gpu_check", help="folder for the logs and summary.json (default gpu_check)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--workers", type=int, default=6, help="parallel workers of the suite (default 6)")
+    p.add_argument("--part-timeout", type=float, default=480.0, help="seconds each part may take (default 480)")
+    p.add_argument("--suite", action="store_true", help="without a GPU, also run the suite (slow on small CPUs)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad or not parts:
+        p.error(f"--parts: unknown part(s) {bad or parts}; choose from {','.join(PARTS)}")
+    if args.workers < 1 or args.part_timeout <= 0:
+        p.error("--workers must be at least 1 and --part-timeout positive")
+    import torch
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else f"no CUDA GPU (torch {torch.__version__} sees none)"
+    check = Check(args, cuda)
+    print(f"device: {device}; torch {torch.__version__}; {os.cpu_count()} CPU cores")
+    if not cuda:
+        print("no GPU: running what a CPU can (the CUDA lane is collected and skipped, the step-time benchmark "
+              "runs short on the CPU" + (", the suite runs" if args.suite else "") + "); the GPU parts are listed "
+              "as not run")
+    if args.dry_run:
+        for part in parts:
+            if check.skipped_without_gpu(part):
+                print(f"{part}: not run without a GPU")
+                continue
+            for c in check.commands(part):
+                print(f"{part}: " + " ".join(c))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    for part in parts:
+        if check.skipped_without_gpu(part):
+            check.results[part] = {"not_run": "no GPU" if part != "suite" else "no GPU (--suite runs it)"}
+            continue
+        print(f"[gpu_check] {part} ...", flush=True)
+        check.results[part] = check.run(part)
+    total = time.perf_counter() - t0
+    table = check.table()
+    print(table)
+    print(f"total {total:.0f} s")
+    ran = [r for r in check.results.values() if "not_run" not in r]
+    ok = bool(ran) and all(r["met"] is not False for r in ran)
+    all_met = ok and cuda and len(ran) == len(PARTS)
+    summary = {"device": device, "torch": torch.__version__, "cuda": cuda, "cpu_cores": os.cpu_count(),
+               "seconds": round(total, 1), "parts": check.results, "all_met": all_met}
+    path = os.path.join(args.out, "summary.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(summary, fh, indent=1)
+    os.replace(path + ".tmp", path)
+    print(f"summary: {path}; " + ("every part ran and met its goal" if all_met else
+                                  "what ran passed; the GPU parts are unchecked" if ok else "a part failed or missed its goal"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
