@@ -95,6 +95,10 @@ def main(argv=None) -> int:
     if not all(l.float32_exact() for l in cm.layers):
         print(f"note: partial sums can reach 2^24 = {FLOAT32_EXACT_LIMIT} in the layers marked NO: float32 convolution "
               "would round there; the step-4 model evaluates in float64 and the emulator in integers")
+    from gnetmdk.gti.memory import memory_note
+    note = memory_note(cm)
+    if note:
+        print(f"note: {note}")
     if cm.calibrated_caps() is None:
         print("note: the checkpoint does not record the calibrated caps; relu_cap.txt keeps calibration's file if it "
               "matches, else holds the chip's caps (31)")

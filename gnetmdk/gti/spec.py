@@ -1,14 +1,15 @@
-"""Per-chip limits and weight schemes ("mask bits") of the Lightspeeur chips (gti-chip.md)."""
+"""Per-chip limits and weight schemes ("mask bits") of the Lightspeeur chips (gti-chip.md; the memory
+limits: docs/chip.md, "Memory limits", checked by gnetmdk.gti.memory)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from gnetmdk.config.base import ConfigError
 
 
 class ChipSpecError(ConfigError):
-    """An unknown chip or a scheme the chip does not have."""
+    """An unknown chip, a scheme the chip does not have, or a network over the chip's memory."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,12 @@ class ChipSpec:
         min_channels / max_channels: channel limits of every conv (powers of 2 only).
         max_major_layers / max_sublayers: structure limits.
         max_output_channels: output channels of the last conv.
+        max_layer_io: per layer, input + output feature maps (channels x height x width each, the
+            output after its pool) at most this many values; None: no limit stated for the chip.
+        max_coef_memory: per chip, the coefficient memory (sum over the convs of in x out channels / 4
+            for 1- and 2-bit, / 2 for 3- and 5-bit, / 1 for 8- and 12-bit kernels) must be below this;
+            None: no budget stated for the chip. Both from GTI's 5801 material (docs/chip.md, "Memory
+            limits"); GTI's material for the 2801 and 2803 states neither.
     """
     name: str
     schemes: Dict[int, Tuple[int, int]]
@@ -31,13 +38,15 @@ class ChipSpec:
     max_major_layers: int = 6
     max_sublayers: int = 12
     max_output_channels: int = 256
+    max_layer_io: Optional[int] = None
+    max_coef_memory: Optional[int] = None
 
 
 CHIPS: Dict[str, ChipSpec] = {
     "2801": ChipSpec("2801", {1: (12, 12), 3: (12, 18)}),
     "2803": ChipSpec("2803", {2: (12, 12), 5: (12, 16), 12: (12, 20)}),
     "5801": ChipSpec("5801", {1: (8, 20), 3: (8, 20), 8: (8, 20)}, input_sizes=(224, 320, 448, 640),
-                     min_channels=4, max_major_layers=7),
+                     min_channels=4, max_major_layers=7, max_layer_io=4_816_896, max_coef_memory=489_216),
 }
 
 

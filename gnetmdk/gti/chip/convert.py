@@ -24,7 +24,8 @@ import torch
 from gnetmdk.checkpoint.outputs import file_sha256
 from gnetmdk.config.base import BaseConfig
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
-from gnetmdk.gti.spec import get_chip_spec
+from gnetmdk.gti.memory import check_chip_memory, chip_layers_memory
+from gnetmdk.gti.spec import ChipSpecError, get_chip_spec
 from gnetmdk.models.gnetdet.model import ChipLimitError, check_chip_limits, gnetdet_layers
 from .model_file import ChipLayer, ChipModel
 
@@ -65,7 +66,8 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
 
     Checks: the stage is "step4"; the model is GNetDet; its layer list for (image_size, classes,
     width_mult, chip, mask_bits) passes the chip's limits (input size, major layers, sublayers,
-    schemes, channel counts, last-layer outputs).
+    schemes, channel counts, last-layer outputs) and its memory limits (per-layer input + output,
+    coefficient memory; gnetmdk.gti.memory, docs/chip.md "Memory limits").
 
     Raises:
         ConversionError: naming the checkpoint, the reason and the fix.
@@ -101,6 +103,12 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
     others = [l.out_channels for l in layers[:-1] if l.major == layers[-1].major]
     padded_output_channels(layers[-1].out_channels, others, spec.min_channels,
                            f"checkpoint '{path}': conv {len(layers)} (the output layer)")
+    from gnetmdk.models.gnetdet.config import check_gnetdet_memory
+    try:
+        check_gnetdet_memory(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
+                             str(meta["chip"]), meta.get("mask_bits") or ())
+    except ChipSpecError as exc:
+        raise ConversionError(f"checkpoint '{path}' cannot run on chip {spec.name}: {exc} (and retrain)") from None
 
 
 @torch.no_grad()
@@ -121,8 +129,9 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
     Returns:
         the ChipModel, validated.
     Raises:
-        ConversionError: not gain-edited, BatchNorm present, class count mismatch, a chip limit, a
-        value outside its register.
+        ConversionError: not gain-edited, BatchNorm present, class count mismatch, a chip limit (the
+        memory limits included, counted on the layers as written: gnetmdk.gti.memory), a value outside
+        its register.
     """
     spec = get_chip_spec(model.chip)
     if model.has_bn:
@@ -167,6 +176,11 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
                                 calibrated_cap=None if calibrated_caps is None else float(calibrated_caps[i])))
         if ls.pool_after:
             size //= 2
+    try:
+        check_chip_memory(chip_layers_memory(layers, model.image_size, used_out=10 + model.num_classes), spec, "",
+                          "a narrower width_mult (and retrain)")
+    except ChipSpecError as exc:
+        raise ConversionError(f"the model cannot run on chip {spec.name}: {exc}") from None
     cm = ChipModel(chip=spec.name, model_name="gnetdet", input_size=model.image_size, layers=layers,
                    class_names=[str(c) for c in class_names], used_channels=10 + model.num_classes,
                    output_scale=float(model.output_scale), grid=model.grid_size, conf_thresh=float(conf_thresh),

@@ -188,3 +188,67 @@ def check_gnetdet_config(cfg) -> None:
         if len(g.mask_bits) != majors:
             bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one scheme per "
                 f"major layer, or [] for the chip's default")
+    if cfg.image_size in (224, 448):
+        check_gnetdet_memory(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits),
+                             "config section 'gnetdet'")
+
+
+def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits, where: str = ""):
+    """Refuse a GNetDet that breaks its chip's memory limits (per-layer input + output in feature-map
+    values, coefficient memory in 8-bit-kernel units; gnetmdk.gti.memory, docs/chip.md "Memory limits"),
+    counted with the output layer's used channels (``10 + C``): over by that count, it is over by every
+    reading of GTI's rule. Over only when the output layer's zero filters count too is not refused (GTI's
+    own 5801 GNetDet-448 lies there): :func:`gnetdet_memory_note` says so.
+
+    Args:
+        image_size: 224 or 448 (pixels); num_classes: C; width_mult, chip: as the gnetdet section;
+        mask_bits: the schemes per major layer ([] = the chip's default).
+        where: a prefix naming the source of the model in the message.
+    Returns:
+        the gnetmdk.gti.memory.MemoryReport, when the model fits.
+    Raises:
+        ChipSpecError (a ConfigError): one line naming the layer, the amount against the limit, and the
+        fix (a mask_bits list with fewer 8-bit major layers, or the widest width_mult that fits).
+    """
+    from gnetmdk.gti.memory import check_chip_memory, memory_report
+    from gnetmdk.gti.spec import get_chip_spec
+    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_schemes
+    spec = get_chip_spec(chip)
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+    layers = gnetdet_memory_layers(specs, image_size, chip, padded=False)
+    width_fix = "a narrower width_mult"
+    if not memory_report(layers, spec).fits:
+        w = width_mult
+        for _ in range(8):                          # halve the width until the model fits (widths are powers of 2)
+            w /= 2
+            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_schemes(specs))
+            if memory_report(gnetdet_memory_layers(narrow, image_size, chip, padded=False), spec).fits:
+                width_fix = f"width_mult {w:g}"
+                break
+    shown = f"{where} (GNetDet-{image_size}, width_mult {width_mult:g}, chip {spec.name}" + (
+        ", mask_bits [] = the chip default" if not mask_bits else "") + ")"
+    return check_chip_memory(layers, spec, shown if where else "", width_fix)
+
+
+def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits) -> str:
+    """One line when a GNetDet fits its chip's coefficient budget counted with the output layer's used
+    channels but not with its zero filters (the reading docs/chip.md leaves open; GTI's own 5801
+    GNetDet-448 is such a model), else "".
+
+    Args: as :func:`check_gnetdet_memory`.
+    """
+    from gnetmdk.gti.memory import fmt, memory_report
+    from gnetmdk.gti.spec import get_chip_spec
+    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_schemes
+    spec = get_chip_spec(chip)
+    if spec.max_coef_memory is None or image_size not in (224, 448):
+        return ""
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+    used = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=False), spec)
+    padded = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=True), spec)
+    if not used.fits or padded.fits:
+        return ""
+    return (f"chip {spec.name} memory: coefficient memory {fmt(used.coefficient_total)} with mask_bits "
+            f"{major_schemes(specs)} is below the budget of {fmt(spec.max_coef_memory)}, but "
+            f"{fmt(padded.coefficient_total)} if the output layer's zero filters count; GTI's own GNetDet-448 for "
+            f"this chip is in the same case (docs/chip.md, \"Memory limits\"); fewer 8-bit major layers leave no doubt")

@@ -114,6 +114,14 @@ class GNetDetFamily(DetectorFamily):
         except Exception:
             return None
 
+    def configure(self, model: nn.Module, cfg) -> List[str]:
+        """The chip-memory note (gnetmdk.models.gnetdet.config.gnetdet_memory_note) when the model lies in
+        the band docs/chip.md leaves open, else nothing."""
+        from .config import gnetdet_memory_note
+        g = cfg.gnetdet
+        note = gnetdet_memory_note(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits))
+        return [note] if note else []
+
     def describe(self, cfg) -> str:
         return f"{cfg.image_size}px x{cfg.gnetdet.width_mult}"
 

@@ -137,6 +137,38 @@ def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: i
                                      f"{spec.min_channels}..{spec.max_channels}")
 
 
+def gnetdet_memory_layers(layers: Sequence[LayerSpec], image_size: int, chip: str = "5801", padded: bool = True):
+    """The layer list as the chip's memory holds it (gnetmdk.gti.memory.MemoryLayer per conv): each conv's
+    input and output sides in pixels (the output after its pool), and the last conv's ``10 + C`` outputs,
+    padded as the converter pads them when ``padded`` (to the width of the other sublayers of the last
+    major layer; with none, the next power of 2, at least the chip's minimum; never below ``10 + C``;
+    gnetmdk.gti.chip.convert.padded_output_channels), else as used. The image's 3 channels count as 3.
+    Which of the two counts the chip applies is not settled (docs/chip.md, "Memory limits").
+
+    Args:
+        layers: from :func:`gnetdet_layers`.
+        image_size: the input side in pixels.
+        chip: the chip whose minimum channel count applies to the padding.
+        padded: count the output layer's zero filters.
+    Returns:
+        List[MemoryLayer], for gnetmdk.gti.memory.check_chip_memory (docs/chip.md, "Memory limits").
+    """
+    from gnetmdk.gti.memory import MemoryLayer
+    spec = get_chip_spec(chip)
+    out, size = [], int(image_size)
+    for n, l in enumerate(layers):
+        cout = l.out_channels
+        if n == len(layers) - 1 and padded:
+            others = [o.out_channels for o in layers[:-1] if o.major == l.major]
+            width = others[-1] if others else max(1 << max(0, math.ceil(math.log2(max(cout, 1)))), spec.min_channels)
+            cout = max(cout, width)
+        o = size // 2 if l.pool_after else size
+        out.append(MemoryLayer(l.in_channels, cout, size, size, o, o, l.scheme,
+                               f"conv {n + 1} (major layer {l.major + 1}, sublayer {l.index_in_major + 1})", l.major))
+        size = o
+    return out
+
+
 class Sublayer(nn.Module):
     """conv (QConv2d) -> optional BatchNorm2d -> capped ReLU (QReLU); pool handled by the parent."""
 
