@@ -20,6 +20,10 @@ bf16 autocast against float32 (--device cuda, or --amp on any device). ``--train
 trainer (gnetmdk.engine.trainer.Trainer: its loader, logging and one read-back per iteration) on the
 same model and batch size, against its bare step.
 
+For GNetDet the step-3 ratio has a peer beside it: torch.ao's eager-mode QAT of the same float model
+(fused conv + ReLU with per-channel int8 weight fake quantization and fused observer + fake-quantize
+activations, :func:`ao_peer`) over its own float step, timed the same way; ours should be the smaller.
+
 Goals: step3 / step1 <= 1.15; on a GPU also trainer / bare step >= 0.9, loader / bare step >= 1.5,
 bf16 / fp32 step-1 speed >= 1.25 (448 px, width 1.0, batch 32 on the cards images).
 """
@@ -156,6 +160,38 @@ def time_trainer(cfg, overrides, iters: int) -> float:
     return sum(r * n for r, n in rates) / sum(n for _, n in rates)
 
 
+def ao_peer(float_model):
+    """The peer for the step-3 ratio: torch.ao's eager-mode QAT of the same float GNetDet.
+
+    A twin of ``float_model`` (a BatchNorm-less GNetDet in step 1's mode) with each sublayer's conv a
+    plain ``nn.Conv2d`` holding the same weights and its activation an ``nn.ReLU``, and a copy of that
+    twin through ``fuse_modules_qat`` (conv + ReLU) and ``prepare_qat`` with torch's x86 QAT qconfig:
+    per-channel int8 weight fake quantization and fused moving-average observer + fake-quantize
+    modules on the activations. Returns (twin, its QAT model), both in training mode on the model's
+    device.
+    """
+    import copy
+    from torch.ao.quantization import fuse_modules_qat, get_default_qat_qconfig, prepare_qat
+    twin = copy.deepcopy(float_model)
+    for sub in twin.layers:
+        old = sub.conv
+        conv = torch.nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, old.stride, old.padding,
+                               bias=old.bias is not None).to(old.weight.device)
+        conv.load_state_dict({k: v for k, v in old.state_dict().items() if k in ("weight", "bias")})
+        sub.conv, sub.relu = conv, torch.nn.ReLU()
+    twin.set_gains = lambda: False           # the chip's gains belong to our quantizers, not to the peer's
+    twin._code_output_scale = None
+    qat = copy.deepcopy(twin)
+    for sub in qat.layers:
+        fuse_modules_qat(sub, [["conv", "relu"]], inplace=True)
+    import warnings
+    with warnings.catch_warnings():          # torch's notes that eager-mode QAT is deprecated in favour of torchao
+        warnings.simplefilter("ignore")
+        qat.qconfig = get_default_qat_qconfig("x86")
+        prepare_qat(qat, inplace=True)
+    return twin.train(), qat.train()
+
+
 def time_batchnorm(cfg, batch, iters, rounds):
     """Step 1 of the same model with no BatchNorm, torch's BatchNorm2d and DistBatchNorm2d (what
     every CPU run trains with), timed in alternating blocks; then single passes over a tensor of the
@@ -254,6 +290,13 @@ def main():
     print(f"step 3 (quantized)  {t3 * 1000:8.1f} ms/step  {cfg.batch_size / t3:7.1f} img/s  (median of rounds)")
     print(f"ratio step3/step1   {ratio:8.3f}   (median of the rounds' ratios, not the quotient of the two "
           f"lines above; rounds {low:.3f}-{high:.3f}; goal <= 1.15)")
+    if cfg.model_name == "gnetdet":
+        twin, qat = ao_peer(float_model)
+        ra, rq = time_interleaved([twin, qat], batch, args.iters, rounds)
+        _, _, ao_ratio, alow, ahigh = summarize_rounds(ra, rq)
+        print(f"ratio torch.ao QAT  {ao_ratio:8.3f}   (torch.ao's QAT of the same float model over its float step, "
+              f"rounds {alow:.3f}-{ahigh:.3f}; ours {'smaller' if ratio < ao_ratio else 'NOT smaller'}: "
+              f"{ratio:.3f})")
 
     if args.amp or device.type == "cuda":
         torch.manual_seed(0)

@@ -281,9 +281,11 @@ def test_gpu_check_reads_what_the_parts_print_device_cpu(capsys):
     ratios = gc.step_time_ratios("ratio step3/step1      1.216   (median ...; goal <= 1.15)\n"
                                  "speed bf16/fp32        3.070   (fp32 time / bf16 time ...)\n"
                                  "ratio trainer/step      0.93   (against ...)\n"
-                                 "ratio loop/step         0.78   (1: ...)\n")
+                                 "ratio loop/step         0.78   (1: ...)\n"
+                                 "ratio torch.ao QAT     1.354   (torch.ao's QAT ...)\n")
     assert ratios["step3/step1"]["met"] is False and ratios["bf16/fp32"]["met"] is True
     assert ratios["trainer/step"]["value"] == 0.93 and ratios["loop/step"]["met"] is None
+    assert ratios["torch.ao QAT/float"]["met"] is True         # the peer's 1.354 against our 1.216
     mem = _load("bench_memory")
     mem.report("GPU H100: GNetDet 448 x1.0, batch 64, max_memory_allocated:",
                {"bn": (1000.0, 1.0, ""), "stem": (500.0, 1.75, ""), "ckpt": (600.0, 1.05, "")}, "bn")
@@ -334,3 +336,29 @@ def test_gpu_check_without_a_gpu_says_so_and_runs_the_cpu_parts_device_cpu(tmp_p
     assert os.path.isfile(tmp_path / "o" / "cuda_lane.log")
     r = subprocess.run([sys.executable, script, "--parts", "gpu"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part(s) ['gpu']" in r.stderr
+
+
+def test_torch_ao_peer_is_the_same_float_model_under_torch_qat_device_cpu():
+    """bench_step_time's peer: the twin computes what the float GNetDet computes (plain convs and ReLUs
+    holding the same weights), and its torch.ao QAT copy carries fused conv + ReLU modules with
+    per-channel weight fake quantization and fused activation fake-quantize modules."""
+    from gnetmdk.config import BaseConfig, build_config
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.models import model_from_config
+    bench = _load("bench_step_time")
+    cfg = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.25", "device", "cpu"], step=1)
+    torch.manual_seed(0)
+    model = model_from_config(cfg, use_bn=False)
+    apply_stage(model, STAGES["step1"])
+    twin, qat = bench.ao_peer(model)
+    x = torch.rand(2, 3, 224, 224) * 31
+    model.eval(), twin.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(x), twin(x), rtol=0, atol=1e-5)
+    kinds = {type(m).__name__ for m in qat.modules()}
+    assert "ConvReLU2d" in kinds and "FusedMovingAvgObsFakeQuantize" in kinds
+    w_fq = qat.layers[0].conv.weight_fake_quant
+    assert w_fq.qscheme == torch.per_channel_symmetric and w_fq.ch_axis == 0
+    qat.train()
+    out = qat(x)
+    assert out.shape == twin(x).shape
