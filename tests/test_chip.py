@@ -480,6 +480,20 @@ def test_tools_tell_a_section_field_from_a_path():
     assert args.checkpoint is None and rest == ["ppyolo.depth", "18"]
     args, rest = load_tool("export_int").parse_args(["ck/best.pth", "depth", "18"])
     assert args.checkpoint == "ck/best.pth" and rest == ["depth", "18"]
+    # options first, then overrides, as train.py reads them: --check's optional value is never an override,
+    # a path after an override word is that override's value, an option after the overrides is refused
+    ov = ["checkpoint_root", "R/ck", "log_root", "R/log", "model_root", "R/model"]
+    args, rest = load_tool("chip_eval").parse_args(["--config", "C", "--check", *ov])
+    assert args.chip_model is None and args.check is not None and rest == ov
+    args, rest = load_tool("chip_eval").parse_args(["--config", "C", "--check", "ck/best.pth", *ov])
+    assert args.check == "ck/best.pth" and rest == ov
+    args, rest = load_tool("convert_to_chip").parse_args(["--config", "C", *ov[:2], *ov[-2:]])
+    assert args.checkpoint is None and rest == [*ov[:2], *ov[-2:]]
+    args, rest = load_tool("convert_to_chip").parse_args(["--name", "model_root", "--config", "C"])
+    assert args.name == "model_root" and rest == []                 # an option's value, not an override
+    with pytest.raises(SystemExit) as stop:
+        load_tool("export_int").parse_args(["--config", "C", "depth", "18", "--check"])
+    assert stop.value.code == 2
 
 
 @needs_data

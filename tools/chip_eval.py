@@ -51,25 +51,7 @@ def parse_args(argv):
                         "model's detections in DIR (created if missing; needs matplotlib)")
     p.add_argument("--threads", type=int, default=0, help="torch / onnxruntime threads (0 = the config's 'threads', "
                                                           "else the library default)")
-    args, rest = p.parse_known_args(argv)
-    bad = [t for t in rest if t.startswith("--")]
-    if bad:
-        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
-    # argparse may have taken the first override word for the chip model or the --check checkpoint
-    from gnetmdk.config.overrides import override_names
-    fields = override_names()
-
-    def is_override(tok):
-        """A KEY=VALUE word or a config field name."""
-        return tok is not None and ("=" in tok or tok.replace("-", "_") in fields)
-    taken = []
-    if is_override(args.chip_model):
-        taken.append(args.chip_model)
-        args.chip_model = None
-    if args.check not in (None, _CHECK_DEFAULT) and is_override(args.check):
-        taken.append(args.check)
-        args.check = _CHECK_DEFAULT
-    return args, taken + rest
+    return p.parse_with_overrides(argv)
 
 
 def main(argv=None) -> int:

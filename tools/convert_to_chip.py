@@ -28,7 +28,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="step-4 checkpoint (default <checkpoint_root>/step4/best.pth from the config)")
-    p.add_argument("--config", default=None, help="configs.py (only for the default paths; default ./configs.py)")
+    p.add_argument("--config", default=None, help="configs.py (only for the default paths, with any KEY VALUE "
+                                                  "overrides after the options; default ./configs.py)")
     p.add_argument("--out", default=None, help="output folder (default the config's model_root, 'model')")
     p.add_argument("--name", default="chip_model", help="base name of the chip-model and ONNX files (default chip_model)")
     p.add_argument("--classes", default=None, help="comma-separated class names (default: the checkpoint's VOC_CLASSES)")
@@ -36,12 +37,12 @@ def parse_args(argv):
     p.add_argument("--check-images", type=at_least(0), default=0, metavar="N",
                    help="self-check: run N random 8-bit images through the step-4 model and the emulator, compare "
                         "every layer (the real check on a dataset is tools/chip_eval.py --check)")
-    return p.parse_args(argv)
+    return p.parse_with_overrides(argv)
 
 
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from gnetmdk.gti.chip.cli_util import fail, user_errors
     try:
         from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, text_writer
@@ -50,8 +51,8 @@ def main(argv=None) -> int:
         from gnetmdk.gti.chip.model_file import FLOAT32_EXACT_LIMIT
         from gnetmdk.gti.export import gti_file_names, gti_file_texts
         cfg = None
-        if args.checkpoint is None or args.out is None:
-            cfg = load_config(args.config)
+        if args.checkpoint is None or args.out is None or overrides:
+            cfg = load_config(args.config, overrides)
         ckpt = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
         out = args.out or cfg.model_root
         from gnetmdk.checkpoint.outputs import check_output_folder

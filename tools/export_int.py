@@ -57,19 +57,11 @@ def parse_args(argv):
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     p.add_argument("--batch-size", type=at_least(1), default=8)
     p.add_argument("--threads", type=int, default=0, help="torch / onnxruntime threads (0 = the config's)")
-    args, rest = p.parse_known_args(argv)
-    bad = [t for t in rest if t.startswith("--")]
-    if bad:
-        p.error(f"unrecognised option {bad[0]} (config overrides are written KEY VALUE or KEY=VALUE)")
-    from gnetmdk.config.overrides import override_names
-    fields = override_names()
+    args, rest = p.parse_with_overrides(argv)
     if args.format != "qdq" and args.weights != "int8":
         p.error("--weights applies to --format qdq only")
     if args.name is None:
         args.name = "qdq_model" if args.format == "qdq" else "int_model"
-    if args.checkpoint is not None and ("=" in args.checkpoint or args.checkpoint.replace("-", "_") in fields):
-        rest = [args.checkpoint] + rest
-        args.checkpoint = None
     return args, rest
 
 

@@ -17,6 +17,40 @@ class Parser(argparse.ArgumentParser):
         print(f"error: {message} ({self.prog} --help lists the options)", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
+    def parse_with_overrides(self, argv):
+        """Parse ``argv`` as the tools and train.py read a command line: options and positionals first,
+        then config overrides (``KEY VALUE`` or ``KEY=VALUE``). The overrides start at the first word that
+        is a config field name or holds "=" and is not the value of an option that takes one (an option
+        with an optional value, such as ``--check``, never takes an override word), so an override is
+        never read as a path.
+
+        Returns:
+            (argparse.Namespace, [override words]).
+        Raises:
+            SystemExit(2): one ``error:`` line for a bad option, or an option written after the overrides.
+        """
+        from gnetmdk.config.overrides import override_names
+        fields = override_names()
+        takes_value = {o for a in self._actions if a.option_strings and a.nargs is None
+                       and not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                              argparse._HelpAction, argparse._VersionAction,
+                                              argparse._CountAction, argparse._StoreConstAction))
+                       for o in a.option_strings}
+        argv = list(argv)
+        cut = len(argv)
+        for i, tok in enumerate(argv):
+            if tok.startswith("-") or (i and argv[i - 1] in takes_value):
+                continue
+            if "=" in tok or tok.replace("-", "_") in fields:
+                cut = i
+                break
+        options, overrides = argv[:cut], argv[cut:]
+        late = [t for t in overrides if t.startswith("--")]
+        if late:
+            self.error(f"option {late[0]} comes after the config overrides; write options first, then KEY VALUE "
+                       "overrides")
+        return self.parse_args(options), overrides
+
 
 def at_least(low: int):
     """argparse type: an integer >= ``low``."""
