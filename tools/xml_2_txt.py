@@ -29,9 +29,11 @@ class CLIError(Exception):
     """A user error reported as one line on stderr with exit status 2."""
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, description="Convert VOC XML annotations into the project's meta files "
+                                       "(<DS_NAME>_train.txt / _valid.txt)."):
+    """The command line of this tool and of tools/xml_2_json.py (which passes its own ``description``)."""
     p = argparse.ArgumentParser(
-        description="Convert VOC XML annotations into GNetDet meta files.",
+        description=description,
         epilog="Without --config, values not given on the command line come from configs.py at "
                "the repository root. With --name, --dataset-dir, --classes and --out-dir all "
                "given, no config is loaded.",
@@ -297,7 +299,8 @@ def print_summary(report: dict, out=sys.stdout) -> None:
 def main(argv=None, coco: bool = False) -> int:
     """Run the tool; ``coco`` writes COCO-json files (tools/xml_2_json.py) instead of meta files.
     Returns the exit status (0 ok, 2 a dataset/annotation/config error)."""
-    args = parse_args(argv)
+    args = parse_args(argv, "Convert VOC XML annotations into COCO-json files (<DS_NAME>_train.json / "
+                            "_valid.json).") if coco else parse_args(argv)
     tool = "xml_2_json" if coco else "xml_2_txt"
     try:
         st = st_cfg = resolve_settings(args)
