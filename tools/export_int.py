@@ -210,7 +210,7 @@ def check(model, prog, cfg, args, threads) -> bool:
     for op in prog["ops"]:
         k = op["output"]
         eq = 1.0 - mismatches[k] / values[k] if values[k] else 1.0
-        print(f"{k:<36} {op['op']:<8} {values[k]:>12} {mismatches[k]:>10} {100 * eq:>8.3f}% {largest[k]:>8}")
+        print(f"{k:<36} {op['op']:<8} {values[k]:>12} {mismatches[k]:>10} {100 * eq:>8.4f}% {largest[k]:>8}")
     total, n_values = sum(mismatches.values()), sum(values.values())
     equal = 1.0 - total / n_values if n_values else 1.0
     print(f"outputs: {out_bad} float32 values differ, largest difference {out_diff:.3g} (largest |output| "
