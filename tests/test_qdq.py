@@ -167,3 +167,21 @@ def test_requant_mode_travels_with_the_model_device_cpu():
     assert rebuilt.integer_program()["requant"] == "float"
     with pytest.raises(ValueError, match="requant must be one of"):
         m.set_requant("half")
+
+
+def test_export_refuses_a_gnetdet_checkpoint_with_one_line_device_cpu(tmp_path):
+    """tools/export_int.py --format qdq on a GNetDet step-4 checkpoint: exit 2, one line naming the
+    model and the converter to use, nothing written (a step-3 PP-YOLO checkpoint is refused in
+    tests/test_ppyolo_train.py)."""
+    from chip_helpers import build_step4_model, have, run_tool, save_step4_checkpoint, write_config
+    if not have("raccoon"):
+        pytest.skip("raccoon dataset not present")
+    cfg = write_config(str(tmp_path), "raccoon")
+    model, _ = build_step4_model(1, np.random.default_rng(0).integers(0, 256, (2, 224, 224, 3), dtype=np.uint8))
+    ck = save_step4_checkpoint(str(tmp_path / "gnetdet.pth"), model, cfg)
+    out = tmp_path / "out"
+    r = run_tool("export_int.py", ck, "--config", cfg, "--format", "qdq", "--out", out)
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and "is a 'gnetdet' model" in line and "tools/convert_to_chip.py" in line, line
+    assert not out.exists()
