@@ -19,7 +19,7 @@ set: the class accuracy, and the mean |x error| of the box centre in object cell
 always guessing the cell centre (cell units). A band whose accuracy stays near 1/3 has learned no
 shape from the pixels: the class outputs depend on the cell, not on the image.
 
-Measured (docs/results.md, "The dense set"): the demo's band reaches 0.98 within 600 steps; the
+Measured (docs/results/accuracy-matrix.md, "The dense set"): the demo's band reaches 0.98 within 600 steps; the
 dense set's band stays at chance for about 1500 steps, then reaches 0.99 (val 0.91) by 3000. About
 7 minutes per band and 600 steps on 2 cores; never part of the tests.
 """

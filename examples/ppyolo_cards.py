@@ -10,7 +10,7 @@ to the integer model (gnetmdk.intq: int8 weights per output channel, uint8 activ
     python3 train.py --config examples/ppyolo_cards.py --step 3
     python3 train.py --config examples/ppyolo_cards.py --step 4
     python3 tools/export_int.py --config examples/ppyolo_cards.py --check
-Results and wall time: docs/results.md ("PP-YOLO on cards").
+Results and wall time: docs/results/ppyolo-cards.md.
 """
 from gnetmdk.config import BaseConfig
 from gnetmdk.models.ppyolo.config import R18VD

@@ -29,7 +29,7 @@ class Config(BaseConfig):
         # quantization: the section's defaults (docs/pipeline.md): the MSE-best weight scale per kernel and
         # the MSE-best 5-bit cap per layer (over seeds 0-2 step 4 ended higher on every seed than with GTI's
         # weight rule and 99.99th-percentile caps), and the output layer's cap at most twice the range the
-        # loss trains (2 here; a measured cap of 5.7 had cost seed 1 15 points; docs/results.md, "Shapes demo")
+        # loss trains (2 here; a measured cap of 5.7 had cost seed 1 15 points; docs/results/shapes-demo.md)
         # the first major layer (two convs reading the image, under 1% of the weights) at 8 bits like the
         # last, 3 bits between, as examples/cards.py (over seeds 0-2 step 4 - step 1 went from -0.8 to +0.2
         # points on this set and from -1.6 to -0.4 on raccoon against the chip default; docs/results.md)

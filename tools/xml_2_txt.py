@@ -140,7 +140,7 @@ SMALL_SHARE = 0.2
 #: GNetDet's linear size head: warn when more than SMALL_SHARE of the boxes span fewer than this many
 #: steps of the output layer's 5-bit codes (a step is cap / 31 of the side, about 1/31 for a cap near 1:
 #: gti-chip.md). Rounding a box of k steps moves each side by up to half a step, 1 / (2 k) of the box:
-#: at 4 steps an IoU of 0.8 at worst, at 1-2 steps below 0.5 (docs/results.md, the dense set).
+#: at 4 steps an IoU of 0.8 at worst, at 1-2 steps below 0.5 (docs/results/accuracy-matrix.md, the dense set).
 SIZE_STEPS = 4
 
 
@@ -206,7 +206,7 @@ def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_he
                 "codes: with the linear size head the chip model rounds their width and height to those steps, "
                 "however few of the set's boxes they are. Set gnetdet.size_head log before step 1 (on the dense set "
                 "of 4-16 px shapes it took step 4 from 14-16 points below step 1 to within half a point: "
-                "docs/results.md, 'The size head')")
+                "docs/results/accuracy-matrix.md, 'The size head')")
     return lines, warn
 
 

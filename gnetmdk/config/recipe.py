@@ -19,7 +19,7 @@ def quantized_stages() -> Dict[Union[int, str], dict]:
     best model; without an EMA its training lowered val mAP on cards in every run. Against 3 + 3 + 2
     epochs without an EMA, over seeds 0-2 step 4 - step 1 went from -1.2 (worst -2.0) to -0.8 (worst
     -1.7) points on the shapes demo and from -3.1 (worst -9.6) to -1.6 (worst -3.7) on raccoon
-    (docs/results.md, "One recipe for the quantized stages").
+    (docs/results/accuracy-matrix.md).
 
     Returns:
         {2: {...}, "cal": {}, 3: {...}, 4: {...}}: config field -> value per stage.

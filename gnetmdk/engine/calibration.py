@@ -159,7 +159,7 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
     and after the output-error search. The output layer's values that the loss trains (GNetDet's
     boxes and scores) lie in [0, 1]; values far above it (untrained slots, confident cells) can pull a
     measured cap to several units, and 5-bit codes over such a range leave the trained range a few
-    codes (docs/results.md, "Shapes demo": a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2)."""
+    codes (docs/results/shapes-demo.md: a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2)."""
     from .stages import STAGES, apply_stage
     relus = list(model.relus())
     for relu in relus:

@@ -14,7 +14,7 @@ Four measurements on one split, each against the float model (BatchNorm folded, 
   (``cap / 31`` steps, clamped to ``[0, cap]``), everything else float. The output layer is the only
   one whose codes are read as numbers; this says which of them its resolution costs. With GTI's linear
   size head the box sizes are fractions of the input side, so one step is ``cap / 31`` of it (8.8 px at
-  224 px with cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results.md, "The
+  224 px with cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results/accuracy-matrix.md, "The
   dense set through 2 x 2 tiles"); with the log size head one step multiplies the size by
   ``size_min ** (-cap / 31)`` (gnetmdk.models.gnetdet.loss.output_sizes).
 

@@ -5,7 +5,7 @@ for the backward pass, its input and an int64 index per output element: 8 bytes 
 the size of the float32 input it pools. In GNetDet the pool's input is a ReLU output (kept anyway by
 the ReLU or BatchNormAct2d backward) and its output is the next conv's input (kept anyway by that
 conv), so the indices are the only memory the pool adds: 16% of what a step-1 GNetDet keeps for
-its backward pass (docs/results.md, "Training memory"). torch offers no max pool that rebuilds its
+its backward pass (docs/results/memory.md). torch offers no max pool that rebuilds its
 indices, hence this function.
 
 The backward pass finds, in each 2x2 window of the kept input, the first position (row-major:

@@ -9,7 +9,7 @@ conv -> BatchNorm -> ReLU -> pool, the backward pass keeps BatchNorm's input and
 of that size (in-place ABN, :mod:`gnetmdk.layers.inplace_abn`, keeps the output and, for an exact
 ReLU, BatchNorm's output where the ReLU outputs 0), and its own backward holds two or three such
 tensors at once: in GNetDet 448 the stem is about 57% of what a training step keeps
-(docs/results.md, "Training memory"). The same conv is the cheapest of the network to recompute:
+(docs/results/memory.md). The same conv is the cheapest of the network to recompute:
 C_in k^2 = 27 multiply-adds per output against 576 or more for every later 3x3 conv. So this block
 keeps its input and recomputes its conv in the backward pass, image chunk by image chunk; no
 activation-sized tensor of the stem survives the forward pass, and its backward holds one chunk's
