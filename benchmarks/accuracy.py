@@ -101,8 +101,10 @@ def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides
 def chip_check(dataset: str, seed: int, out: str, overrides: Sequence[str]) -> dict:
     """Convert one run's step-4 best.pth into the chip model (OUT/<dataset>/seed<K>/model) and compare it
     with the checkpoint on the val split (tools/chip_eval.py --check: every activation code of every
-    layer, and the mAP); the output in chip_check.log, the verdict in chip.json and returned:
-    {"rc": chip_eval's exit status (0 equal, 1 not), "codes", "mismatches", "chip_map", "step4_map"}."""
+    layer, and the mAP); the output in chip_check.log and returned:
+    {"rc": chip_eval's exit status (0 equal, 1 not; 2 the check could not run), "codes", "mismatches",
+    "chip_map", "step4_map"}. Only a verdict (rc 0 or 1) is kept in chip.json, so a check that could not
+    run (a refused checkpoint, a missing file) is tried again on the next run of the matrix."""
     import re
     d = run_dir(out, dataset, seed)
     config = os.path.join(ROOT, DATASETS[dataset][0])
@@ -124,17 +126,26 @@ def chip_check(dataset: str, seed: int, out: str, overrides: Sequence[str]) -> d
     verdict = {"rc": rc, "codes": int(total.group(1)) if total else None,
                "mismatches": int(total.group(2)) if total else None,
                "step4_map": float(maps.group(1)) if maps else None, "chip_map": float(maps.group(2)) if maps else None}
-    with open(os.path.join(d, "chip.json"), "w") as fh:
-        json.dump(verdict, fh, indent=2)
+    path = os.path.join(d, "chip.json")
+    if rc in (0, 1):
+        with open(path + ".tmp", "w") as fh:
+            json.dump(verdict, fh, indent=2)
+        os.replace(path + ".tmp", path)
+    elif os.path.isfile(path):
+        os.remove(path)                       # an older verdict no longer describes this run's model
     return verdict
 
 
 def chip_lines(out: str, runs: Dict[str, List[int]]) -> List[str]:
-    """One line per run with a chip.json: the chip model against step 4 (codes, mismatches, mAP)."""
+    """One line per run with a chip.json: the chip model against step 4 (codes, mismatches, mAP); a run
+    whose check could not run (a chip_check.log and no chip.json) is named as not checked."""
     lines = []
     for ds, seeds in runs.items():
         for seed in seeds:
             path = os.path.join(run_dir(out, ds, seed), "chip.json")
+            if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir(out, ds, seed), "chip_check.log")):
+                lines.append(f"- {ds} seed {seed}: chip model not checked: the check could not run (its output is in "
+                             f"{os.path.join(run_dir(out, ds, seed), 'chip_check.log')}; the next run tries again)")
             if os.path.isfile(path):
                 with open(path) as fh:
                     v = json.load(fh)
