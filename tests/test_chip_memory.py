@@ -42,13 +42,13 @@ def vgg16(mask_bits, size=224):
     return layers
 
 
-def test_limits_per_chip():
+def test_limits_per_chip_device_cpu():
     assert SPEC.max_layer_io == 4_816_896 and SPEC.max_coef_memory == 489_216
     for chip in ("2801", "2803"):     # GTI's material states no memory limits for these
         assert CHIPS[chip].max_layer_io is None and CHIPS[chip].max_coef_memory is None
 
 
-def test_vgg16_example_fits():
+def test_vgg16_example_fits_device_cpu():
     """GTI's worked example: VGG16 with mask bits [3, 3, 3, 1, 1] needs 456,800 units and fits."""
     rep = check_chip_memory(vgg16([3, 3, 3, 1, 1]), SPEC)
     assert rep.coefficient_total == 456_800 and rep.fits
@@ -63,7 +63,7 @@ def test_vgg16_example_fits():
     assert suggest_mask_bits(vgg16([8] * 5), SPEC) == [3, 3, 3, 1, 1]
 
 
-def test_full_width_gnetdet_counts():
+def test_full_width_gnetdet_counts_device_cpu():
     """GNetDet-448 at full width, 3-bit with the last major layer at 8 bits: 292,960 + 196,608 (the last
     conv padded to 256 channels, as the converter writes it) = 489,568, over 489,216 by 352; with the last
     conv's 30 used outputs (20 classes) 431,712, which fits: the band that is noted, not refused."""
@@ -80,7 +80,7 @@ def test_full_width_gnetdet_counts():
     assert memory_report(gnetdet_memory_layers(gnetdet_layers(448, 20, mask_bits=[3] * 7), 448), SPEC).fits
 
 
-def test_config_time_refusal_coefficients():
+def test_config_time_refusal_coefficients_device_cpu():
     """A full-width GNetDet-448 with its last two major layers at 8 bits is refused when the config is
     built: one line naming the layer, the amount against the budget and the fix. The bare defaults (the
     last major layer at 8 bits, as GTI's own 5801 GNetDet-448) pass with the note the trainer logs."""
@@ -106,7 +106,7 @@ def test_config_time_refusal_coefficients():
     build_config(BaseConfig, ["image_size", "224", "chip", "2801"])
 
 
-def test_config_time_refusal_per_layer():
+def test_config_time_refusal_per_layer_device_cpu():
     """GNetDet-448 at width 2: conv 2 reads 128x224x224 and writes 128x112x112, over 4,816,896."""
     with pytest.raises(ChipSpecError) as info:
         build_config(BaseConfig, ["image_size", "448", "width_mult", "2", "mask_bits", "[1,1,1,1,1,1,1]"])
@@ -117,7 +117,7 @@ def test_config_time_refusal_per_layer():
                         "smaller image_size"), msg
 
 
-def test_per_layer_limit_constructed():
+def test_per_layer_limit_constructed_device_cpu():
     """A layer that keeps 64 channels at 448 px without a pool: 2 x 64 x 448 x 448 = 25,690,112 values."""
     layers = [MemoryLayer(3, 64, 448, 448, 448, 448, 3, "conv 1"),
               MemoryLayer(64, 64, 448, 448, 448, 448, 3, "conv 2"),
@@ -136,7 +136,7 @@ def test_per_layer_limit_constructed():
     assert check_chip_memory(layers, get_chip_spec("2801")).largest_io == 25_690_112
 
 
-def test_converter_refuses_before_writing():
+def test_converter_refuses_before_writing_device_cpu():
     """The converter's first check (check_checkpoint_for_chip) and its check on the integerised layers."""
     import torch
     from gnetmdk.engine.stages import STAGES, apply_stage
@@ -177,7 +177,7 @@ def test_converter_refuses_before_writing():
                            "489,568 if the output layer's zero filters count"), note
 
 
-def test_converted_layers_count_as_configured():
+def test_converted_layers_count_as_configured_device_cpu():
     """The config-time count (layer list + padding rule) equals the count of the layers the converter writes."""
     import torch
     from gnetmdk.engine.stages import STAGES, apply_stage
@@ -209,7 +209,7 @@ def _example_configs():
 
 
 @pytest.mark.parametrize("path", _example_configs(), ids=os.path.basename)
-def test_example_configs_fit(path):
+def test_example_configs_fit_device_cpu(path):
     """Every GNetDet example (the README's demo examples/shapes.py among them) passes the config check,
     with its own mask_bits and with the chip default."""
     cfg = build_config(load_config_class(path))
@@ -217,7 +217,7 @@ def test_example_configs_fit(path):
     assert cfg.gnetdet.chip == "5801"
 
 
-def test_memory_table_matches_checks():
+def test_memory_table_matches_checks_device_cpu():
     """The docs/chip.md table: the examples fit by both counts; the full-width models with an 8-bit last
     major layer fit with the output layer as used, not as padded (noted); all 3-bit fits by both."""
     rows = memory_table()
@@ -235,7 +235,7 @@ def test_memory_table_matches_checks():
     assert all(r["largest_io"] == 4_014_080 for r in full)
 
 
-def test_docs_table_is_what_the_code_computes(capsys):
+def test_docs_table_is_what_the_code_computes_device_cpu(capsys):
     """docs/chip.md's memory table is the output of ``python3 -m gnetmdk.gti.memory``, line for line."""
     from gnetmdk.gti.memory import main
     assert main([]) == 0

@@ -38,6 +38,55 @@ META_KEY = "gnetmdk.int_model"
 OFFSET_BITS = 61
 
 
+class GraphBuilder:
+    """Nodes and initializers of one ONNX graph under unique names, for the two exports of an integer
+    program (this module and gnetmdk.intq.qdq_export)."""
+
+    def __init__(self):
+        self.inits: List[Any] = []
+        self.nodes: List[Any] = []
+        self._count = 0
+
+    def uid(self, base: str) -> str:
+        """``base`` with a counter appended: a name used once in the graph."""
+        self._count += 1
+        return f"{base}__{self._count}"
+
+    def const(self, name: str, value, dtype) -> str:
+        """An initializer holding ``value`` as ``dtype`` (numpy); returns its name."""
+        from onnx import numpy_helper
+        name = self.uid(name)
+        self.inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def node(self, op: str, inputs: List[str], base: str, out: str = None, **attrs) -> str:
+        """A node of type ``op`` with one output (named ``out``, else a new name from ``base``)."""
+        from onnx import helper
+        out = out or self.uid(base)
+        self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def model(self, name: str, outputs: List[Any], meta_key: str, meta: Dict[str, Any] = None, opset: int = OPSET):
+        """The checked ModelProto: a uint8 ``(N, 3, H, W)`` image input named :data:`INPUT_NAME`, the
+        given output value infos, ``meta`` as JSON under ``meta_key`` in metadata_props.
+
+        Raises:
+            onnx.checker.ValidationError: a malformed graph (a bug of the builder, not of the input).
+        """
+        import onnx
+        from onnx import TensorProto, helper
+        graph = helper.make_graph(self.nodes, name,
+                                  [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", 3, "H", "W"])],
+                                  outputs, initializer=self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="gnetmdk")
+        model.ir_version = IR_VERSION
+        if meta is not None:
+            entry = model.metadata_props.add()
+            entry.key, entry.value = meta_key, json.dumps(meta)
+        onnx.checker.check_model(model)
+        return model
+
+
 def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, Any] = None):
     """The ONNX ModelProto of an integer program.
 
@@ -49,26 +98,10 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
     Returns:
         onnx.ModelProto (checked with onnx.checker).
     """
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
-    inits: List[Any] = []
-    nodes: List[Any] = []
-    counter = [0]
-
-    def uid(base: str) -> str:
-        counter[0] += 1
-        return f"{base}__{counter[0]}"
-
-    def const(name: str, value, dtype) -> str:
-        name = uid(name)
-        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def node(op: str, inputs: List[str], base: str, **attrs) -> str:
-        out = uid(base)
-        nodes.append(helper.make_node(op, inputs, [out], **attrs))
-        return out
+    g = GraphBuilder()
+    nodes, uid, const, node = g.nodes, g.uid, g.const, g.node
 
     def round_shift(v64: str, shift: int, zp: int, lo: int, base: str, out_name: str) -> None:
         """floor((v + 2^(n-1)) / 2^n) + zp, clipped to lo..255, as uint8 named out_name."""
@@ -166,16 +199,7 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
             nodes.append(helper.make_node("Concat", parts, [name], axis=1))
         if all_layers:
             layer_outputs.append(helper.make_tensor_value_info(name, TensorProto.UINT8, [None] * 4))
-    graph = helper.make_graph(nodes, "gnetmdk_int_model",
-                              [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", 3, "H", "W"])],
-                              outputs + layer_outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="gnetmdk")
-    model.ir_version = IR_VERSION
-    if meta is not None:
-        entry = model.metadata_props.add()
-        entry.key, entry.value = META_KEY, json.dumps(meta)
-    onnx.checker.check_model(model)
-    return model
+    return g.model("gnetmdk_int_model", outputs + layer_outputs, META_KEY, meta)
 
 
 #: onnxruntime execution providers by the name the tools take

@@ -34,12 +34,11 @@ Tensor names: the program's tensor names hold the uint8 codes (QuantizeLinear ou
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List
 
 import numpy as np
 
-from .onnx_export import INPUT_NAME, IR_VERSION, OUTPUT_PREFIX
+from .onnx_export import INPUT_NAME, OUTPUT_PREFIX, GraphBuilder
 
 __all__ = ["build_qdq", "QDQ_META_KEY", "OPSET", "WEIGHT_TYPES"]
 
@@ -69,27 +68,11 @@ def build_qdq(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, An
     """
     if weights not in WEIGHT_TYPES:
         raise ValueError(f"weights must be one of {WEIGHT_TYPES}, got {weights!r}")
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
-    inits: List[Any] = []
-    nodes: List[Any] = []
-    counter = [0]
+    g = GraphBuilder()
+    const, node = g.const, g.node
     tensors = prog["tensors"]
-
-    def uid(base: str) -> str:
-        counter[0] += 1
-        return f"{base}__{counter[0]}"
-
-    def const(name: str, value, dtype) -> str:
-        name = uid(name)
-        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def node(op: str, inputs: List[str], base: str, out: str = None, **attrs) -> str:
-        out = out or uid(base)
-        nodes.append(helper.make_node(op, inputs, [out], **attrs))
-        return out
 
     def qparams(name: str):
         t = tensors[name]
@@ -163,13 +146,4 @@ def build_qdq(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, An
             raise ValueError(f"{name}: op {kind!r} has no QDQ form")
         if all_layers:
             layer_outputs.append(helper.make_tensor_value_info(name, TensorProto.UINT8, [None] * 4))
-    graph = helper.make_graph(nodes, "gnetmdk_qdq_model",
-                              [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", 3, "H", "W"])],
-                              outputs + layer_outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="gnetmdk")
-    model.ir_version = IR_VERSION
-    if meta is not None:
-        entry = model.metadata_props.add()
-        entry.key, entry.value = QDQ_META_KEY, json.dumps(meta)
-    onnx.checker.check_model(model)
-    return model
+    return g.model("gnetmdk_qdq_model", outputs + layer_outputs, QDQ_META_KEY, meta, OPSET)
