@@ -100,7 +100,7 @@ class PPYOLOFamily(DetectorFamily):
                 raise CheckpointError(f"{stage.name} needs calibrated activation ranges, and {len(missing)} of "
                                       f"{len(model.quant)} quantizers have none (e.g. {missing[0]}): run calibration "
                                       "first (train.py --cal), or load its checkpoint/step2/cal.pth")
-        if model._meta["quant"].get("requant", "fixed") != p.requant:
+        if model.meta()["quant"].get("requant", "fixed") != p.requant:
             model.set_requant(p.requant)
             out.append(f"step 4's conv requantization: {p.requant} (ppyolo.requant)")
         if stage.integer:
