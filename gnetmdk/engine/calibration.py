@@ -24,8 +24,8 @@ from gnetmdk.gti.quantize import mse_cap_from_histogram
 from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver,
                                       observe_inputs)
 
-#: bins of the MSE method's histograms
-HIST_BINS = 4096
+#: bins of the GNetDet cap calibration's histograms (the MSE method; the int8 target's ranges use gnetmdk.intq.calibrate.RANGE_HIST_BINS)
+CAP_HIST_BINS = 4096
 
 
 @torch.no_grad()
@@ -62,10 +62,10 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
         maxima = [MaxObserver() for _ in relus]
         one_pass(maxima, "cal (max)")
         caps = all_reduce(stacked(maxima), "max")
-        hists = [HistogramObserver(float(c), HIST_BINS) for c in caps.tolist()]
+        hists = [HistogramObserver(float(c), CAP_HIST_BINS) for c in caps.tolist()]
         one_pass(hists, "cal (histogram)")
         counts = torch.stack([h.value if h.value is not None else
-                              torch.zeros(HIST_BINS, dtype=torch.float64, device=device) for h in hists])
+                              torch.zeros(CAP_HIST_BINS, dtype=torch.float64, device=device) for h in hists])
         all_reduce(counts, "sum")
         values = [mse_cap_from_histogram(h, c) if c > 0 else 0.0 for h, c in zip(counts, caps.tolist())]
     else:

@@ -3,10 +3,10 @@
 Two passes over the training data, the weights fake-quantized and the activations float:
 
 1. each quantizer's input minimum and maximum (all-reduced with MIN / MAX over the ranks);
-2. a histogram of each input over ``[min, max]`` (:data:`HIST_BINS` bins; counts all-reduced by sum,
+2. a histogram of each input over ``[min, max]`` (:data:`RANGE_HIST_BINS` bins; counts all-reduced by sum,
    exact in float64), from which the range is chosen:
 
-   * "mse": the range ``a [min, max]`` (``a`` in :data:`MSE_RATIOS`; both ends shrink together, the
+   * "mse": the range ``a [min, max]`` (``a`` in :data:`RANGE_SHRINK_RATIOS`; both ends shrink together, the
      zero point moves with them) whose uint8 quantization of the histogram's bin centres has the least
      squared error, counting clipping and rounding;
    * "percentile": ``[the (100 - p)th percentile, the pth percentile]`` of the histogram (bin edges
@@ -27,11 +27,13 @@ from gnetmdk.dist.comm import all_reduce
 from gnetmdk.dist.virtual import forward_batch
 from .fake import ACT_QMAX, round_half_up
 
-__all__ = ["METHODS", "HIST_BINS", "MSE_RATIOS", "calibrate_ranges", "range_from_histogram"]
+__all__ = ["METHODS", "RANGE_HIST_BINS", "RANGE_SHRINK_RATIOS", "calibrate_ranges", "range_from_histogram"]
 
 METHODS = ("mse", "percentile", "minmax")
-HIST_BINS = 2048
-MSE_RATIOS = tuple(1.0 - 0.0125 * i for i in range(73))          # 1.0 .. 0.1
+#: bins of each quantization point's histogram (GNetDet's caps use gnetmdk.engine.calibration.CAP_HIST_BINS)
+RANGE_HIST_BINS = 2048
+#: factors the "mse" method shrinks the measured [min, max] by (weights use gnetmdk.intq.fake.WEIGHT_CLIP_RATIOS)
+RANGE_SHRINK_RATIOS = tuple(1.0 - 0.0125 * i for i in range(73))          # 1.0 .. 0.1
 
 
 def range_from_histogram(counts: torch.Tensor, lo: float, hi: float, method: str = "mse",
@@ -66,7 +68,7 @@ def range_from_histogram(counts: torch.Tensor, lo: float, hi: float, method: str
         return min(float(edges[min(bottom, bins - 1)]), 0.0), max(float(edges[min(top + 1, bins)]), 0.0)
     centres = (edges[:-1] + edges[1:]) / 2
     best, best_err = (lo, hi), None
-    for a in MSE_RATIOS:
+    for a in RANGE_SHRINK_RATIOS:
         l, h = lo * a, hi * a
         s = (h - l) / ACT_QMAX
         z = min(max(float(round_half_up(torch.tensor(-l / s))), 0.0), float(ACT_QMAX))
@@ -128,15 +130,15 @@ def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[
         mins = -neg
         if bool((maxs < mins).any()):
             raise RuntimeError("calibration saw no activations (empty training set?)")
-        counts = torch.zeros((len(keys), HIST_BINS), dtype=torch.float64, device=device)
+        counts = torch.zeros((len(keys), RANGE_HIST_BINS), dtype=torch.float64, device=device)
         if method != "minmax":
             def hist(i):
                 lo, hi = float(mins[i]), float(maxs[i])
-                scale = HIST_BINS / (hi - lo) if hi > lo else 0.0
+                scale = RANGE_HIST_BINS / (hi - lo) if hi > lo else 0.0
 
                 def obs(x):
-                    idx = torch.clamp(((x.float() - lo) * scale).floor(), 0, HIST_BINS - 1).long().flatten()
-                    counts[i] += torch.bincount(idx, minlength=HIST_BINS).double()
+                    idx = torch.clamp(((x.float() - lo) * scale).floor(), 0, RANGE_HIST_BINS - 1).long().flatten()
+                    counts[i] += torch.bincount(idx, minlength=RANGE_HIST_BINS).double()
                 return obs
 
             for i, k in enumerate(keys):

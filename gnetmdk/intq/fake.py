@@ -16,7 +16,7 @@ ACT_QMAX = 255
 #: per-channel weight scale rules
 WEIGHT_SCALES = ("max", "mse")
 #: clip ratios tried by the "mse" weight scale rule (of max |W_c|)
-MSE_RATIOS = tuple(1.0 - 0.025 * i for i in range(17))          # 1.0 .. 0.6
+WEIGHT_CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(17))          # 1.0 .. 0.6
 
 
 def round_half_up(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ def weight_scales(w: torch.Tensor, bits: int = 8, method: str = "max") -> torch.
     Args:
         w: ``(C_out, ...)`` float weight.
         bits: 2..8; codes are ``-Q..Q``, ``Q = 2^(bits-1) - 1``.
-        method: "max" (``max|W_c| / Q``) or "mse" (the clip ratio among :data:`MSE_RATIOS` of
+        method: "max" (``max|W_c| / Q``) or "mse" (the clip ratio among :data:`WEIGHT_CLIP_RATIOS` of
             ``max|W_c|`` with the least squared quantization error of the channel).
 
     Returns:
@@ -61,7 +61,7 @@ def weight_scales(w: torch.Tensor, bits: int = 8, method: str = "max") -> torch.
     if method == "max":
         return amax / qmax
     best_err, best = None, None
-    for r in MSE_RATIOS:
+    for r in WEIGHT_CLIP_RATIOS:
         s = amax * r / qmax
         q = torch.clamp(round_half_up(flat / s[:, None]), -qmax, qmax)
         err = (q * s[:, None] - flat).square().sum(dim=1)
