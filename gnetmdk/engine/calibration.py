@@ -24,7 +24,8 @@ from gnetmdk.gti.quantize import mse_cap_from_histogram
 from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver,
                                       observe_inputs)
 
-#: bins of the GNetDet cap calibration's histograms (the MSE method; the int8 target's ranges use gnetmdk.intq.calibrate.RANGE_HIST_BINS)
+#: bins of the GNetDet cap calibration's histograms (the MSE method; the int8 target's ranges use
+#: gnetmdk.intq.calibrate.RANGE_HIST_BINS)
 CAP_HIST_BINS = 4096
 
 
