@@ -1,0 +1,117 @@
+"""Units of the trainer's parts that the end-to-end tests reach only through train.py (device cpu): the
+weights' EMA, the EMA and early-stop hooks, and the integer graph's checks."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gnetmdk.engine.ema import ModelEMA
+from gnetmdk.engine.hooks import EarlyStopHook, EMAHook
+from gnetmdk.intq.graph import Node, check_graph, tensor_quantizers
+
+
+class _Relu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cap", torch.tensor(3.0))     # a calibrated cap, as "layers.N.relu.cap"
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.relu = _Relu()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def test_ema_follows_its_formula_and_copies_what_is_not_averaged_device_cpu():
+    """ema <- d ema + (1 - d) w with d = decay (1 - exp(-n / ramp)); integer buffers and calibrated caps
+    are copied; the state dict round-trips."""
+    torch.manual_seed(0)
+    net = _Net()
+    ema = ModelEMA(net, decay=0.9, ramp=2.0)
+    start = net.fc.weight.detach().clone()
+    with torch.no_grad():
+        net.fc.weight.add_(1.0)
+        net.steps.fill_(7)
+        net.relu.cap.fill_(5.0)
+    ema.update(net)
+    d = 0.9 * (1 - math.exp(-1 / 2.0))
+    assert ema.current_decay() == pytest.approx(d, rel=0, abs=1e-15)
+    want = start * d + (start + 1.0) * (1 - d)
+    assert torch.allclose(ema.module.fc.weight, want, rtol=0, atol=1e-6)
+    assert int(ema.module.steps) == 7 and float(ema.module.relu.cap) == 5.0
+    assert not any(p.requires_grad for p in ema.module.parameters())
+    other = ModelEMA(_Net(), decay=0.9, ramp=2.0)
+    other.load_state_dict(ema.state_dict())
+    assert other.updates == 1 and torch.equal(other.module.fc.weight, ema.module.fc.weight)
+    assert ModelEMA(net, decay=0.5, ramp=0).current_decay() == 0.5
+
+
+def _trainer(**cfg):
+    logs = []
+    t = SimpleNamespace(model=_Net(), cfg=SimpleNamespace(**cfg), resume_state=None, stage=SimpleNamespace(name="step1"),
+                        log=logs.append, best_epoch=None, best_map=0.0)
+    return t, logs
+
+
+def test_ema_hook_starts_from_the_model_and_resumes_its_average_device_cpu():
+    """before_train starts the average from the model (or the resumed checkpoint's EMA, with a notice
+    when it has none); after_step updates it; checkpoint_state carries it."""
+    t, logs = _trainer(ema_decay=0.9, ema_ramp=2.0)
+    hook = EMAHook()
+    assert hook.checkpoint_state(True) == {}
+    hook.trainer = t
+    hook.before_train()
+    assert "EMA of the weights (decay 0.9, ramp 2 steps)" in logs[-1]
+    hook.after_step()
+    state = hook.checkpoint_state(True)["ema"]
+    assert state["updates"] == 1
+    t2, logs2 = _trainer(ema_decay=0.9, ema_ramp=2.0)
+    t2.resume_state = {"ema": state}
+    h2 = EMAHook()
+    h2.trainer = t2
+    h2.before_train()
+    assert h2.ema.updates == 1
+    t3, logs3 = _trainer(ema_decay=0.9, ema_ramp=2.0)
+    t3.resume_state = {}
+    h3 = EMAHook()
+    h3.trainer = t3
+    h3.before_train()
+    assert h3.ema.updates == 0 and any("has no EMA" in line for line in logs3)
+
+
+@pytest.mark.parametrize("epoch,best_epoch,stops", [(4, 2, True), (3, 2, False), (9, 2, False), (2, None, True)])
+def test_early_stop_hook_counts_epochs_since_the_best_device_cpu(epoch, best_epoch, stops):
+    """patience 3 over 10 epochs (``epoch`` 0-based, the best's epoch 1-based): with the best at epoch 2,
+    stop after the 5th epoch (3 without a better mAP), not after the 4th; with the entry model best,
+    after the 3rd; never after the last epoch, and only where the epoch evaluated."""
+    t, _ = _trainer(patience=3, num_epochs=10)
+    t.best_epoch = best_epoch
+    hook = EarlyStopHook()
+    hook.trainer = t
+    result = {"eval": {}}
+    hook.after_epoch(epoch, result)
+    assert ("stop" in result) == stops
+    quiet = {}
+    hook.after_epoch(epoch, quiet)
+    assert "stop" not in quiet
+
+
+def test_integer_graph_checks_name_the_node_device_cpu():
+    """check_graph refuses an unknown op, a tensor read before it is written or written twice, and an
+    add without its quantizer; tensor_quantizers passes a quantizer through pooling."""
+    good = [Node("input", ("image",), "x", quant="q_in"), Node("maxpool", ("x",), "p", k=2, s=2),
+            Node("conv", ("p",), "y", module="c", act="relu", quant="q_y"), Node("add", ("y", "p"), "z", quant="q_z")]
+    check_graph(good)
+    assert tensor_quantizers(good) == {"x": "q_in", "p": "q_in", "y": "q_y", "z": "q_z"}
+    for nodes, msg in (([Node("dense", ("image",), "x")], "unknown op 'dense'"),
+                       ([Node("conv", ("w",), "x", module="c")], "input 'w' is not written"),
+                       (good + [Node("conv", ("z",), "y", module="c")], "tensor written twice"),
+                       (good[:3] + [Node("add", ("y", "p"), "z")], "needs a quantizer")):
+        with pytest.raises(ValueError, match=msg):
+            check_graph(nodes)
