@@ -66,6 +66,32 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
         return out
 
+    def code_op(self, op: Dict[str, Any]) -> bool:
+        """Write an op of an integer program that acts on uint8 codes alike in both exports: "input" (the
+        pixels through the 768-entry table), "maxpool" (padding by code 0, below every code), "upsample"
+        (nearest x2) and "identity"; its output tensor gets the op's name. Returns False for other ops.
+        """
+        from onnx import TensorProto
+        kind, name = op["op"], op["output"]
+        if kind == "input":
+            px = self.node("Cast", [INPUT_NAME], "px", to=TensorProto.INT64)
+            idx = self.node("Add", [px, self.const("chan", np.arange(3).reshape(1, 3, 1, 1) * 256, np.int64)], "idx")
+            self.node("Gather", [self.const("lut", op["lut"].reshape(-1), np.uint8), idx], "lut", out=name, axis=0)
+        elif kind == "maxpool":
+            x, p = op["inputs"][0], op["p"]
+            if p:
+                x = self.node("Pad", [x, self.const("pads", [0, 0, p, p, 0, 0, p, p], np.int64),
+                                      self.const("padv", 0, np.uint8)], "pad")
+            self.node("MaxPool", [x], "pool", out=name, kernel_shape=[op["k"], op["k"]], strides=[op["s"], op["s"]])
+        elif kind == "upsample":
+            self.node("Resize", [op["inputs"][0], "", self.const("scales", [1, 1, 2, 2], np.float32)], "up", out=name,
+                      mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+        elif kind == "identity":
+            self.node("Identity", [op["inputs"][0]], "id", out=name)
+        else:
+            return False
+        return True
+
     def model(self, name: str, outputs: List[Any], meta_key: str, meta: Dict[str, Any] = None, opset: int = OPSET):
         """The checked ModelProto: a uint8 ``(N, 3, H, W)`` image input named :data:`INPUT_NAME`, the
         given output value infos, ``meta`` as JSON under ``meta_key`` in metadata_props.
@@ -121,11 +147,8 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
     n_out = 0
     for op in prog["ops"]:
         kind, name = op["op"], op["output"]
-        if kind == "input":
-            lut = op["lut"].reshape(-1)
-            px = node("Cast", [INPUT_NAME], "px", to=TensorProto.INT64)
-            idx = node("Add", [px, const("chan", np.arange(3).reshape(1, 3, 1, 1) * 256, np.int64)], "idx")
-            nodes.append(helper.make_node("Gather", [const("lut", lut, np.uint8), idx], [name], axis=0))
+        if g.code_op(op):               # input, maxpool, upsample, identity: alike in both exports
+            pass
         elif kind == "conv":
             x = op["inputs"][0]
             ph, pw = op["pad"]
@@ -163,20 +186,6 @@ def build_onnx(prog: Dict[str, Any], all_layers: bool = False, meta: Dict[str, A
                 m = node("Where", [neg, const("mneg", pc(op["m_neg"]), np.int64), const("mpos", pc(op["m_pos"]),
                                                                                           np.int64)], "m")
             round_shift(node("Mul", [a64, m], "prod"), op["shift"], op["zp"], op["lo"], "rq", name)
-        elif kind == "maxpool":
-            x = op["inputs"][0]
-            p = op["p"]
-            if p:
-                x = node("Pad", [x, const("pads", [0, 0, p, p, 0, 0, p, p], np.int64), const("padv", 0, np.uint8)],
-                         "pad")
-            nodes.append(helper.make_node("MaxPool", [x], [name], kernel_shape=[op["k"], op["k"]],
-                                          strides=[op["s"], op["s"]]))
-        elif kind == "upsample":
-            nodes.append(helper.make_node("Resize", [op["inputs"][0], "", const("scales", [1, 1, 2, 2], np.float32)],
-                                          [name], mode="nearest", coordinate_transformation_mode="asymmetric",
-                                          nearest_mode="floor"))
-        elif kind == "identity":
-            nodes.append(helper.make_node("Identity", [op["inputs"][0]], [name]))
         elif kind == "add":
             terms = []
             for i, zp, m in zip(op["inputs"], (op["zp_a"], op["zp_b"]), (op["m_a"], op["m_b"])):
