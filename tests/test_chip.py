@@ -1,4 +1,4 @@
-"""The chip path (gti-chip.md, "What the chip computes"; docs/chip.md): converter, bit-exact integer
+"""The chip path (docs/chip.md, "What the chip computes"): converter, bit-exact integer
 emulator, ONNX export, chip evaluation, predict, stage report.
 
 Models are made without training (tests/chip_helpers.py): a tiny BN-free GNetDet-224, calibrated on

@@ -1,4 +1,4 @@
-"""Property and hand-worked tests for gnetmdk.gti.quantize (gti-chip.md, "Quantization math")."""
+"""Property and hand-worked tests for gnetmdk.gti.quantize (docs/quantization.md)."""
 
 import copy
 import math

@@ -43,8 +43,9 @@ def test_size_codes_invert_output_sizes_device_cpu():
 
 
 def test_log_head_keeps_small_boxes_on_the_code_grid_device_cpu():
-    """The reason for the head: the output layer's codes step by cap / 31 (gti-chip.md). With the cap the
-    dense set's calibration chose (1.22), a 4-16 px box in a 224-px input decoded from the nearest code
+    """The reason for the head: the output layer's codes step by cap / 31 (docs/quantization.md,
+    "Activations"). With the cap the dense set's calibration chose (1.22), a 4-16 px box in a 224-px
+    input decoded from the nearest code
     keeps IoU >= 0.8 with the log head (relative step size_min ** (-cap/31) = 1.18, so each side is off by
     at most 9%: IoU >= 1/1.09^2 = 0.84), while the linear head's 8.8-px steps leave IoU far lower."""
     cap, side = 1.22, 224.0

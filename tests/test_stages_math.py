@@ -1,4 +1,4 @@
-"""Stage transforms and loss invariants (gti-chip.md, "The staged pipeline" and "GNetDet"):
+"""Stage transforms and loss invariants (docs/quantization.md, "Stages" and "GNetDet on the chip"):
 BN folding keeps the outputs, gain editing keeps every activation code, the loss does not depend
 on how a batch is split."""
 

@@ -1,5 +1,5 @@
-"""Calibration of the activation caps (gti-chip.md, "cal"): observers watch every capped ReLU's input
-over the training data, and their statistics become the caps.
+"""Calibration of the activation caps (docs/quantization.md, "Calibration"): observers watch every capped
+ReLU's input over the training data, and their statistics become the caps.
 
 ``method "output"``: the "mse" caps, then a short greedy search against the network's output error
 (:func:`refine_caps_for_output`). ``method "percentile"`` (GTI): one pass; each cap is the running max over batches of the batch's

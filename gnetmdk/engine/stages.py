@@ -8,7 +8,7 @@
 | step3 | yes        | yes            | from cal  | step2/cal.pth          | require caps                 |
 | step4 | yes        | yes, integer   | 31        | step3/best.pth         | gain editing                 |
 
-(gti-chip.md, "The staged pipeline".) The trainer reads the table; no ``if step == 3`` elsewhere.
+(docs/quantization.md, "Stages"; docs/pipeline.md.) The trainer reads the table; no ``if step == 3`` elsewhere.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GTI's converter inputs, written in the open from a chip model (gti-chip.md, "Files GTI's converter consumed").
+"""GTI's converter inputs, written in the open from a chip model (docs/chip.md, "GTI's text and JSON files").
 
 * ``filter.txt`` / ``bias.txt``: every quantized weight / bias w_q = W_int / 2^s, b_q = b_int / 2^s,
   layer by layer, OIHW order, one number per line, ``%.16e`` as GTI's converter wrote them (exact:

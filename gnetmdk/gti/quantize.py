@@ -1,7 +1,8 @@
 """The chip's quantization math as pure functions with straight-through gradients.
 
-Every formula here is from ../docs/gti-chip.md ("Quantization math (training side)"), which reads
-them off GTI's PyTorch MDK (gnetmdk/gti/quantize.py there). Notation:
+Every formula here is written out in docs/quantization.md ("Notation", "Weight schemes (mask bits)",
+"Activations", "Straight-through estimator"); their source is GTI's PyTorch MDK (gnetmdk/gti/quantize.py
+there). Notation:
 
     R(x)   = round half away from zero ("chip rounding")
     Q_s(x) = R(x * 2^s) / 2^s
@@ -136,7 +137,7 @@ def quantize_shift(x: torch.Tensor, shift) -> torch.Tensor:
 
 def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: int, bias_bits: int,
                   as_tensor: bool = False):
-    """Shift s of one sublayer (gti-chip.md):
+    """Shift s of one sublayer (docs/quantization.md, "Shift"):
 
         s = clip(min(floor(log2((2^(Bw-1) - 1) / max|W|)), floor(log2((2^(Bb-1) - 1) / max|b|))), 0, 12)
 
@@ -294,7 +295,7 @@ def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits:
                           method: str = "gti") -> torch.Tensor:
     """Quantized weights w_q (no gradient handling): every value is an integer multiple of 2^-shift.
 
-    Schemes (gti-chip.md), statistics per 3x3 kernel:
+    Schemes (docs/quantization.md, "Per-kernel levels"), statistics per 3x3 kernel:
       * 1-bit:  w_q = sign(w) * Q_s(mean|w|)
       * 2-bit:  m = Q_s(mean|w|), w_q = sign(w) * m * [|w| >= m/4]
       * 3-bit:  d = mean|w|/4, c = floor(|w|/d), c >= 3 -> 4, w_q = sign(w) * c * Q_s(d)
@@ -429,7 +430,7 @@ class _CappedQuant(torch.autograd.Function):
 
 def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False,
                 revive: bool = False) -> torch.Tensor:
-    """Capped ReLU with optional 5-bit quantization (gti-chip.md, "Activations"):
+    """Capped ReLU with optional 5-bit quantization (docs/quantization.md, "Activations"):
 
         y = clip(x, 0, cap),  y_q = R(y * 31 / cap) * cap / 31
 
@@ -515,8 +516,8 @@ def value_histogram(x: torch.Tensor, bins: int, vmax: float) -> torch.Tensor:
 def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 400) -> float:
     """The activation cap that minimises the squared error of the 5-bit capped ReLU over a histogram.
 
-    For a cap c the chip computes y_q = R(clip(v, 0, c) * 31 / c) * c / 31 (gti-chip.md, "Activations";
-    R rounds half away from zero). Each of the K bins of ``counts`` stands for its centre
+    For a cap c the chip computes y_q = R(clip(v, 0, c) * 31 / c) * c / 31 (docs/quantization.md,
+    "Activations"; R rounds half away from zero). Each of the K bins of ``counts`` stands for its centre
     v_k = (k + 1/2) vmax / K; the error of a cap is sum_k counts_k (v_k - y_q(v_k))^2: the rounding
     error below c and the clipping error v_k - c above it. The caps tried are vmax * j / candidates,
     j = 1..candidates; the smallest error wins (the lower cap on a tie). This is MSE calibration as in

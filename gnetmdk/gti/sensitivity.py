@@ -6,7 +6,8 @@ Four measurements on one split, each against the float model (BatchNorm folded, 
 * **weights, one sublayer at a time**: only that conv's weights quantized with its scheme (the
   model's ``mask_bits``) and the model's ``weight_scale`` rule; activations float;
 * **weights, one major layer at a time, every scheme the chip has**: the major layer's convs share
-  one scheme on the chip (gti-chip.md), so this is the table ``mask_bits`` is chosen from;
+  one scheme on the chip (docs/quantization.md, "Weight schemes (mask bits)"), so this is the table
+  ``mask_bits`` is chosen from;
 * **activations, one layer at a time**: only that ReLU capped with its calibrated cap and quantized
   to 5-bit codes (needs a calibrated checkpoint); weights float.
 * **the output layer's codes, one group of outputs at a time**: the box centres (x, y), the box sizes

@@ -1,5 +1,6 @@
-"""Per-chip limits and weight schemes ("mask bits") of the Lightspeeur chips (gti-chip.md; the memory
-limits: docs/chip.md, "Memory limits", checked by gnetmdk.gti.memory)."""
+"""Per-chip limits and weight schemes ("mask bits") of the Lightspeeur chips (docs/quantization.md,
+"Chip limits" and "Weight schemes (mask bits)"; the memory limits: docs/chip.md, "Memory limits",
+checked by gnetmdk.gti.memory)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

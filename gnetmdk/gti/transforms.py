@@ -1,6 +1,6 @@
 """Model edits between stages: BN folding (entry to step 2) and gain editing (entry to step 4).
 
-Formulas from gti-chip.md, "The staged pipeline".
+Formulas: docs/quantization.md, "BN folding" and "Requantization and gain editing".
 """
 from __future__ import annotations
 

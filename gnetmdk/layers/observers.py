@@ -7,7 +7,7 @@ batch's input tensor, and keeps a running statistic:
 
     MaxObserver          the largest value seen                                  (0-d float32)
     PercentileObserver   the running max over batches of each batch's percentile (0-d float32;
-                         GTI's calibration, gti-chip.md "cal")
+                         GTI's calibration, docs/quantization.md, "Calibration")
     HistogramObserver    counts of the positive values over [0, vmax] in equal bins (float64)
 
 Under data parallelism the statistics of all processes are combined by the caller (all-reduce MAX for

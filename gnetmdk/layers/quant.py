@@ -27,10 +27,10 @@ class QConv2d(nn.Conv2d):
         quant_weight: use w_q, b_q (steps 2..4).
         gain: None, or (cap_in, cap_out) in step 3 when the model quantizes "gain-aware": the layer
             then computes in the code domain of step 4. The weights and bias are quantized as gain
-            editing will leave them, W cap_in / cap_out and b 31 / cap_out (gti-chip.md, step 4;
-            gnetmdk.gti.transforms.gain_edit, the same float64 formula), the input is the previous
-            layer's codes 0..31 (the image's for the first conv), and the output is the
-            pre-activation in codes (the value divided by cap_out / 31). Gradients reach the
+            editing will leave them, W cap_in / cap_out and b 31 / cap_out (docs/quantization.md,
+            "Requantization and gain editing"; gnetmdk.gti.transforms.gain_edit, the same float64
+            formula), the input is the previous layer's codes 0..31 (the image's for the first conv),
+            and the output is the pre-activation in codes (the value divided by cap_out / 31). Gradients reach the
             unedited weights through the gain (straight-through on the rounding). So step 3 computes
             exactly what step 4 and the chip compute, and the step 3 -> step 4 transition changes
             nothing.
@@ -39,8 +39,8 @@ class QConv2d(nn.Conv2d):
             them, so gradients reach the caps as well (the forward value is the same).
         exact: compute exactly: float32 when every partial sum is an integer below 2^24 (CPU), else
             float64 (exact while partial sums < 2^53), so the result equals the chip's integer
-            accumulation (gti-chip.md "integer semantics"). Set for step-4 evaluation; a conv with a
-            gain computes exactly in eval mode as well.
+            accumulation (docs/quantization.md, "Integer semantics"). Set for step-4 evaluation; a
+            conv with a gain computes exactly in eval mode as well.
 
     Input (N, in_channels, H, W) float; output (N, out_channels, H, W) of the same dtype.
     """
@@ -109,8 +109,9 @@ class QConv2d(nn.Conv2d):
     @staticmethod
     def float32_exact(w: torch.Tensor, b: torch.Tensor, shift: int, max_code: int = 31) -> bool:
         """True when float32 convolution is exact for integer inputs 0..max_code: every partial sum
-        of W_int * a + b_int is then an integer below 2^24 in magnitude (gti-chip.md), whatever the
-        summation order, so the float32 result equals the integer accumulation."""
+        of W_int * a + b_int is then an integer below 2^24 in magnitude (docs/quantization.md, "Integer
+        semantics"), whatever the summation order, so the float32 result equals the integer
+        accumulation."""
         scale = float(2 ** shift)
         bound = (w.detach().abs().sum(dim=(1, 2, 3)) * scale * max_code + b.detach().abs() * scale).max()
         return bool(bound < 2 ** 24)

@@ -1,5 +1,5 @@
-"""Model families (architecture.md, "models/<family>/"): one sub-package per family behind one protocol
-(gnetmdk.models.base.DetectorFamily), and the registry that maps names to families and builders.
+"""Model families (docs/architecture.md, "Families are plug-ins"): one sub-package per family behind one
+protocol (gnetmdk.models.base.DetectorFamily), and the registry that maps names to families and builders.
 
     family = get_family(cfg.model_name)        # the family object
     model = model_from_config(cfg)             # a fresh model of the config's family

@@ -1,5 +1,5 @@
 """The protocol a model family implements; the trainer, evaluator, dataset and checkpoint code know a
-model only through it (architecture.md, "Families are plug-ins").
+model only through it (docs/architecture.md, "Families are plug-ins").
 
 A family is one object (a subclass of :class:`DetectorFamily`, registered under its name in
 gnetmdk.models) that says how to build its model from a resolved config or from a checkpoint's

@@ -4,7 +4,7 @@
     chip_model, step4_model = convert_checkpoint("checkpoint/step4/best.pth")
     codes = ChipEmulator(chip_model).run(images_u8_nhwc)      # (N, C_out, 14, 14) uint8 codes 0..31
 
-See docs/chip.md for the file formats and the integer semantics (gti-chip.md, "What the chip computes").
+See docs/chip.md for the file formats and the integer semantics ("What the chip computes").
 """
 from .model_file import (FORMAT, VERSION, ChipLayer, ChipModel, ChipModelError, chip_model_from_dict,
                          load_chip_model)

@@ -4,11 +4,11 @@ The integers come from :func:`gnetmdk.gti.quantize.integer_conv_params` (through
 ``QConv2d.integer_params``), the very function whose values the step-4 model computes with, so the
 chip model and the trained model cannot drift.
 
-Padding of the last conv (gti-chip.md: a major layer has one output channel count in GTI's dat JSON;
-GTI's own converter pads GNetDet's last conv to the 256 channels of its major layer): the 10 + C
-outputs are padded with zero filters (W_int = 0, b_int = 0, so their codes are always 0) up to the
-channel count of the other sublayers of the last major layer, a power of 2. A last major layer with
-a single sublayer pads to the next power of 2 (at least the chip's minimum). When 10 + C exceeds
+Padding of the last conv (docs/chip.md, "The converter": a major layer has one output channel count in
+GTI's dat JSON; GTI's own converter pads GNetDet's last conv to the 256 channels of its major layer):
+the 10 + C outputs are padded with zero filters (W_int = 0, b_int = 0, so their codes are always 0) up
+to the channel count of the other sublayers of the last major layer, a power of 2. A last major layer
+with a single sublayer pads to the next power of 2 (at least the chip's minimum). When 10 + C exceeds
 that width the model is refused.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bit-exact integer emulator of the chip: runs a chip model on 8-bit images with integer arithmetic only.
 
-Semantics (gti-chip.md, "What the chip computes"), per sublayer with shift s:
+Semantics (docs/chip.md, "What the chip computes"), per sublayer with shift s:
 
     a_0    = min(((x8 >> 2) + 1) >> 1, 31)                 the chip's 8-bit -> 5-bit input codes
     acc    = sum(W_int * a) + b_int                        3x3, stride 1, zero padding 1 (exact integers)
@@ -59,7 +59,8 @@ def images_to_codes(images: ArrayLike) -> torch.Tensor:
 
 
 def rounding_shift(acc: torch.Tensor, shift: int) -> torch.Tensor:
-    """R(acc / 2^shift) on integers: round half away from zero (gti-chip.md R), integer ops only.
+    """R(acc / 2^shift) on integers: round half away from zero (R of docs/quantization.md, "Notation"),
+    integer ops only.
 
     Args:
         acc: integer tensor (int32 or int64), any shape.

@@ -1,7 +1,7 @@
 """The open chip-model file: one self-describing JSON file holding everything the chip runs.
 
-It takes the place of GTI's proprietary ``.model`` binary (gti-chip.md, "Files GTI's converter
-consumed"): the layer structure, the integer weights and biases (W_int, b_int), the shift of every
+It takes the place of GTI's proprietary ``.model`` binary (docs/chip.md, "GTI's text and JSON
+files"): the layer structure, the integer weights and biases (W_int, b_int), the shift of every
 sublayer, pooling, caps, the input size, the chip, the class names, the host-side decode settings
 and a format version. docs/chip.md documents every field; :func:`load_chip_model` checks them all.
 
@@ -26,7 +26,7 @@ from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 
 FORMAT = "gnetmdk-chip-model"
 VERSION = 1
-#: partial sums below this are exact in float32 (24-bit significand); gti-chip.md "integer semantics"
+#: partial sums below this are exact in float32 (24-bit significand); docs/quantization.md, "Integer semantics"
 FLOAT32_EXACT_LIMIT = 2 ** 24
 
 

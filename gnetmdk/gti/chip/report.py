@@ -138,8 +138,9 @@ class LayerDrift:
         stages: stage name -> per-sublayer relative error ||a - a_ref||_2 / ||a_ref||_2 over every
             element of the images used (a float; 0 for the reference itself). Activations are compared
             as values: the code-domain stages (step 4, gain-aware step 3, the chip model) are scaled
-            back by cap / 31 with each conv's calibrated cap (gti-chip.md), the others are taken as
-            they are. The relative error is 1 / sqrt(SQNR), the usual measure of quantization noise.
+            back by cap / 31 with each conv's calibrated cap (docs/quantization.md, "Activations"),
+            the others are taken as they are. The relative error is 1 / sqrt(SQNR), the usual measure
+            of quantization noise.
         num_images: images used.
         skipped: stage -> why it has no drift (e.g. a chip model without calibrated caps).
     """

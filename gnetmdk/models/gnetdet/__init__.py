@@ -1,5 +1,6 @@
-"""GNetDet, the chip's detector (gti-chip.md, "GNetDet"): the model, its loss and decoding, and the
-family object the trainer, dataset and checkpoints use (gnetmdk.models.base.DetectorFamily)."""
+"""GNetDet, the chip's detector (docs/quantization.md, "GNetDet on the chip"): the model, its loss and
+decoding, and the family object the trainer, dataset and checkpoints use
+(gnetmdk.models.base.DetectorFamily)."""
 from . import config  # noqa: F401  (registers the gnetdet config section)
 from .model import ChipLimitError, GNetDet, check_chip_limits, gnetdet_layers, major_schemes
 from .loss import gnetdet_loss

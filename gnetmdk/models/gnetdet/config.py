@@ -19,13 +19,13 @@ from gnetmdk.config.base import ConfigError, ConfigSection, register_section
 
 
 class GNetDetConfig(ConfigSection):
-    """GNetDet's fields (gti-chip.md, "GNetDet"; docs/pipeline.md)."""
+    """GNetDet's fields (docs/quantization.md, "GNetDet on the chip"; docs/pipeline.md)."""
 
     # ---------------------------------------------------------------- model and chip
     width_mult: float = 1.0                 # channel multiplier; widths rounded to powers of 2
     use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
     chip: str = "5801"                      # 2801, 2803 or 5801
-    mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (gti-chip.md)
+    mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (docs/quantization.md)
     weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
@@ -37,7 +37,7 @@ class GNetDetConfig(ConfigSection):
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
-    # ---------------------------------------------------------------- loss (gti-chip.md, GNetDet)
+    # ---------------------------------------------------------------- loss (docs/pipeline.md, Loss)
     l_coord: float = 5.0
     l_noobj: float = 0.005
     l_class: float = 1.0

@@ -1,4 +1,4 @@
-"""GNetDet loss (gti-chip.md, "GNetDet"; the YOLOv1 family, Redmon et al. 2016, with smooth-L1 terms).
+"""GNetDet loss (docs/pipeline.md, "Loss"; the YOLOv1 family, Redmon et al. 2016, with smooth-L1 terms).
 
 Layout of the last dimension of predictions and targets (10 + C):
     [x1, y1, w1, h1, conf1, x2, y2, w2, h2, conf2, class_0 .. class_{C-1}]
@@ -55,9 +55,10 @@ def output_sizes(y: torch.Tensor, size_head: str = "linear", size_min: float = S
 
     "linear" (GTI): the outputs are the sizes. "log": ``size = size_min ** (1 - y)``, so an output of
     0 is a box of ``size_min`` and 1 a box as large as the image, and one output step multiplies the
-    size by the same factor at every size. The output layer's 5-bit codes step by cap / 31 (gti-chip.md);
-    with the linear head that is cap / 31 of the image side whatever the box (8.8 px at 224 px for a
-    cap of 1.22, more than half of a 16-px box), with the log head a relative step of
+    size by the same factor at every size. The output layer's 5-bit codes step by cap / 31
+    (docs/quantization.md, "Activations"); with the linear head that is cap / 31 of the image side
+    whatever the box (8.8 px at 224 px for a cap of 1.22, more than half of a 16-px box), with the log
+    head a relative step of
     ``size_min ** (-cap / 31)`` (1.18 for 1/64 and cap 1.22, so a rounding error of at most 9% of the
     box). The same idea as YOLOv2's ``exp(t)`` sizes (Redmon and Farhadi 2017), written for an output
     that a capped ReLU keeps in [0, cap]. Sizes are capped at 2 (twice the image side) so that untrained
@@ -162,7 +163,8 @@ def logit_bce(y: torch.Tensor, t: torch.Tensor, offset: float, scale: float = 1.
 
     z is clipped at ``logit_max`` with a gradient that still passes downward (_ClampBack): cross-entropy
     alone pushes a positive's output up for ever, and the output layer shares one calibrated cap
-    (gti-chip.md), so unbounded scores would coarsen the 5-bit codes of the box outputs too.
+    (docs/quantization.md, "GNetDet on the chip"), so unbounded scores would coarsen the 5-bit codes
+    of the box outputs too.
     """
     z = _ClampBack.apply(scale * (y - offset), float("-inf"), float(logit_max))
     return F.softplus(z) - t * z - (1 - t) * F.softplus(torch.full_like(z, -scale * offset))
@@ -193,10 +195,11 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
             p = sigmoid(-k b)).
         l_range: weight of a "range" term (0 = off): a squared hinge on the outputs no other term
             trains, which share the output layer's one calibrated cap with the trained ones
-            (gti-chip.md): the class outputs of cells without an object above the highest score any
-            term asks for (b + LOGIT_MAX / k with the logit head, 1 with the linear head), and the
-            box outputs x, y, w, h of those cells' two slots and of an object cell's non-responsible
-            slot above 1 (the largest box target). Measured: raccoon's empty-cell class output
+            (docs/quantization.md, "GNetDet on the chip"): the class outputs of cells without an
+            object above the highest score any term asks for (b + LOGIT_MAX / k with the logit head,
+            1 with the linear head), and the box outputs x, y, w, h of those cells' two slots and of
+            an object cell's non-responsible slot above 1 (the largest box target). Measured:
+            raccoon's empty-cell class output
             reached 4.4 and cards' free box outputs 7.6 while every trained output stayed below 1.4.
         box_slots: 2 (YOLOv1): in each object cell the slot whose box has the higher IoU with the
             target is responsible; 1: slot 1 is always responsible and slot 2's confidence is trained

@@ -1,4 +1,4 @@
-"""GNetDet: the chip-friendly VGG-style detector (gti-chip.md, "GNetDet"; arXiv 2103.15756).
+"""GNetDet: the chip-friendly VGG-style detector (docs/quantization.md, "GNetDet on the chip"; arXiv 2103.15756).
 
 The network is a flat list of sublayers (3x3 conv [+ BN] + capped ReLU) grouped into major layers;
 a major layer may end in a 2x2/2 max pool. Output: (N, S, S, 10 + C) with S = 14, each cell holding
@@ -100,7 +100,7 @@ def major_schemes(layers: Sequence[LayerSpec]) -> List[int]:
 
 
 def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: int) -> None:
-    """Refuse a layer list the chip cannot run (gti-chip.md, "Limits").
+    """Refuse a layer list the chip cannot run (docs/quantization.md, "Chip limits").
 
     Raises:
         ChipLimitError: naming the layer (major.sub, 1-based) and the limit.

@@ -1,7 +1,8 @@
 """PP-YOLO through the quantized stages: BatchNorm folding, the model's graph for gnetmdk.intq, and
 the limits of its integer form.
 
-The chip cannot run PP-YOLO (1x1 and strided convs, residual adds, upsampling; gti-chip.md), so its
+The chip cannot run PP-YOLO (1x1 and strided convs, residual adds, upsampling; docs/quantization.md,
+"What the chip runs"), so its
 stages 2..4 target the standard integer arithmetic of gnetmdk.intq: int8 weights per output channel,
 uint8 activations per tensor, int32 accumulators, fixed-point requantization. Supported: ResNet-vd
 18 / 34 / 50 without deformable convs, the PP-YOLO neck with SPP and DropBlock, the YOLOv3 head
