@@ -139,7 +139,7 @@ SMALL_SHARE = 0.2
 
 #: GNetDet's linear size head: warn when more than SMALL_SHARE of the boxes span fewer than this many
 #: steps of the output layer's 5-bit codes (a step is cap / 31 of the side, about 1/31 for a cap near 1:
-#: gti-chip.md). Rounding a box of k steps moves each side by up to half a step, 1 / (2 k) of the box:
+#: docs/quantization.md, "Activations"). Rounding a box of k steps moves each side by up to half a step, 1 / (2 k) of the box:
 #: at 4 steps an IoU of 0.8 at worst, at 1-2 steps below 0.5 (docs/results/accuracy-matrix.md, the dense set).
 SIZE_STEPS = 4
 

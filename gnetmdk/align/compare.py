@@ -1,4 +1,4 @@
-"""Weight comparison of two checkpoints (alignment.md, "Comparing weights").
+"""Weight comparison of two checkpoints (docs/alignment.md, "The tools").
 
 Per tensor: max |a - b|, max relative difference |a - b| / max(|a|, |b|) (0 where both are 0) and the
 sum of squared differences. A tensor passes when every element satisfies

@@ -1,4 +1,4 @@
-"""Record and replay of training iterations (alignment.md, "The three checks").
+"""Record and replay of training iterations (docs/alignment.md, "1. A run against its replay").
 
 Record (``save_npz DIR`` / ``--save-npz DIR``): before the first iteration rank 0 writes the
 starting weights ``DIR/start.pth`` (a gnetmdk checkpoint) and ``DIR/meta.json``; after every

@@ -1,6 +1,6 @@
 """Detection dataset: meta files -> decoded, augmented, chip-coded images and GNetDet targets.
 
-Data flow (architecture.md): image file -> decode (opencv, grayscale becomes 3 channels, BGR)
+Data flow (docs/architecture.md, "Data flow"): image file -> decode (opencv, grayscale becomes 3 channels, BGR)
 -> downscale once to at most 2 x image_size (INTER_AREA; cached in memory if asked)
 -> training only: HSV jitter, blur, horizontal flip, quarter-turn rotation (``rotate_prob``),
    random scale + shift (one affine warp),
@@ -95,7 +95,7 @@ def preprocess_image(img: np.ndarray, image_size: int) -> np.ndarray:
 
 
 def encode_targets(boxes: np.ndarray, labels: np.ndarray, grid: int, num_classes: int) -> np.ndarray:
-    """GNetDet targets (gti-chip.md): (S, S, 10 + C) float32.
+    """GNetDet targets (docs/quantization.md, "GNetDet on the chip"): (S, S, 10 + C) float32.
 
     Each object goes to the cell holding its centre; x, y are the centre's offset inside the cell
     (cell units), w, h relative to the image; both box slots get it, with conf 1 and the one-hot

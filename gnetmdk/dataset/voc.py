@@ -1,6 +1,6 @@
 """PASCAL VOC annotations -> GNetDet meta files.
 
-The meta format (docs/gti-chip.md, "Meta files") is a plain text file with one line per image::
+The meta format (docs/pipeline.md, "Data") is a plain text file with one line per image::
 
     image_name x1 y1 x2 y2 cls [x1 y1 x2 y2 cls ...]
 
