@@ -519,3 +519,10 @@ def test_xml_2_txt_small_minority_class_and_crowded_cells():
     line = tool.shared_cell_line(centres, 2, 1)
     assert "more than 1 box(es)" in line and ": 60.0%" in line and "at most 60.0%" in line
     assert ": 0.0%" in tool.shared_cell_line(centres, 2, 3)
+    # the warning: 2 of the 5 boxes lost with one slot (40% > 5%), none with three
+    warn = tool.crowded_cell_warning(centres, 2, 1, "linear")
+    assert warn.startswith("40% of the train boxes") and "box_slots 2" in warn and "--tiles 2" in warn
+    assert "box_slots 2" not in tool.crowded_cell_warning(centres, 2, 1, "log")     # two slots failed with log
+    assert tool.crowded_cell_warning(centres, 2, 3, "linear") is None
+    assert tool.crowded_cell_warning(centres[:1] * 19 + [(0.9, 0.9, 1)], 1, 18, "linear") is None  # 1 of 20 lost: 5%
+    assert tool.crowded_cell_warning(centres[:1] * 20, 1, 18, "linear").startswith("10%")

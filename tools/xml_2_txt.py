@@ -225,6 +225,46 @@ def shared_cell_line(centres, grid: int, slots: int):
             f"can be predicted at this grid ({grid} x {grid})")
 
 
+#: warn when more than this share of the train boxes cannot be predicted: their grid cell holds more
+#: boxes than the model has box slots, so only ``slots`` of them can be found at that grid
+CROWDED_SHARE = 0.05
+
+
+def crowded_cell_warning(centres, grid: int, slots: int, size_head=None):
+    """The warning for boxes lost to crowded grid cells, or None.
+
+    A GNetDet cell predicts at most ``box_slots`` boxes; every further box whose centre falls in the
+    same cell cannot be found at that grid (mAP's recall stops there). Warns when more than
+    :data:`CROWDED_SHARE` of the train boxes are lost that way.
+
+    Args:
+        centres: [(cx, cy, image index)], box centres relative to the image (convert_voc_to_meta's
+            ``box_centres``).
+        grid: cells per side of the output grid; slots: the config's ``gnetdet.box_slots``.
+        size_head: the config's ``gnetdet.size_head``, which decides what is advised about slots.
+    Returns:
+        a message naming the lost share and the settings to try, each with the measurement behind
+        it in docs/results/accuracy-matrix.md, or None.
+    """
+    from collections import Counter
+    if not centres or not grid:
+        return None
+    cells = Counter((int(min(cx * grid, grid - 1)), int(min(cy * grid, grid - 1)), img) for cx, cy, img in centres)
+    lost = sum(n - slots for n in cells.values() if n > slots) / len(centres)
+    if lost <= CROWDED_SHARE:
+        return None
+    msg = (f"{100 * lost:.0f}% of the train boxes share a grid cell ({grid} x {grid}) with more boxes than the "
+           f"model's {slots} box slot(s) per cell and cannot be found at this grid. ")
+    if slots == 1 and size_head != "log":
+        msg += ("gnetdet.box_slots 2 lets a cell hold two (YOLOv1's two slots; with the log size head two slots "
+                "failed to train on the shapes demo, docs/results/accuracy-matrix.md, 'The size head'); ")
+    msg += ("cutting the images into tiles spreads the objects over more cells: tools/tile_voc.py SRC DST --tiles 2 "
+            "--overlap PX, scored whole with tools/eval_voc.py --stitch (on the dense set of 30-80 shapes per image, "
+            "2 x 2 tiles took step 4 to within 1 point of step 1: docs/results/accuracy-matrix.md, 'The dense set "
+            "through 2 x 2 tiles')")
+    return msg
+
+
 def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
     """Box-size statistics of one split and the small-box warning.
 
@@ -324,7 +364,7 @@ def main(argv=None, coco: bool = False) -> int:
     if report["skipped"]:
         print(f"{len(report['skipped'])} file(s) skipped", file=sys.stderr)
     print_summary(report)
-    warn = size_warn = class_warn = None
+    warn = size_warn = class_warn = crowd_warn = None
     for split, st in report["splits"].items():
         lines, w = box_size_lines(st.get("box_sizes", []), st_cfg["image_size"], st_cfg["cell"], st_cfg["fixed_cell"])
         if split == "train":
@@ -334,6 +374,8 @@ def main(argv=None, coco: bool = False) -> int:
             if st_cfg.get("grid"):
                 shared = shared_cell_line(st.get("box_centres", []), st_cfg["grid"], st_cfg["slots"])
                 lines += [shared] if shared else []
+                crowd_warn = crowded_cell_warning(st.get("box_centres", []), st_cfg["grid"], st_cfg["slots"],
+                                                  st_cfg.get("size_head"))
         if lines:
             print(f"{split}:")
             for line in lines:
@@ -341,7 +383,7 @@ def main(argv=None, coco: bool = False) -> int:
         if split == "train":
             warn = w
             size_warn = size_head_warning(st.get("box_sizes", []), st_cfg.get("size_head"))
-    for w in (warn, size_warn or class_warn):
+    for w in (warn, size_warn or class_warn, crowd_warn):
         if w:
             print(f"warning: {w}", file=sys.stderr)
     return 0
