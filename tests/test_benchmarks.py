@@ -363,3 +363,38 @@ def test_torch_ao_peer_is_the_same_float_model_under_torch_qat_device_cpu():
     qat.train()
     out = qat(x)
     assert out.shape == twin(x).shape
+
+
+def test_plateau_span_reads_the_last_quarter_of_the_epochs():
+    """plateau_span: max - min of the val mAPs evaluated after 3/4 of the epochs (the last included);
+    None with fewer than two there."""
+    from gnetmdk.engine.control import plateau_span
+    maps = [(10, 0.30), (20, 0.60), (30, 0.70), (32, 0.745), (36, 0.76), (40, 0.752)]
+    span, first, n = plateau_span(maps, 40)
+    assert (round(span, 6), first, n) == (0.015, 32, 3)                  # epochs 32, 36, 40 (> 30)
+    assert plateau_span(maps, 40, fraction=0.5)[2] == 4                  # > 20: 30, 32, 36, 40
+    assert plateau_span([(10, 0.5), (40, 0.6)], 40) is None              # one evaluation in the window
+    assert plateau_span([], 40) is None
+
+
+def test_pipeline_prints_whether_step_1_reached_its_plateau_device_cpu(tmp_path):
+    """run_pipeline.py: after the table, how far step 1's val mAP moved over its last quarter of epochs,
+    from the stage's own evaluations, and in the JSON as step 1's plateau_span."""
+    import json as _json
+    from dist_helpers import make_workspace, run
+    from gnetmdk.engine.control import plateau_span
+    root = str(tmp_path)
+    cfg = make_workspace(root, num_train=16, num_val=4)
+    js = os.path.join(root, "stages.json")
+    r = run([os.path.join(ROOT, "tools", "run_pipeline.py"), "--config", cfg, "--stages", "step1", "--json", js,
+             "batch_size", "8", "num_epochs", "8", "eval_interval", "1", "threads", "1"], root, timeout=600)
+    r.check()
+    curves = _json.load(open(os.path.join(root, "out", "log", "step1", "curves.json")))["epochs"]
+    maps = [(e["epoch"], e["val_map"]) for e in curves if e.get("val_map") is not None]
+    assert [e for e, _ in maps] == list(range(1, 9))
+    span, first, n = plateau_span(maps, 8)
+    assert (first, n) == (7, 2)
+    row = _json.load(open(js))[0]
+    assert row["stage"] == "step1" and row["plateau_span"] == span
+    assert f"step 1 plateau: val mAP moved {100 * span:.1f} points over its last quarter (epochs 7-8, 2 evaluations)" \
+        in r.stdout

@@ -443,6 +443,18 @@ def test_make_shapes_cli(tmp_path):
     assert count(tmp_path / "meta" / "shapes_valid.txt")[0] == 2
 
 
+def test_make_shapes_objects_per_image(tmp_path):
+    """--objects LO HI: LO to HI shapes per image (the shapes demo's 3-6); each image's annotation counted."""
+    import glob
+    res = run_tool(MAKE_SHAPES, tmp_path / "s", "--num-train", 12, "--num-val", 0, "--objects", 3, 6)
+    assert res.returncode == 0, res.stderr
+    counts = [open(f).read().count("<object>") for f in glob.glob(str(tmp_path / "s" / "Annotations" / "*.xml"))]
+    assert len(counts) == 12 and max(counts) <= 6 and sum(counts) / len(counts) >= 3.5
+    assert min(counts) >= 2                               # a shape with no free place in 30 tries is left out
+    res = run_tool(MAKE_SHAPES, tmp_path / "t", "--num-train", 1, "--num-val", 0, "--objects", 4, 2)
+    assert res.returncode == 2 and "min_objects" in res.stderr
+
+
 def test_dense_shapes_small_crowded_objects(tmp_path):
     """--dense: 448 px squares with 30-80 shapes of 4-16 px (a shape that finds no free place in 30
     tries is dropped, so a few fewer at times); several box centres share a 32-px cell somewhere."""

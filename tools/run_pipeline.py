@@ -6,7 +6,10 @@
 
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
-`--make-shapes` first generates the synthetic shapes dataset and its meta files.
+`--make-shapes` first generates the synthetic shapes dataset and its meta files (the config's
+`SHAPES_OBJECTS = (lo, hi)` shapes per image when it names them, else 1-3).
+After the table, the line "step 1 plateau" says how far step 1's val mAP moved over the last quarter of
+its epochs (gnetmdk.engine.control.plateau_span): under 1 point, the float model had finished training.
 `--control` then trains the float control (gnetmdk/engine/control.py): step 1's float model trained on with
 the schedules of steps 2, 3 and 4 (as many epochs, the same learning rates and EMA), each from the previous
 one's best.pth, its outputs under <checkpoint_root>/control/; the table gets a "control" row and the line
@@ -27,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 from gnetmdk.config import build_config, load_config_class  # noqa: E402
 from gnetmdk.engine.cli import run_stage, user_errors  # noqa: E402
+from gnetmdk.engine.control import PLATEAU_SPAN, plateau_span  # noqa: E402
 
 ORDER = ["step1", "step2", "cal", "step3", "step4"]
 
@@ -111,10 +115,13 @@ def main(argv=None):
             from gnetmdk.dataset.shapes import make_shapes_dataset
             from gnetmdk.dataset.voc import convert_voc_to_meta
             cfg = build_config(klass, overrides)
-            make_shapes_dataset(cfg.dataset_dir, classes=tuple(cfg.VOC_CLASSES), seed=cfg.seed)
+            lo, hi = getattr(klass, "SHAPES_OBJECTS", (1, 3))
+            make_shapes_dataset(cfg.dataset_dir, classes=tuple(cfg.VOC_CLASSES), seed=cfg.seed,
+                                min_objects=int(lo), max_objects=int(hi))
             convert_voc_to_meta(cfg.dataset_dir, cfg.VOC_CLASSES, cfg.train_meta, cfg.valid_meta, seed=cfg.seed)
             print(f"made the shapes dataset in {cfg.dataset_dir} and {cfg.train_meta} / {cfg.valid_meta}")
         rows = []
+        step1_plateau, step1_epochs = None, 0
         t0 = time.time()
         for name in stages:
             cfg = stage_config(klass, name, overrides)
@@ -122,6 +129,9 @@ def main(argv=None):
             s = run_stage(cfg)
             rows.append((name, s.get("entry_map"), s.get("best_map"), s.get("best_epoch"), s.get("best_seconds"),
                          s.get("seconds", 0.0)))
+            if name == "step1":
+                step1_epochs = int(cfg.num_epochs)
+                step1_plateau = plateau_span(s.get("val_maps", []), step1_epochs)
         if args.control:
             from gnetmdk.engine.control import CONTROL_OF, control_configs
             summaries = []
@@ -146,9 +156,18 @@ def main(argv=None):
         from gnetmdk.engine.control import quantization_cost
         cost = quantization_cost(best["step1"], best["control"], best["step4"])
         print(f"quantization cost: step 4 - max(step 1, control) = {100 * cost:+.1f} points")
+    if step1_plateau is not None:
+        span, first, n = step1_plateau
+        verdict = ("at its plateau" if span < PLATEAU_SPAN else
+                   "still moving: the float model had not finished training (train step 1 longer, and read the "
+                   "quantization cost against the float control, --control)")
+        print(f"step 1 plateau: val mAP moved {100 * span:.1f} points over its last quarter (epochs {first}-"
+              f"{step1_epochs}, {n} evaluations): {verdict}")
     print(f"total {time.time() - t0:.0f}s")
     records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5])
                for r in rows]
+    if step1_plateau is not None:
+        records[0]["plateau_span"] = step1_plateau[0]
     if args.json:
         from gnetmdk.checkpoint.io import atomic_write_text
         try:

@@ -11,7 +11,7 @@ then ``step 4 - max(step 1, control)`` (docs/results.md).
 from __future__ import annotations
 
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from gnetmdk.config import build_config
 
@@ -55,3 +55,33 @@ def quantization_cost(step1: float, control: float, step4: float) -> float:
     """``step4 - max(step1, control)`` (mAP as a fraction): what quantization cost against the better of
     the float model and the float model trained as long as the quantized stages."""
     return step4 - max(step1, control)
+
+
+#: the share of a stage's epochs, at its end, over which the plateau is judged
+PLATEAU_FRACTION = 0.25
+#: a float model is at its plateau when its val mAP moved less than this (a fraction) over that share
+PLATEAU_SPAN = 0.01
+
+
+def plateau_span(val_maps: Sequence[Sequence[float]], num_epochs: int,
+                 fraction: float = PLATEAU_FRACTION) -> Optional[Tuple[float, int, int]]:
+    """How far the val mAP moved over the last ``fraction`` of a stage's epochs: the test of whether a
+    float model (step 1, the control) finished training before its epochs ended. Where it had not, the
+    quantized stages' further epochs train it on, and step 4 - step 1 credits them with that training
+    (docs/pipeline.md, "The float control").
+
+    Args:
+        val_maps: [(epoch, val mAP)] in epoch order (epochs counted from 1; mAP as a fraction), as the
+            trainer's summary holds them (``val_maps``).
+        num_epochs: the stage's epochs; the window is the epochs after ``(1 - fraction) * num_epochs``,
+            including the last.
+    Returns:
+        (max - min of the val mAPs in the window, the window's first evaluated epoch, how many
+        evaluations it holds), or None when it holds fewer than two.
+    """
+    start = (1.0 - fraction) * num_epochs
+    window = [(int(e), float(m)) for e, m in val_maps if e > start]
+    if len(window) < 2:
+        return None
+    maps = [m for _, m in window]
+    return max(maps) - min(maps), window[0][0], len(window)

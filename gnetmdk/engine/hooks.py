@@ -281,6 +281,10 @@ class CurvesHook(HookBase):
             self.draw()
 
     def after_train(self) -> None:
+        # the stage's val mAPs in its summary (with a resumed run's earlier epochs): run_pipeline's
+        # plateau test reads them (gnetmdk.engine.control.plateau_span)
+        self.trainer.summary["val_maps"] = [[int(h["epoch"]), float(h["val_map"])]
+                                            for h in self.history if "val_map" in h]
         if self.history:
             self.draw()
 
