@@ -6,8 +6,8 @@
 
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
-`--make-shapes` first generates the synthetic shapes dataset and its meta files (the config's
-`SHAPES_OBJECTS = (lo, hi)` shapes per image when it names them, else 1-3).
+`--make-shapes` first generates the synthetic shapes dataset and its meta files (`shapes_objects`
+shapes per image: 3-6 in examples/shapes.py, else 1-3).
 After the table, the line "step 1 plateau" says how far step 1's val mAP moved over the last quarter of
 its epochs (gnetmdk.engine.control.plateau_span): under 1 point, the float model had finished training.
 `--control` then trains the float control (gnetmdk/engine/control.py): step 1's float model trained on with
@@ -115,7 +115,7 @@ def main(argv=None):
             from gnetmdk.dataset.shapes import make_shapes_dataset
             from gnetmdk.dataset.voc import convert_voc_to_meta
             cfg = build_config(klass, overrides)
-            lo, hi = getattr(klass, "SHAPES_OBJECTS", (1, 3))
+            lo, hi = cfg.shapes_objects
             make_shapes_dataset(cfg.dataset_dir, classes=tuple(cfg.VOC_CLASSES), seed=cfg.seed,
                                 min_objects=int(lo), max_objects=int(hi))
             convert_voc_to_meta(cfg.dataset_dir, cfg.VOC_CLASSES, cfg.train_meta, cfg.valid_meta, seed=cfg.seed)
