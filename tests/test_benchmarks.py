@@ -398,3 +398,26 @@ def test_pipeline_prints_whether_step_1_reached_its_plateau_device_cpu(tmp_path)
     assert row["stage"] == "step1" and row["plateau_span"] == span
     assert f"step 1 plateau: val mAP moved {100 * span:.1f} points over its last quarter (epochs 7-8, 2 evaluations)" \
         in r.stdout
+
+
+def test_demo_check_summarizes_runs_and_judges_the_goals():
+    """demo_check: a variant's numbers from run_pipeline's JSON rows (the demo's seconds without the
+    control, the cost against the better float model), and every goal it names, each missed once."""
+    dc = _load("demo_check")
+    rows = [dict(stage="step1", best_map=0.88, seconds=200.0, plateau_span=0.004),
+            dict(stage="step2", best_map=0.87, seconds=100.0), dict(stage="cal", best_map=0.86, seconds=5.0),
+            dict(stage="step3", best_map=0.87, seconds=100.0), dict(stage="step4", best_map=0.875, seconds=50.0),
+            dict(stage="control", best_map=0.888, seconds=300.0)]
+    s = dc.summarize(rows)
+    assert s["seconds"] == 455.0 and s["plateau"] == 0.004 and abs(s["cost"] - (0.875 - 0.888)) < 1e-12
+    assert dc.verdicts({"a": s}, timed=True) == []
+    far = dict(s, step1=0.84, plateau=0.02, cost=-0.02, seconds=500.0)
+    missed = dc.verdicts({"a": s, "b": far}, timed=True)
+    assert len(missed) == 4 and missed[0].startswith("step 1 ranges over 4.0 points")
+    assert any("b: step 1 moved 2.0 points" in m for m in missed) and any("b: step 4 is 2.0 points" in m for m in missed)
+    assert any("b: the demo took 500 s" in m for m in missed)
+    assert len(dc.verdicts({"a": s, "b": far}, timed=False)) == 3          # --jobs > 1: times are not judged
+    assert "| a | 455 | 0.8800 | 0.4 | 0.8750 | 0.8880 | -1.3 |" in dc.format_table({"a": s})
+    cmd = dc.command("/o", 2, 1)
+    assert cmd[cmd.index("seed"):cmd.index("seed") + 4] == ["seed", "2", "threads", "1"] and "--control" in cmd
+    assert dc.main(["--kernels", "avx512"]) == 2

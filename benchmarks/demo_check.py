@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Does README command (a), the shapes demo, give the same numbers on any machine? One command, pass/fail.
+
+    python3 benchmarks/demo_check.py                                  # seeds 0-2 x threads 1, 2 x 2 kernel sets
+    python3 benchmarks/demo_check.py --seeds 0 --threads 2 --kernels default --jobs 1 --out runs/demo
+
+Each variant runs `tools/run_pipeline.py --config examples/shapes.py --make-shapes --control` (the demo,
+then its float control: gnetmdk/engine/control.py) in its own folder under --out, data included, with
+`seed K threads T` and the kernel set's environment:
+
+- ``default``: the kernels torch picks on this CPU;
+- ``avx2``: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (on an AVX-512 CPU, other kernels);
+- ``generic``: ``ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default`` (other kernels and summation orders
+  on any x86 CPU, AVX2 ones included: a stand-in for another machine).
+
+Runs of one variant each are independent; ``--jobs N`` runs N at once (give each ``threads`` cores, or
+read the demo's seconds as upper bounds). The table gives per variant the demo's seconds (its stages,
+without the control), step 1's best val mAP and how far it moved over its last quarter of epochs
+(``plateau``), step 4, the control and the quantization cost step 4 - max(step 1, control).
+
+The goals (docs/results/shapes-demo.md), all of which must hold for exit status 0:
+
+- every step 1 within a range of at most 3 points (:data:`STEP1_RANGE`) across the variants;
+- every step 1 at its plateau: val mAP moved less than 1 point over its last quarter
+  (gnetmdk.engine.control.PLATEAU_SPAN);
+- every step 4 at most 1.5 points (:data:`COST_LIMIT`) below max(step 1, control);
+- with ``--jobs 1``, every demo within 8 minutes (:data:`DEMO_SECONDS`).
+
+Exit status: 0 every goal met, 1 a goal missed, 2 a run failed (its log named).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: kernel set -> environment of its runs
+KERNELS = {"default": {},
+           "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+           "generic": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default"}}
+#: step 1's best val mAP across the variants: max - min at most this (a fraction)
+STEP1_RANGE = 0.03
+#: step 4 - max(step 1, control) at least minus this (a fraction)
+COST_LIMIT = 0.015
+#: the demo's stages (without the control) within this many seconds, when the runs had the machine alone
+DEMO_SECONDS = 480.0
+
+
+def variant_name(seed: int, threads: int, kernels: str) -> str:
+    return f"seed{seed}-t{threads}-{kernels}"
+
+
+def command(out: str, seed: int, threads: int) -> List[str]:
+    """run_pipeline's command of one variant: the demo and its control, every output under ``out``."""
+    return [sys.executable, os.path.join(ROOT, "tools", "run_pipeline.py"), "--config",
+            os.path.join(ROOT, "examples", "shapes.py"), "--make-shapes", "--control",
+            "--json", os.path.join(out, "stages.json"), "seed", str(seed), "threads", str(threads),
+            "progress", "false", "data_root", os.path.join(out, "data"), "meta_root", os.path.join(out, "meta"),
+            "checkpoint_root", os.path.join(out, "checkpoint"), "log_root", os.path.join(out, "log"),
+            "model_root", os.path.join(out, "model")]
+
+
+def run_variant(out: str, seed: int, threads: int, kernels: str) -> Optional[str]:
+    """Runs one variant unless its stages.json exists (a rerun goes on where it stopped). Returns None,
+    or the path of the log of a run that failed."""
+    d = os.path.join(out, variant_name(seed, threads, kernels))
+    if os.path.isfile(os.path.join(d, "stages.json")):
+        return None
+    os.makedirs(d, exist_ok=True)
+    log = os.path.join(d, "run.log")
+    env = dict(os.environ, **KERNELS[kernels])
+    with open(log, "w", encoding="utf-8") as fh:
+        rc = subprocess.run(command(d, seed, threads), cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    return None if rc == 0 else log
+
+
+def summarize(records: Sequence[dict]) -> Dict[str, Optional[float]]:
+    """One variant's numbers from run_pipeline's JSON rows (mAP as fractions, seconds): ``seconds`` (the
+    demo's stages, not the control), ``step1``, ``plateau`` (step 1's plateau_span), ``step4``,
+    ``control``, ``cost`` (step 4 - max(step 1, control))."""
+    rows = {r["stage"]: r for r in records}
+    step1, step4 = rows["step1"]["best_map"], rows["step4"]["best_map"]
+    control = rows["control"]["best_map"] if "control" in rows else None
+    return {"seconds": sum(r.get("seconds") or 0.0 for s, r in rows.items() if s != "control"),
+            "step1": step1, "plateau": rows["step1"].get("plateau_span"), "step4": step4, "control": control,
+            "cost": step4 - max(step1, control if control is not None else step1)}
+
+
+def verdicts(results: Dict[str, dict], timed: bool) -> List[str]:
+    """The goals missed, one line each (empty: every goal met)."""
+    missed = []
+    s1 = [r["step1"] for r in results.values()]
+    if max(s1) - min(s1) > STEP1_RANGE:
+        missed.append(f"step 1 ranges over {100 * (max(s1) - min(s1)):.1f} points (goal at most {100 * STEP1_RANGE:.0f})")
+    for name, r in results.items():
+        if r["plateau"] is None or r["plateau"] >= 0.01:
+            moved = "unknown" if r["plateau"] is None else f"{100 * r['plateau']:.1f} points"
+            missed.append(f"{name}: step 1 moved {moved} over its last quarter (goal under 1)")
+        if r["cost"] < -COST_LIMIT:
+            missed.append(f"{name}: step 4 is {-100 * r['cost']:.1f} points below max(step 1, control) "
+                          f"(goal at most {100 * COST_LIMIT:.1f})")
+        if timed and r["seconds"] > DEMO_SECONDS:
+            missed.append(f"{name}: the demo took {r['seconds']:.0f} s (goal at most {DEMO_SECONDS:.0f})")
+    return missed
+
+
+def format_table(results: Dict[str, dict]) -> str:
+    lines = ["| variant | demo seconds | step 1 | plateau (points) | step 4 | control | step 4 - max(step 1, control) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        plateau = "-" if r["plateau"] is None else f"{100 * r['plateau']:.1f}"
+        control = "-" if r["control"] is None else f"{r['control']:.4f}"
+        lines.append(f"| {name} | {r['seconds']:.0f} | {r['step1']:.4f} | {plateau} | {r['step4']:.4f} | {control} "
+                     f"| {100 * r['cost']:+.1f} |")
+    s1 = [r["step1"] for r in results.values()]
+    s4 = [r["step4"] for r in results.values()]
+    lines.append(f"\nstep 1 {min(s1):.3f}-{max(s1):.3f}, step 4 {min(s4):.3f}-{max(s4):.3f} over {len(results)} run(s)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--kernels", default="default,generic",
+                   help=f"comma-separated kernel sets of {','.join(KERNELS)} (default default,generic)")
+    p.add_argument("--jobs", type=int, default=1, help="variants run at once (default 1: the demo timed alone)")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo_check"), help="outputs (default runs/demo_check)")
+    p.add_argument("--json", default=None, help="also write the table and the verdicts as JSON here")
+    args = p.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        print(f"error: --seeds and --threads take comma-separated integers, not {args.seeds!r} / {args.threads!r}",
+              file=sys.stderr)
+        return 2
+    kernels = args.kernels.split(",")
+    bad = [k for k in kernels if k not in KERNELS]
+    if bad or args.jobs < 1 or min(threads) < 1:
+        print(f"error: --kernels takes {', '.join(KERNELS)} (not {', '.join(bad)}); --jobs and --threads at least 1",
+              file=sys.stderr)
+        return 2
+    variants = list(itertools.product(seeds, threads, kernels))
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        failed = [log for log in pool.map(lambda v: run_variant(args.out, *v), variants) if log]
+    if failed:
+        print("error: run(s) failed, see " + ", ".join(failed), file=sys.stderr)
+        return 2
+    results = {}
+    for v in variants:
+        name = variant_name(*v)
+        with open(os.path.join(args.out, name, "stages.json"), encoding="utf-8") as fh:
+            results[name] = summarize(json.load(fh))
+    missed = verdicts(results, timed=args.jobs == 1)
+    print(format_table(results))
+    print(f"{len(variants)} variant(s) in {time.time() - t0:.0f} s (jobs {args.jobs})")
+    for line in missed:
+        print(f"missed: {line}")
+    print("demo check: " + ("PASS" if not missed else "FAIL"))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"results": results, "missed": missed}, fh, indent=2)
+    return 0 if not missed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
