@@ -443,6 +443,21 @@ def test_make_shapes_cli(tmp_path):
     assert count(tmp_path / "meta" / "shapes_valid.txt")[0] == 2
 
 
+def test_xml_2_txt_reads_config_overrides_after_its_options(tmp_path):
+    """Options first, then KEY VALUE overrides, as train.py reads them: the overrides move the dataset and
+    the meta files; an option written after them, or a word that is no field, is one error line."""
+    make_shapes_dataset(tmp_path / "data" / "s2", num_train=4, num_val=2, seed=0)
+    cfg = os.path.join(REPO, "examples", "shapes.py")
+    res = run_tool(XML_2_TXT, "--config", cfg, "DS_NAME", "s2", "data_root", tmp_path / "data",
+                   "meta_root=" + str(tmp_path / "meta"))
+    assert res.returncode == 0, res.stderr
+    assert count(tmp_path / "meta" / "s2_train.txt")[0] == 4
+    res = run_tool(XML_2_TXT, "--config", cfg, "data_root", tmp_path / "data", "--skip-bad")
+    assert res.returncode == 2 and res.stderr.startswith("error: option --skip-bad comes after the config overrides")
+    res = run_tool(XML_2_TXT, "--config", cfg, "no_such_field", "1")
+    assert res.returncode == 2 and "no_such_field" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_make_shapes_objects_per_image(tmp_path):
     """--objects LO HI: LO to HI shapes per image (the shapes demo's 3-6); each image's annotation counted."""
     import glob

@@ -5,6 +5,9 @@ Examples:
     python3 tools/xml_2_txt.py                       # everything from configs.py
     python3 tools/xml_2_txt.py --name cards --dataset-dir /path/cards \\
         --classes nine,ten,jack,queen,king,ace --out-dir data/meta   # no config needed
+    python3 tools/xml_2_txt.py --config examples/shapes.py data_root runs/d meta_root runs/d/meta
+
+Config overrides (``KEY VALUE`` or ``KEY=VALUE``, as train.py reads them) come after the options.
 
 The work is done by gnetmdk.dataset.voc.convert_voc_to_meta; see its docstring for the format.
 Exit status: 0 on success, 2 on a dataset/annotation/config error (one message on stderr).
@@ -31,8 +34,10 @@ class CLIError(Exception):
 
 def parse_args(argv=None, description="Convert VOC XML annotations into the project's meta files "
                                        "(<DS_NAME>_train.txt / _valid.txt)."):
-    """The command line of this tool and of tools/xml_2_json.py (which passes its own ``description``)."""
-    p = argparse.ArgumentParser(
+    """The command line of this tool and of tools/xml_2_json.py (which passes its own ``description``):
+    options first, then config overrides (``KEY VALUE`` / ``KEY=VALUE``), returned as ``args.overrides``."""
+    from gnetmdk.gti.chip.cli_util import Parser
+    p = Parser(
         description=description,
         epilog="Without --config, values not given on the command line come from configs.py at "
                "the repository root. With --name, --dataset-dir, --classes and --out-dir all "
@@ -57,10 +62,11 @@ def parse_args(argv=None, description="Convert VOC XML annotations into the proj
                         "are absent (default 0.2)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of that random split (default: config seed, or 0 without a config)")
-    return p.parse_args(argv)
+    args, args.overrides = p.parse_with_overrides(sys.argv[1:] if argv is None else argv)
+    return args
 
 
-def _load_config(path: str | None):
+def _load_config(path: str | None, overrides=()):
     path = path or DEFAULT_CONFIG
     if not os.path.isfile(path):
         raise CLIError(f"config file {path} not found; pass --config FILE, or give --name, "
@@ -71,16 +77,17 @@ def _load_config(path: str | None):
         raise CLIError(f"cannot load the config system ({exc}); give --name, --dataset-dir, "
                        f"--classes and --out-dir instead") from None
     try:
-        return load_config(path, [])
+        return load_config(path, list(overrides))
     except Exception as exc:  # any config problem becomes one line, not a traceback
         raise CLIError(f"cannot load config {path}: {exc}") from None
 
 
 def resolve_settings(args) -> dict:
     """Command-line values, completed from the config only when something is missing."""
-    need_config = args.config is not None or None in (
+    overrides = getattr(args, "overrides", [])
+    need_config = args.config is not None or bool(overrides) or None in (
         args.name, args.dataset_dir, args.classes, args.out_dir)
-    cfg = _load_config(args.config) if need_config else None
+    cfg = _load_config(args.config, overrides) if need_config else None
 
     def pick(value, attr):
         if value is not None:
