@@ -83,7 +83,7 @@ def prepare(dataset: str) -> None:
                         "--tiles", str(n), "--overlap", str(overlap), "--classes", ",".join(cfg.VOC_CLASSES)],
                        check=True, cwd=ROOT)
     elif make and not os.path.isdir(cfg.dataset_dir):
-        lo, hi = cfg.shapes_objects                                 # shapes per image (examples/shapes.py)
+        lo, hi = cfg.shapes_objects                                 # shapes per image (config shapes_objects)
         cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir, "--objects", str(lo), str(hi)]
         subprocess.run(cmd + (["--dense"] if make == "dense" else []), check=True, cwd=ROOT)
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",

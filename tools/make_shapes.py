@@ -37,7 +37,7 @@ def main(argv=None) -> int:
                    help="the dense small-object case: 448x448 images with 30-80 shapes of 4-16 px "
                         "(several per 32-px grid cell at times); overrides --min-size/--max-size")
     p.add_argument("--objects", type=int, nargs=2, metavar=("LO", "HI"), default=(1, 3),
-                   help="shapes per image, LO to HI (default 1 3; the shapes demo, examples/shapes.py, uses 3 6)")
+                   help="shapes per image, LO to HI (default 1 3)")
     args = p.parse_args(argv)
     extra = dict(min_objects=args.objects[0], max_objects=args.objects[1])
     if args.dense:

@@ -7,7 +7,7 @@
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
 `--make-shapes` first generates the synthetic shapes dataset and its meta files (`shapes_objects`
-shapes per image: 3-6 in examples/shapes.py, else 1-3).
+shapes per image, 1-3 unless the config sets it).
 After the table, the line "step 1 plateau" says how far step 1's val mAP moved over the last quarter of
 its epochs (gnetmdk.engine.control.plateau_span): under 1 point, the float model had finished training.
 `--control` then trains the float control (gnetmdk/engine/control.py): step 1's float model trained on with
