@@ -131,7 +131,7 @@ def test_replay_plan_virtual_ranks_threads_and_comparisons(tmp_path):
     threads per rank (exact) when P divides W; otherwise, with replay_merged, with a memory option that
     virtual ranks do not run, or for another implementation's recording, merged batches (a comparison,
     said so in one note)."""
-    from gnetmdk.align.record import AlignmentHook
+    from gnetmdk.engine.align_hook import AlignmentHook
     folder = str(tmp_path / "rec")
     _fake_recording(folder, 4, 2)
     _meta(folder, threads=3, config={"deterministic": True, "sync_bn": True})

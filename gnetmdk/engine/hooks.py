@@ -1,6 +1,6 @@
 """The trainer's concerns beside training, one hook each (detectron2's engine/hooks.py pattern): the EMA
 of the weights, evaluation and best.pth, early stopping, training curves, last.pth and the stage's
-outputs, tensorboard, the epoch log line. Record/replay (gnetmdk.align.record.AlignmentHook) is a hook too.
+outputs, tensorboard, the epoch log line. Record/replay (gnetmdk.engine.align_hook.AlignmentHook) is a hook too.
 
 The trainer (gnetmdk.engine.trainer.Trainer) calls, in the order the hooks are listed:
 

@@ -6,7 +6,7 @@ caps), keep best.pth (by val mAP) and last.pth, and make them the stage's output
 checkpoint/step<N> when the run finishes. The trainer owns the loop (data, forward, loss, backward,
 optimizer step, one read-back per iteration); what happens beside it is one hook per concern
 (gnetmdk.engine.hooks: EMA, evaluation, checkpoints, tensorboard, the log line; record and replay in
-gnetmdk.align.record), and calibration is gnetmdk.engine.calibration. The model is known only through
+gnetmdk.engine.align_hook, on gnetmdk.align.record's format), and calibration is gnetmdk.engine.calibration. The model is known only through
 its family (gnetmdk.models).
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint,
 from gnetmdk.checkpoint.lock import OutputLock
 from gnetmdk.checkpoint.outputs import StageOutputs, check_writable, file_sha256, manifest_source
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
-from gnetmdk.align.record import AlignmentHook
 from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is_dist, is_main_process,
                                rows_over_ranks)
 from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
+from .align_hook import AlignmentHook
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import prepare_model, wrap_ddp
 from .device import configure_backends, resolve_device
