@@ -38,11 +38,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from .onnx_export import OUTPUT_PREFIX, GraphBuilder
+from .onnx_export import OPSET, OUTPUT_PREFIX, GraphBuilder
 
 __all__ = ["build_qdq", "QDQ_META_KEY", "OPSET", "WEIGHT_TYPES"]
 
-OPSET = 13
 QDQ_META_KEY = "gnetmdk.qdq_model"
 LEAKY_ALPHA = 0.1
 WEIGHT_TYPES = ("int8", "uint8")

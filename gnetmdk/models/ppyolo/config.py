@@ -15,7 +15,8 @@ from typing import List
 
 from gnetmdk.config.base import ConfigError, ConfigSection, register_section
 
-_COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
+#: YOLOv3's nine COCO anchors, (w, h) in input pixels of 608-px training (the PP-YOLO default)
+COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
 
 
 class PPYOLOConfig(ConfigSection):
@@ -35,7 +36,7 @@ class PPYOLOConfig(ConfigSection):
     block_size: int = 3
     keep_prob: float = 0.9
     conv_block_num: int = 2
-    anchors: List[List[int]] = _COCO_ANCHORS  # (w, h) in input pixels (of 608-px training)
+    anchors: List[List[int]] = COCO_ANCHORS  # (w, h) in input pixels (of 608-px training)
     anchor_masks: List[List[int]] = [[6, 7, 8], [3, 4, 5], [0, 1, 2]]   # per level, deepest first
     iou_aware: bool = True
     iou_aware_factor: float = 0.4

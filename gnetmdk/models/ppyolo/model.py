@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from .config import COCO_ANCHORS
 from .head import YOLOv3Head
 from .loss import YOLOv3Loss, validate_anchors
 from .neck import DropBlock, PPYOLOFPN
@@ -35,13 +36,12 @@ __all__ = ["PPYOLO", "PPYOLO_R50VD", "PPYOLO_R18VD", "PRESET_INPUT_SIZE", "ppyol
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-_COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
 
 #: keyword arguments of the paper's PP-YOLO (ppyolo_r50vd_dcn.yml), 80 COCO classes
 PPYOLO_R50VD: Dict[str, object] = dict(
     num_classes=80, depth=50, return_idx=[1, 2, 3], dcn_v2_stages=[3], freeze_at=-1, freeze_norm=False,
     coord_conv=True, spp=True, drop_block=True, block_size=3, keep_prob=0.9, conv_block_num=2,
-    anchors=_COCO_ANCHORS, anchor_masks=[[6, 7, 8], [3, 4, 5], [0, 1, 2]], iou_aware=True,
+    anchors=COCO_ANCHORS, anchor_masks=[[6, 7, 8], [3, 4, 5], [0, 1, 2]], iou_aware=True,
     iou_aware_factor=0.4, iou_loss_weight=2.5, iou_aware_loss_weight=1.0)
 
 #: keyword arguments of PaddleDetection's ppyolo_r18vd.yml, 80 COCO classes
@@ -111,7 +111,7 @@ class PPYOLO(nn.Module):
                  coord_conv: bool = True, spp: bool = True, drop_block: bool = True, block_size: int = 3,
                  keep_prob: float = 0.9, conv_block_num: int = 2, neck_channels: Optional[Sequence[int]] = None,
                  route_channels: Optional[Sequence[int]] = None,
-                 anchors: Sequence[Sequence[float]] = tuple(map(tuple, _COCO_ANCHORS)),
+                 anchors: Sequence[Sequence[float]] = tuple(map(tuple, COCO_ANCHORS)),
                  anchor_masks: Sequence[Sequence[int]] = ((6, 7, 8), (3, 4, 5), (0, 1, 2)),
                  iou_aware: bool = True, iou_aware_factor: float = 0.4, obj_prior: Optional[float] = 0.01,
                  ignore_thresh: float = 0.7, scale_x_y: float = 1.05, label_smooth: bool = False,
