@@ -115,3 +115,26 @@ def test_integer_graph_checks_name_the_node_device_cpu():
                        (good[:3] + [Node("add", ("y", "p"), "z")], "needs a quantizer")):
         with pytest.raises(ValueError, match=msg):
             check_graph(nodes)
+
+
+def test_trainer_sets_every_attribute_in_init():
+    """Every attribute the Trainer assigns anywhere is first set in __init__ (read from the source with
+    ast), so no method needs getattr with a default to read trainer state."""
+    import ast
+    import inspect
+    from gnetmdk.engine import trainer
+    tree = ast.parse(inspect.getsource(trainer))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    in_init, elsewhere = set(), {}
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for target in targets:
+                for e in ast.walk(target):
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                        (in_init.add(e.attr) if fn.name == "__init__" else elsewhere.setdefault(e.attr, fn.name))
+    assert {a: m for a, m in elsewhere.items() if a not in in_init} == {}
+    assert "getattr(self, " not in inspect.getsource(trainer.Trainer)

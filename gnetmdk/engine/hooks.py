@@ -318,7 +318,7 @@ class CheckpointHook(HookBase):
 
     def after_train(self) -> None:
         t = self.trainer
-        learned = getattr(t, "best_caps", None) if t.learned_caps else None
+        learned = t.best_caps if t.learned_caps else None
         t.outputs.publish({t.caps_file(): t.caps_text(learned)} if learned else None)
 
 

@@ -113,6 +113,31 @@ class Trainer:
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.teacher = None                                 # the float model when distill > 0 (load_teacher)
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
+        # set by the setup steps (build_data, build_model, setup_optimizer) and the loop; every attribute
+        # the trainer has exists from here on
+        self.train_set = self.val_set = self.train_loader = self.val_loader = self.train_sampler = None
+        self.local_batch = self.micro_batch = 0             # build_data: images per rank, per micro-batch
+        self.model = self.ddp_model = None                  # build_model / setup_optimizer
+        self.resume_state: Optional[Dict[str, object]] = None
+        self.source_stage = None
+        self.optimizer = self.scheduler = self.precision = None
+        self.iters_per_epoch = 0
+        self.learned_caps: List[torch.Tensor] = []          # caps trained in step 3 (cap_lr > 0)
+        self.finetune_frozen: List[torch.nn.Parameter] = []
+        self.frozen_at: List[torch.nn.Parameter] = []
+        self.best_map: Optional[float] = None
+        self.last_map: Optional[float] = None
+        self.best_epoch: Optional[int] = None
+        self.best_seconds: Optional[float] = None
+        self.best_caps = None                               # caps of the model best.pth holds (learned caps)
+        self.t_start: Optional[float] = None
+        self.start_epoch = self.start_batch = 0
+        self.iteration = 0
+        self.batch_in_epoch = 0
+        self._epoch_t0: Optional[float] = None
+        self._bar = None
+        self._sums: Dict[str, object] = {}
+        self._count = 0
         self.tensorboard = TensorboardHook()
         self.ema_hook = EMAHook() if cfg.ema else None
         # in call order: the EMA is updated before anything reads it; the evaluation writes best.pth
@@ -309,8 +334,8 @@ class Trainer:
               "caps": [float(r.cap.detach()) for r in self.eval_model.relus()] if hasattr(m, "relus") else [],
               "config": self.cfg.to_dict(),
               "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
-              "best_epoch": getattr(self, "best_epoch", None), "best_seconds": getattr(self, "best_seconds", None),
-              "elapsed": time.time() - self.t_start if getattr(self, "t_start", None) is not None else None,
+              "best_epoch": self.best_epoch, "best_seconds": self.best_seconds,
+              "elapsed": time.time() - self.t_start if self.t_start is not None else None,
               "map": self.last_map, "entry_map": self.summary.get("entry_map"),
               "world_size": self.ranks, "source": self.outputs.source}
         if getattr(m, "calibrated_caps", None):
@@ -323,10 +348,10 @@ class Trainer:
             st["scheduler"] = self.scheduler.state_dict()
             st["rng"] = rng_state()
             st["scaler"] = self.precision.state_dict()
-            ipe = getattr(self, "iters_per_epoch", 0) or 1
+            ipe = self.iters_per_epoch or 1
             st["sampler"] = {"epoch": epoch, "start_batch": iteration - epoch * ipe}
             st["accumulate"] = self.cfg.accumulate
-            if 0 < iteration - epoch * ipe < ipe and getattr(self, "_epoch_t0", None) is not None:
+            if 0 < iteration - epoch * ipe < ipe and self._epoch_t0 is not None:
                 # mid-epoch: the epoch's loss sums so far, so that a resumed epoch's line averages all of it
                 st["epoch_sums"] = {"sums": {k: float(v) for k, v in self._sums.items()}, "count": int(self._count),
                                     "seconds": time.time() - self._epoch_t0}
@@ -675,9 +700,9 @@ class Trainer:
         if self.frozen_at:
             self.log(f"[{self.stage.name}] freeze_at {freeze_at}: {len(self.frozen_at)} parameters of the first "
                      f"{freeze_at} sublayers frozen (not optimized)")
-        self.finetune_frozen: List[torch.nn.Parameter] = []
+        self.finetune_frozen = []
         # step 3 with cap_lr > 0: the calibrated caps train too (LSQ-like gradients through the gains)
-        self.learned_caps: List[torch.Tensor] = []
+        self.learned_caps = []
         cap_lr = getattr(sec, "cap_lr", 0.0)
         if self.stage.name == "step3" and cap_lr > 0:
             self.learned_caps = [r.cap for r in self.model.relus()]
