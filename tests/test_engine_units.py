@@ -138,3 +138,17 @@ def test_trainer_sets_every_attribute_in_init():
                         (in_init.add(e.attr) if fn.name == "__init__" else elsewhere.setdefault(e.attr, fn.name))
     assert {a: m for a, m in elsewhere.items() if a not in in_init} == {}
     assert "getattr(self, " not in inspect.getsource(trainer.Trainer)
+
+
+def test_the_trainer_branches_on_the_stage_table_not_on_stage_names():
+    """What makes calibration, step 1's partial load and step 3's trainable caps different is read from
+    the stage table's columns; the trainer compares no stage name."""
+    import inspect
+    import re
+    from gnetmdk.engine import trainer
+    from gnetmdk.engine.stages import STAGES
+    assert [n for n, s in STAGES.items() if s.calibration] == ["cal"]
+    assert [n for n, s in STAGES.items() if s.partial_source] == ["step1"]
+    assert [n for n, s in STAGES.items() if s.trainable_caps] == ["step3"]
+    src = inspect.getsource(trainer)
+    assert not re.findall(r"stage\.name\s*(==|!=|in\b)", src)

@@ -33,6 +33,11 @@ class Stage:
         enter: hooks (model, source_stage) -> message, run once when the stage starts from an
             earlier stage's checkpoint (not on resume).
         fresh_hint: what to run to produce the source.
+        calibration: the stage is the calibration pass (one pass over the train set in order, without
+            augmentation or accumulation; no training, no resume, no distillation).
+        partial_source: its default source is a pretrained model loaded tensor by tensor where the
+            shapes fit (another class count keeps the backbone); an explicit ``load`` is loaded whole.
+        trainable_caps: the activation caps may train with the weights (``cap_lr`` > 0).
     """
     name: str
     step: int
@@ -45,6 +50,9 @@ class Stage:
     output_step: int
     enter: tuple = ()
     fresh_hint: str = ""
+    calibration: bool = False
+    partial_source: bool = False
+    trainable_caps: bool = False
 
 
 def _fold(model, source_stage: str) -> str:
@@ -71,13 +79,13 @@ def _gain(model, source_stage: str) -> str:
 
 STAGES: Dict[str, Stage] = {
     "step1": Stage("step1", 1, False, False, False, False, (0, "best.pth"), False, 1,
-                   fresh_hint="(optional pretrained model)"),
+                   fresh_hint="(optional pretrained model)", partial_source=True),
     "step2": Stage("step2", 2, True, False, False, False, (1, "best.pth"), True, 2, (_fold,),
                    "run step 1 first: python3 train.py --step 1"),
     "cal": Stage("cal", 2, True, False, False, False, (2, "best.pth"), True, 2, (_fold,),
-                 "run step 2 first: python3 train.py --step 2"),
+                 "run step 2 first: python3 train.py --step 2", calibration=True),
     "step3": Stage("step3", 3, True, True, True, False, (2, "cal.pth"), True, 3, (_fold, _require_caps),
-                   "run calibration first: python3 train.py --cal"),
+                   "run calibration first: python3 train.py --cal", trainable_caps=True),
     "step4": Stage("step4", 4, True, True, True, True, (3, "best.pth"), True, 4, (_fold, _gain),
                    "run step 3 first: python3 train.py --step 3"),
 }

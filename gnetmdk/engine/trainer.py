@@ -171,18 +171,18 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def build_data(self) -> None:
         cfg = self.cfg
-        accumulate = 1 if self.stage.name == "cal" else cfg.accumulate
+        accumulate = 1 if self.stage.calibration else cfg.accumulate
         check_batch_split(cfg.batch_size, self.ranks, accumulate)
         self.local_batch = cfg.batch_size // self.world_size      # this process's share (all its ranks)
         self.micro_batch = self.local_batch // accumulate
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "valid")
         g = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
-        shuffle = self.stage.name != "cal"
+        shuffle = not self.stage.calibration
         self.train_sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, self.rank, self.world_size,
                                                 shuffle=shuffle, seed=cfg.seed, accumulate=accumulate,
                                                 virtual=cfg.virtual_ranks)
-        if self.stage.name == "cal":
+        if self.stage.calibration:
             self.train_set.augment = False
         # workers persist over the epochs (no start-up per epoch: the epoch travels with each index,
         # EpochBatches) and, on CUDA, fill pinned memory so the copies to the device do not block
@@ -204,7 +204,7 @@ class Trainer:
         set_seed(cfg.seed)
         last = self.outputs.resume_path()
         if cfg.resume:
-            if stage.name == "cal":
+            if stage.calibration:
                 raise CheckpointError("--resume does not apply to calibration (one pass): run --cal again")
             ckpt = load_checkpoint(last, f"nothing to resume: no {last}; start the stage without --resume")
             if ckpt.get("stage") != stage.name:
@@ -223,11 +223,11 @@ class Trainer:
                     self.check_provenance(path)
                 self.outputs.source = {"path": path, "sha256": file_sha256(path)}
                 self.source_stage = ckpt.get("stage")
-                if stage.name == "step1" and not cfg.load:
+                if stage.partial_source and not cfg.load:
                     # a pretrained step0 model: take what fits (another class count keeps its backbone)
                     self.model = model_from_config(cfg)
                     res = load_matching(self.model, ckpt["model"])
-                    self.log(f"[step1] pretrained {path}: loaded {len(res['loaded'])} tensors, "
+                    self.log(f"[{stage.name}] pretrained {path}: loaded {len(res['loaded'])} tensors, "
                              f"skipped {len(res['skipped'])}")
                 else:
                     check_compatible(ckpt, cfg, path)
@@ -284,7 +284,7 @@ class Trainer:
             CheckpointError: the teacher is missing or does not fit the config.
         """
         cfg, stage = self.cfg, self.stage
-        if not cfg.distill or stage.step < 2 or stage.name == "cal":
+        if not cfg.distill or stage.step < 2 or stage.calibration:
             return None
         path = cfg.distill_from or os.path.join(cfg.checkpoint_dir(1), "best.pth")
         ckpt = load_checkpoint(path, f"distill {cfg.distill:g} needs the float model: train step 1 first, or set "
@@ -704,7 +704,7 @@ class Trainer:
         # step 3 with cap_lr > 0: the calibrated caps train too (LSQ-like gradients through the gains)
         self.learned_caps = []
         cap_lr = getattr(sec, "cap_lr", 0.0)
-        if self.stage.name == "step3" and cap_lr > 0:
+        if self.stage.trainable_caps and cap_lr > 0:
             self.learned_caps = [r.cap for r in self.model.relus()]
             for c in self.learned_caps:
                 c.requires_grad_(True)
@@ -803,7 +803,7 @@ class Trainer:
                  f"batch {cfg.batch_size} ({self.ranks} x {cfg.batch_size // self.ranks}"
                  f"{f': {self.virtual.size} virtual ranks in each of {self.world_size} process(es)' if self.virtual else ''}), "
                  f"device {self.device}, model {cfg.model_name} {self.family.describe(cfg)}")
-        if stage.name == "cal":
+        if stage.calibration:
             return self._run_cal(t_start)
         stale = self.outputs.interrupted() if not cfg.resume and self.main else None
         if stale is not None:

@@ -87,7 +87,7 @@ class PPYOLOFamily(DetectorFamily):
         """
         from gnetmdk.checkpoint.io import CheckpointError
         out = []
-        if stage.name == "step1":
+        if not stage.quant_weight:           # the float stage: nothing to prepare
             return out
         p = cfg.ppyolo
         if model.qgraph is None:
