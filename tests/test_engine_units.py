@@ -52,9 +52,13 @@ def test_ema_follows_its_formula_and_copies_what_is_not_averaged_device_cpu():
     assert ModelEMA(net, decay=0.5, ramp=0).current_decay() == 0.5
 
 
+class _FakeTrainer(SimpleNamespace):
+    """A trainer's attributes; a subclass, so that hooks can hold it by weak reference."""
+
+
 def _trainer(**cfg):
     logs = []
-    t = SimpleNamespace(model=_Net(), cfg=SimpleNamespace(**cfg), resume_state=None, stage=SimpleNamespace(name="step1"),
+    t = _FakeTrainer(model=_Net(), cfg=SimpleNamespace(**cfg), resume_state=None, stage=SimpleNamespace(name="step1"),
                         log=logs.append, best_epoch=None, best_map=0.0)
     return t, logs
 
@@ -152,3 +156,16 @@ def test_the_trainer_branches_on_the_stage_table_not_on_stage_names():
     assert [n for n, s in STAGES.items() if s.trainable_caps] == ["step3"]
     src = inspect.getsource(trainer)
     assert not re.findall(r"stage\.name\s*(==|!=|in\b)", src)
+
+
+def test_a_hook_holds_its_trainer_by_weak_reference():
+    """A registered hook reads its trainer while the trainer lives and None after it is gone: hooks never
+    keep a finished trainer (its model, loaders, optimizer) in memory."""
+    import gc
+    t, _ = _trainer(ema_decay=0.9, ema_ramp=2.0)
+    hook = EMAHook()
+    hook.trainer = t
+    assert hook.trainer is t
+    del t
+    gc.collect()
+    assert hook.trainer is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -28,9 +29,19 @@ from .ema import ModelEMA
 
 
 class HookBase:
-    """One concern beside the loop; ``trainer`` is set by Trainer.register."""
+    """One concern beside the loop; ``trainer`` is set by Trainer.register and held as a weak reference
+    (a hook never keeps its trainer alive; after the trainer is gone it reads None)."""
 
-    trainer = None
+    _trainer_ref = None
+
+    @property
+    def trainer(self):
+        ref = self._trainer_ref
+        return ref() if ref is not None else None
+
+    @trainer.setter
+    def trainer(self, trainer) -> None:
+        self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
 
     def before_train(self) -> None:
         pass
