@@ -169,3 +169,37 @@ def test_a_hook_holds_its_trainer_by_weak_reference():
     del t
     gc.collect()
     assert hook.trainer is None
+
+
+def test_alignment_options_stand_for_config_overrides():
+    """--save-npz / --replay-npz / --max-iters / --replay-merged / --deterministic become the config
+    overrides of the same names; none given, none added."""
+    import argparse
+    from gnetmdk.align.options import add_alignment_arguments, alignment_overrides
+    p = argparse.ArgumentParser()
+    add_alignment_arguments(p)
+    assert alignment_overrides(p.parse_args([])) == []
+    over = alignment_overrides(p.parse_args(["--save-npz", "rec", "--max-iters", "7", "--replay-merged"]))
+    assert over[:4] == ["save_npz", "rec", "max_iters", "7"] and over[4:6] == ["replay_merged", "true"]
+    assert alignment_overrides(p.parse_args(["--replay-npz", "r"]))[:2] == ["replay_npz", "r"]
+
+
+def test_resume_settings_compare_as_stored():
+    """same(): lists and tuples alike, ints and floats alike; the fixed and the changeable settings are
+    disjoint and together the checked ones."""
+    from gnetmdk.engine.resume import RESUME_CHANGEABLE, RESUME_CHECKED, RESUME_FIXED, same
+    assert same([20, 25], (20, 25.0)) and same(1e-3, 0.001) and same(32, 32.0)
+    assert not same([20, 25], [20]) and not same(2, 3) and not same("adamw", "sgd")
+    assert not set(RESUME_FIXED) & set(RESUME_CHANGEABLE) and set(RESUME_CHECKED) == set(RESUME_FIXED) | set(RESUME_CHANGEABLE)
+
+
+def test_detector_family_base_defaults():
+    """The base family: every pipeline stage named in order, create() left to the subclass, the loss
+    line's terms sorted after the total, default_loss_order's named keys first."""
+    from gnetmdk.models.base import ALL_STAGES, DetectorFamily, default_loss_order
+    assert ALL_STAGES == ("step1", "step2", "cal", "step3", "step4")
+    fam = DetectorFamily()
+    with pytest.raises(NotImplementedError):
+        fam.create()
+    assert fam.loss_line({"total": 1.5, "cls": 0.25, "loc": 0.5}) == "loss 1.5000 (cls 0.250 loc 0.500)"
+    assert default_loss_order({"b": 1, "total": 2, "a": 3, "loc": 4}, ("total", "loc")) == ["total", "loc", "a", "b"]
