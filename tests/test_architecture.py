@@ -151,3 +151,25 @@ def test_imports_inside_functions_that_point_up_are_the_listed_ones():
 def test_align_imports_nothing_of_the_engine(module):
     """The record format and the comparisons sit below the trainer that drives them."""
     assert not [b for a, b, _l, _t in imports() if a == module and b.startswith("gnetmdk.engine")]
+
+
+def test_every_module_is_imported_by_a_test():
+    """Each module of the package is imported by name by at least one test file (not only reached
+    through a subprocess), so a unit test can fail on it."""
+    mods = set(modules()) - {"gnetmdk"}
+    seen = set()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, _dirs, files in os.walk(here):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gnetmdk"):
+                    seen.add(node.module)
+                    seen.update(f"{node.module}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    seen.update(a.name for a in node.names if a.name.startswith("gnetmdk"))
+    untested = sorted(m for m in mods if m not in seen and not any(s.startswith(m + ".") for s in seen))
+    assert not untested, f"modules no test imports: {untested}"
