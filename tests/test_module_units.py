@@ -110,6 +110,8 @@ def test_split_batch_chunks_are_fresh_contiguous_and_rebuild_the_batch_device_cp
     assert torch.equal(t[:2], torch.arange(24, dtype=torch.float32).view(4, 6).t()[:2])
     with pytest.raises(ValueError, match="a batch of 6 does not split over 4 virtual ranks"):
         virtual.split_batch(t, 4)
+    with pytest.raises(ValueError, match="1 or more virtual ranks, not 0"):
+        virtual.split_batch(t, 0)
 
 
 def test_forward_batch_concatenates_rank_outputs_in_order_device_cpu(no_virtual_ranks):
@@ -254,6 +256,8 @@ def test_check_bit_exact_counts_each_planted_difference_device_cpu(step4):
 
     with pytest.raises(ChipModelError, match="layer 1: the model gives codes of shape"):
         check.check_bit_exact(model, cropped, cm, images=imgs)
+    with pytest.raises(ValueError, match="pass dataset or images"):
+        check.check_bit_exact(model, emu.run, cm)
     assert not model.training                                              # left in the mode it came in
 
 

@@ -42,8 +42,10 @@ def split_batch(t: torch.Tensor, parts: int) -> List[torch.Tensor]:
     and freshly allocated, as a process receives its batch).
 
     Raises:
-        ValueError: the batch does not split evenly.
+        ValueError: ``parts`` is below 1, or the batch does not split evenly.
     """
+    if parts < 1:
+        raise ValueError(f"a batch splits over 1 or more virtual ranks, not {parts}")
     if t.shape[0] % parts:
         raise ValueError(f"a batch of {t.shape[0]} does not split over {parts} virtual ranks")
     return [c.clone(memory_format=torch.contiguous_format) for c in t.chunk(parts)]

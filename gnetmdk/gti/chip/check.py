@@ -103,8 +103,12 @@ def check_bit_exact(model, runner: Callable, chip_model: ChipModel, dataset=None
             (N, H, W, 3) uint8 batch.
     Returns:
         CheckReport.
+    Raises:
+        ValueError: neither ``dataset`` nor ``images`` given.
     """
     from .host import codes_to_predictions, iter_dataset_batches
+    if dataset is None and images is None:
+        raise ValueError("check_bit_exact needs the images to compare on: pass dataset or images")
     n_layers = len(chip_model.layers)
     mism = [0] * n_layers
     elems = [0] * n_layers
