@@ -43,7 +43,7 @@ from gnetmdk.config import build_config, load_config_class  # noqa: E402
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
 from gnetmdk.engine.calibration import calibrate_caps  # noqa: E402
 from gnetmdk.engine.device import configure_backends, resolve_device  # noqa: E402
-from gnetmdk.engine.recipe import keep_freed_memory  # noqa: E402
+from gnetmdk.engine.runtime import keep_freed_memory  # noqa: E402
 from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
 from gnetmdk.models import model_from_config  # noqa: E402
 

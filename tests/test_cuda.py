@@ -109,7 +109,7 @@ def test_chip_check_is_bit_exact_with_the_model_on_the_gpu(lane, tmp_path):
 def test_mixed_precision_on_the_gpu(lane, amp_dtype):
     """Step 1 under autocast (fp16 with GradScaler, or bf16) trains to finite weights; the quantized
     layers compute in float32 under autocast, so step 2/3 outputs do not change with it."""
-    from gnetmdk.engine import recipe as R
+    from gnetmdk.engine import runtime as R
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.models import model_from_config
     root, path = lane
@@ -227,7 +227,7 @@ def test_quantized_training_step_never_waits_for_the_gpu(lane):
     SGD): no operation reads back from the GPU (the CPU side of this check is tests/test_device.py)."""
     if DEV != "cuda":
         pytest.skip("sync debug mode exists on CUDA only")
-    from gnetmdk.engine import recipe as R
+    from gnetmdk.engine import runtime as R
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.models.gnetdet.model import GNetDet
     torch.manual_seed(0)

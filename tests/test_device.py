@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gnetmdk.engine import recipe as R
+from gnetmdk.engine import runtime as R
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.gti import quantize as Q
 from gnetmdk.models.gnetdet.model import GNetDet

@@ -10,7 +10,7 @@ from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint,
                                    save_checkpoint)
 from gnetmdk.config import ConfigError, build_config, load_config_class
 from gnetmdk.dist.sampler import GlobalBatchSampler
-from gnetmdk.engine import recipe as R
+from gnetmdk.engine import runtime as R
 from gnetmdk.engine.cli import run_stage
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.engine.trainer import Trainer

@@ -40,7 +40,7 @@ from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.models import get_family, model_from_config
 from .resume import RESUME_CHECKED, RESUME_FIXED, same as _same
 from .schedule import build_optimizer, build_scheduler
-from . import recipe as R
+from . import runtime as R
 from .stages import Stage, apply_stage, get_stage, source_path
 
 #: learned caps (step 3, cap_lr) are kept at least this large after every optimizer step (value units;

@@ -1,4 +1,4 @@
-"""Training-recipe helpers of the trainer: mixed precision, layer freezing, checkpoint-size estimate.
+"""The trainer's runtime helpers: mixed precision, layer freezing, checkpoint-size estimate, freed memory.
 
 See docs/training.md. The trainer (gnetmdk.engine.trainer) owns the loop; this module holds what it
 calls per micro-batch / optimizer step so that the loop itself stays short.
