@@ -299,10 +299,11 @@ def test_detection_records_round_and_name_device_cpu():
 
 
 def test_list_inputs_classifies_and_refuses(tmp_path):
-    """list_inputs: a folder lists its images sorted (other files skipped), a video and an image file are
+    """list_inputs: a folder lists its images sorted (other files and sub-folders skipped), a video and an image file are
     named as such; a missing path, an empty folder and an unknown extension are refused with the reason."""
     for name in ("b.png", "a.JPG", "notes.txt"):
         (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "crops.jpg").mkdir()                                       # a folder named like an image
     kind, files = predictor.list_inputs(str(tmp_path))
     assert kind == "folder" and files == [str(tmp_path / "a.JPG"), str(tmp_path / "b.png")]
     (tmp_path / "clip.MP4").write_bytes(b"x")

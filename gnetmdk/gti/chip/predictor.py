@@ -151,7 +151,8 @@ def list_inputs(path: str) -> Tuple[str, List[str]]:
         ChipModelError: a file with an extension that is neither an image nor a video.
     """
     if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
+        files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                       if f.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(path, f)))
         if not files:
             raise FileNotFoundError(f"folder '{path}' holds no image ({', '.join(IMAGE_EXTENSIONS)})")
         return "folder", files
