@@ -443,3 +443,30 @@ def test_quantized_stages_are_fresh_dicts_device_cpu():
     b = quantized_stages()
     assert b[3]["num_epochs"] == 10 and b[2]["ema"] is True and b[4]["learning_rate"] == 2e-5
     assert set(b) == {2, "cal", 3, 4} and b["cal"] == {}
+
+
+def test_command_line_reading_shared_by_the_tools(capsys):
+    """gnetmdk.config.cli: options first, then KEY VALUE overrides (an option's value is never taken for
+    an override, a path after an override key is its value); an option after the overrides, a bad
+    number or a stray --option is one error line and exit status 2; fail() prints and returns its code."""
+    import argparse
+    from gnetmdk.config.cli import Parser, at_least, fail, fraction, parse_with_overrides
+    p = Parser(prog="tool")
+    p.add_argument("--config")
+    p.add_argument("--iters", type=at_least(1), default=1)
+    p.add_argument("--iou", type=fraction(low_open=True), default=0.5)
+    args, over = p.parse_with_overrides(["--config", "threads", "--iters", "3", "threads", "2", "model_root=m/x"])
+    assert args.config == "threads" and args.iters == 3 and over == ["threads", "2", "model_root=m/x"]
+    args, over = p.parse_with_overrides(["checkpoint_root", "runs/ck", "log_root", "runs/log"])
+    assert over == ["checkpoint_root", "runs/ck", "log_root", "runs/log"]
+    for argv, msg in ((["threads", "2", "--iters", "3"], "option --iters comes after the config overrides"),
+                      (["--iters", "0"], "must be at least 1, got 0"), (["--iou", "0"], "must be in (0, 1], got 0")):
+        with pytest.raises(SystemExit) as exc:
+            p.parse_with_overrides(argv)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
+    plain = argparse.ArgumentParser(prog="t")
+    assert parse_with_overrides(plain, ["threads", "2"])[1] == ["threads", "2"]
+    with pytest.raises(SystemExit):
+        parse_with_overrides(plain, ["--nope"])
+    assert "unrecognised option --nope" in capsys.readouterr().err
+    assert fail("bad thing", 3) == 3 and capsys.readouterr().err == "error: bad thing\n"

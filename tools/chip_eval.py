@@ -32,7 +32,7 @@ _CHECK_DEFAULT = "<from chip model>"
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("chip_model", nargs="?", default=None,
@@ -57,7 +57,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import eval_device, fail, user_errors
+    from gnetmdk.gti.chip.cli_util import eval_device, user_errors
+    from gnetmdk.config.cli import fail
     try:
         import torch
         from gnetmdk.config import load_config

@@ -29,7 +29,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least, parse_with_overrides
+    from gnetmdk.config.cli import Parser, at_least, parse_with_overrides
     p = Parser(description=__doc__.split("\n")[0], formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("-f", "--config", required=True, help="configs.py of the PP-YOLO that receives the weights")
@@ -46,7 +46,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 written, 1 mismatches, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    from gnetmdk.gti.chip.cli_util import user_errors
+    from gnetmdk.config.cli import fail
     try:
         import torch
         from gnetmdk.checkpoint.io import CheckpointError, save_checkpoint

@@ -34,7 +34,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", help="a gnetmdk checkpoint (.pth) of any stage")
@@ -49,14 +49,15 @@ def parse_args(argv):
     p.add_argument("--stitch", action="store_true",
                    help="also mAP on the whole images of a tiled dataset (tools/tile_voc.py's tiles.json)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write mAP and per-class AP as JSON to FILE")
-    from gnetmdk.gti.chip.cli_util import parse_with_overrides
+    from gnetmdk.config.cli import parse_with_overrides
     return parse_with_overrides(p, argv)
 
 
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import eval_device, fail, load_eval_model, user_errors
+    from gnetmdk.gti.chip.cli_util import eval_device, load_eval_model, user_errors
+    from gnetmdk.config.cli import fail
     try:
         import torch
         from torch.utils.data import DataLoader

@@ -41,7 +41,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (module docstring); config overrides (KEY VALUE / KEY=VALUE) come back apart."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("checkpoint", nargs="?", default=None, help="step-4 checkpoint (default checkpoint/step4/best.pth)")
@@ -99,7 +99,8 @@ class OnnxModel:
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import fail, load_eval_model, user_errors
+    from gnetmdk.gti.chip.cli_util import load_eval_model, user_errors
+    from gnetmdk.config.cli import fail
     if args.check:
         from gnetmdk.intq.onnx_export import check_provider
         try:

@@ -29,7 +29,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least, fraction
+    from gnetmdk.config.cli import Parser, at_least, fraction
     p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("model", help="checkpoint .pth, chip model .json (or folder) or .onnx")
@@ -49,7 +49,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    from gnetmdk.gti.chip.cli_util import user_errors
+    from gnetmdk.config.cli import fail
     try:
         import cv2
         import numpy as np

@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (module docstring); config overrides come back apart."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least, fraction, parse_with_overrides
+    from gnetmdk.config.cli import Parser, at_least, fraction, parse_with_overrides
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
@@ -71,7 +71,8 @@ def make_evaluator(dataset, cfg, batch_size: int):
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    from gnetmdk.gti.chip.cli_util import user_errors
+    from gnetmdk.config.cli import fail
     try:
         import torch
         from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint

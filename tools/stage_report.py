@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.gti.chip.cli_util import Parser, at_least
+    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
@@ -47,14 +47,15 @@ def parse_args(argv):
                    help="images for the per-layer drift table (default 64; 0 leaves the table out)")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="write stage_report.png/.json in DIR: mAP per stage and per-layer drift (needs matplotlib)")
-    from gnetmdk.gti.chip.cli_util import parse_with_overrides
+    from gnetmdk.config.cli import parse_with_overrides
     return parse_with_overrides(p, argv)
 
 
 def main(argv=None) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import fail, user_errors
+    from gnetmdk.gti.chip.cli_util import user_errors
+    from gnetmdk.config.cli import fail
     try:
         import torch
         from gnetmdk.config import load_config

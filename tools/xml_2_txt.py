@@ -36,7 +36,7 @@ def parse_args(argv=None, description="Convert VOC XML annotations into the proj
                                        "(<DS_NAME>_train.txt / _valid.txt)."):
     """The command line of this tool and of tools/xml_2_json.py (which passes its own ``description``):
     options first, then config overrides (``KEY VALUE`` / ``KEY=VALUE``), returned as ``args.overrides``."""
-    from gnetmdk.gti.chip.cli_util import Parser
+    from gnetmdk.config.cli import Parser
     p = Parser(
         description=description,
         epilog="Without --config, values not given on the command line come from configs.py at "

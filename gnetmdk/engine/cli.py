@@ -20,7 +20,7 @@ from gnetmdk.config import ConfigError, build_config, load_config_class
 
 def build_parser(distributed: bool) -> argparse.ArgumentParser:
     prog = "train-dist.py" if distributed else "train.py"
-    from gnetmdk.gti.chip.cli_util import Parser
+    from gnetmdk.config.cli import Parser
     p = Parser(
         prog=prog, description="Train one stage of the gnetmdk pipeline (step1 -> step2 -> cal -> step3 -> step4).",
         epilog="Config overrides follow the options: KEY VALUE or KEY=VALUE, e.g. 'batch-size 32 learning-rate=3e-5'.")
