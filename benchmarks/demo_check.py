@@ -55,6 +55,7 @@ DEMO_SECONDS = 480.0
 
 
 def variant_name(seed: int, threads: int, kernels: str) -> str:
+    """The folder (under --out) and table name of one variant, e.g. ``seed0-t2-default``."""
     return f"seed{seed}-t{threads}-{kernels}"
 
 
@@ -113,6 +114,8 @@ def verdicts(results: Dict[str, dict], timed: bool) -> List[str]:
 
 
 def format_table(results: Dict[str, dict]) -> str:
+    """The markdown table of the variants (mAP as fractions, plateau and cost in points) and a line with
+    the ranges of step 1 and step 4 over them."""
     lines = ["| variant | demo seconds | step 1 | plateau (points) | step 4 | control | step 4 - max(step 1, control) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
