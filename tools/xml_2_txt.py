@@ -217,14 +217,19 @@ def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_he
     return lines, warn
 
 
+def _cell_counts(centres, grid: int):
+    """{(column, row, image index): boxes whose centre lies in that grid cell of that image}."""
+    from collections import Counter
+    return Counter((int(min(cx * grid, grid - 1)), int(min(cy * grid, grid - 1)), img) for cx, cy, img in centres)
+
+
 def shared_cell_line(centres, grid: int, slots: int):
     """The share of train boxes whose grid cell (the one holding their centre) holds more boxes than the
     model has box slots per cell: what a cell can predict at most (GNetDet's ``box_slots``), so the rest
     of those boxes cannot be found at that input. None without a grid."""
-    from collections import Counter
     if not centres or not grid:
         return None
-    cells = Counter((int(min(cx * grid, grid - 1)), int(min(cy * grid, grid - 1)), img) for cx, cy, img in centres)
+    cells = _cell_counts(centres, grid)
     crowded = sum(n for n in cells.values() if n > slots)
     over = sum(n - slots for n in cells.values() if n > slots)
     return (f"  boxes in a grid cell with more than {slots} box(es) (the model's box slots per cell): "
@@ -253,10 +258,9 @@ def crowded_cell_warning(centres, grid: int, slots: int, size_head=None):
         a message naming the lost share and the settings to try, each with the measurement behind
         it in docs/results/accuracy-matrix.md, or None.
     """
-    from collections import Counter
     if not centres or not grid:
         return None
-    cells = Counter((int(min(cx * grid, grid - 1)), int(min(cy * grid, grid - 1)), img) for cx, cy, img in centres)
+    cells = _cell_counts(centres, grid)
     lost = sum(n - slots for n in cells.values() if n > slots) / len(centres)
     if lost <= CROWDED_SHARE:
         return None
