@@ -1,9 +1,15 @@
 """Test lanes: CPU tests pin ``device cpu`` in their configs; tests marked ``cuda`` run on a GPU and
-are skipped where torch sees none (python3 -m pytest -m cuda runs that lane alone)."""
+are skipped where torch sees none (python3 -m pytest -m cuda runs that lane alone).
+
+A config left at ``device auto`` is an error in the tests and in every process they start
+(GNETMDK_AUTO_DEVICE=refuse, gnetmdk.config.base.cuda_wanted): on a GPU machine "auto" would move a
+CPU test onto the GPU, so every test says which device it tests, on every machine."""
 import os
 
 import pytest
 import torch
+
+os.environ["GNETMDK_AUTO_DEVICE"] = "refuse"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ lane's (tests/test_cuda.py).
 """
 import collections
 import inspect
+import os
 import traceback
 
 import numpy as np
@@ -227,6 +228,31 @@ def test_device_cuda_without_a_gpu_is_a_config_error():
         resolve_device(Cfg)
 
 
+def test_device_auto_is_cuda_only_where_torch_sees_a_gpu_and_the_suite_refuses_it(monkeypatch):
+    """device auto means CUDA exactly where torch sees a GPU (the trainer, the launcher and the chip
+    tools ask the same function); the test suite sets GNETMDK_AUTO_DEVICE=refuse, so a test that does
+    not pin its device fails on every machine instead of moving to the GPU on one."""
+    from gnetmdk.config import ConfigError
+    from gnetmdk.config.base import cuda_wanted
+    from gnetmdk.dist.launch import spec_from_args
+    from gnetmdk.gti.chip.cli_util import eval_device
+
+    class Cfg:
+        device, threads, dist_timeout, batch_size, tf32 = "auto", 1, 60.0, 4, False
+    assert os.environ.get("GNETMDK_AUTO_DEVICE") == "refuse"          # conftest
+    with pytest.raises(ConfigError, match="device auto refused .*pin device cpu or device cuda"):
+        cuda_wanted("auto")
+    with pytest.raises(ConfigError, match="device auto refused"):
+        spec_from_args(type("Args", (), {})(), Cfg)
+    monkeypatch.delenv("GNETMDK_AUTO_DEVICE")
+    for seen in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: seen)
+        assert cuda_wanted("auto") is seen and cuda_wanted("cuda") and not cuda_wanted("cpu")
+        assert spec_from_args(type("Args", (), {})(), Cfg).use_cuda is seen
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert eval_device(Cfg).type == "cpu"
+
+
 # ---------------------------------------------------------------------------------------------- loader
 def test_persistent_workers_draw_each_epochs_augmentation_device_cpu(tmp_path):
     """The trainer's loader keeps its workers over the epochs; the epoch travels with every index
@@ -260,3 +286,4 @@ def test_persistent_workers_draw_each_epochs_augmentation_device_cpu(tmp_path):
         for (a, ta), (b, tb) in zip(plain[e], persistent[e]):
             assert torch.equal(a, b) and torch.equal(ta, tb)
     assert not torch.equal(plain[0][0][0], plain[1][0][0])     # same images, each epoch its own draws
+

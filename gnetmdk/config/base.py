@@ -19,6 +19,27 @@ class ConfigError(ValueError):
     """A configuration value or override that cannot be used; the message names the field and the fix."""
 
 
+#: environment variable: "refuse" makes a config left at ``device auto`` an error (the test suite sets
+#: it, so that every test pins the device it tests and a GPU machine runs the CPU tests on the CPU)
+AUTO_DEVICE_ENV = "GNETMDK_AUTO_DEVICE"
+
+
+def cuda_wanted(device: str) -> bool:
+    """Whether a config's ``device`` ("auto" | "cpu" | "cuda") means CUDA here: "cuda", or "auto" where
+    torch sees a GPU. The one place "auto" is resolved (the trainer, the launcher, the chip tools).
+
+    Raises:
+        ConfigError: ``device auto`` while the environment variable GNETMDK_AUTO_DEVICE is "refuse".
+    """
+    if device == "auto":
+        if os.environ.get(AUTO_DEVICE_ENV, "") == "refuse":
+            raise ConfigError(f"device auto refused ({AUTO_DEVICE_ENV}=refuse, as the test suite sets it): "
+                              "pin device cpu or device cuda")
+        import torch
+        return torch.cuda.is_available()
+    return device == "cuda"
+
+
 def _annotated_fields(klass) -> Dict[str, Any]:
     """Every annotated field name of ``klass`` and its bases, mapped to its declared type."""
     types: Dict[str, Any] = {}

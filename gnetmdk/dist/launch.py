@@ -559,7 +559,8 @@ def spec_from_args(args, cfg) -> DistSpec:
     Raises:
         LaunchError: the global batch does not split over the processes.
     """
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    from gnetmdk.config.base import cuda_wanted
+    use_cuda = cuda_wanted(cfg.device)
     timeout = getattr(args, "dist_timeout", None)
     spec = DistSpec(gpus=getattr(args, "gpus", 1), world_size=getattr(args, "world_size", 1),
                     rank=getattr(args, "rank", 0), dist_url=getattr(args, "dist_url", "") or "",

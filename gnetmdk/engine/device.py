@@ -15,11 +15,12 @@ def resolve_device(cfg) -> torch.device:
     """cfg.device "auto" -> the current CUDA device if torch sees one, else cpu; "cpu" / "cuda" as asked.
 
     Raises:
-        RuntimeError: "cuda" asked for but torch sees no GPU (the message names the fix).
+        ConfigError: "cuda" asked for but torch sees no GPU (the message names the fix), or "auto"
+            refused (gnetmdk.config.base.cuda_wanted).
     """
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    from gnetmdk.config.base import ConfigError, cuda_wanted
+    if cuda_wanted(cfg.device):
         if not torch.cuda.is_available():
-            from gnetmdk.config import ConfigError
             raise ConfigError("device 'cuda' asked for but torch sees no GPU (a CPU build of torch, or "
                               "CUDA_VISIBLE_DEVICES hides them): set device cpu or auto")
         return torch.device("cuda", torch.cuda.current_device())
