@@ -114,9 +114,9 @@ def _reference(x, conv, bn, act, slope, pool, up, frozen=False):
                 mean=mean, var_unbiased=c.detach().var((0, 2, 3), unbiased=True))
 
 
-def _margins_ok(ref, pool):
-    """The reference's ReLU signs and pool positions cannot flip under the y bound."""
-    bound = K * U * ref["y_scale"]
+def _margins_ok(ref, pool, k=K, u=U):
+    """The reference's ReLU signs and pool positions cannot flip under the y bound (k u y_scale)."""
+    bound = k * u * ref["y_scale"]
     if (ref["z"].abs() <= bound).any():
         return False
     if pool:
@@ -406,3 +406,19 @@ def test_config_switch_trains_like_the_plain_model_device_cpu(tmp_path_factory, 
     for k, v in weights["false"].items():
         if v.is_floating_point():
             assert torch.allclose(weights["true"][k], v, rtol=1e-5, atol=1e-6), k
+
+
+def test_float64_gradients_keep_float64_over_the_chunks_device_cpu(small_chunks):
+    """A float64 block sums its chunks' weight and bias gradients in float64 (they were rounded to
+    float32): every gradient within 2 n u64 of the float64 reference's magnitudes, n = 4 x 10 x 12
+    terms in the longest sum (any summation order: Higham, 2nd ed., sec. 4.2)."""
+    conv, bn = _block(7)
+    x = _data(8)
+    up = torch.randn(4, 6, 5, 6, generator=torch.Generator().manual_seed(9))
+    ref = _reference(x, conv, bn, "relu", 0.0, True, up)
+    n, u = 4 * 10 * 12, 2.0 ** -53
+    assert _margins_ok(ref, True, k=2 * n, u=u)
+    y, gx, c2, b2 = _ours(x.double(), copy.deepcopy(conv).double(), copy.deepcopy(bn).double(), "relu", 0.0,
+                          True, up.double())
+    assert c2.weight.grad.dtype == torch.float64 and c2.bias.grad.dtype == torch.float64
+    _check(y, gx, c2, b2, ref, k=2 * n, u=u)

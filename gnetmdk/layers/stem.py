@@ -285,10 +285,13 @@ class _StemFunction(torch.autograd.Function):
                     if gi is not None:
                         g_x = _empty_as(x.shape, x.dtype, x) if g_x is None else g_x
                         g_x[i:i + step].copy_(gi)
+                    # the chunks' sums in float32 at least (bf16 convs under autocast), float64 kept
                     if gw is not None:
-                        g_w = gw.float() if g_w is None else g_w.add_(gw.float())
+                        gw = gw.to(torch.promote_types(gw.dtype, torch.float32))
+                        g_w = gw if g_w is None else g_w.add_(gw)
                     if gb is not None:
-                        g_b = gb.float() if g_b is None else g_b.add_(gb.float())
+                        gb = gb.to(torch.promote_types(gb.dtype, torch.float32))
+                        g_b = gb if g_b is None else g_b.add_(gb)
                     del c, gc, gi, gw, gb
             g_w = g_w.to(weight.dtype) if g_w is not None else None
             g_b = g_b.to(conv_bias.dtype) if g_b is not None else None
