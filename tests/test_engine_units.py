@@ -52,6 +52,39 @@ def test_ema_follows_its_formula_and_copies_what_is_not_averaged_device_cpu():
     assert ModelEMA(net, decay=0.5, ramp=0).current_decay() == 0.5
 
 
+def test_ema_reuses_its_plan_until_the_model_swaps_a_tensor_or_a_cap_starts_training_device_cpu():
+    """The update's plan (what is averaged, what copied) is reused over iterations and rebuilt when the
+    model holds another tensor or a cap starts to train; the numbers are the per-element formula's bit
+    for bit (v * d, then + (1 - d) w) every time."""
+    torch.manual_seed(1)
+    net = _Net()
+    ema = ModelEMA(net, decay=0.9, ramp=2.0)
+    ema.update(net)
+    plan = ema._plan
+    ema.update(net)
+    assert ema._plan is plan                                 # same tensors: the plan is kept
+
+    def expect(before, w):
+        d = ema.current_decay()
+        return before.clone().mul_(d).add_(w, alpha=1 - d)
+
+    net.fc.weight = nn.Parameter(torch.randn(2, 2))           # another tensor object: a new plan
+    before = ema.module.fc.weight.detach().clone()
+    ema.update(net)
+    assert ema._plan is not plan and torch.equal(ema.module.fc.weight, expect(before, net.fc.weight.detach()))
+    with torch.no_grad():
+        net.relu.cap.fill_(4.0)
+    ema.update(net)
+    assert float(ema.module.relu.cap) == 4.0                  # a calibrated cap is copied
+    net.relu.cap.requires_grad_(True)                        # ... until it trains (learned caps): averaged
+    with torch.no_grad():
+        net.relu.cap.fill_(2.0)
+    before = ema.module.relu.cap.detach().clone()
+    ema.update(net)
+    assert torch.equal(ema.module.relu.cap, expect(before, torch.tensor(2.0)))
+    assert float(ema.module.relu.cap) != 2.0
+
+
 class _FakeTrainer(SimpleNamespace):
     """A trainer's attributes; a subclass, so that hooks can hold it by weak reference."""
 

@@ -31,30 +31,50 @@ class ModelEMA:
         self.decay = float(decay)
         self.ramp = float(ramp)
         self.updates = 0
+        self._plan = None       # update's plan, rebuilt when the model's tensors change
 
     def current_decay(self) -> float:
         return self.decay * (1 - math.exp(-self.updates / self.ramp)) if self.ramp > 0 else self.decay
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        """Fold the model's current weights into the average (call after each optimizer step)."""
+        """Fold the model's current weights into the average (call after each optimizer step).
+
+        Which tensors are averaged and which copied is worked out once and reused while the model
+        holds the same tensors (same objects, same requires_grad): an iteration then costs two
+        multi-tensor ops for the average and one for the copies (one kernel each on CUDA), not a walk
+        over both state dicts with a copy launched per integer buffer."""
         self.updates += 1
         d = self.current_decay()
-        src = model.state_dict()
-        # caps are copied (calibrated, fixed) unless they train (cap_lr): then averaged like weights
+        src = model.state_dict(keep_vars=True)
+        key = [(id(w), w.requires_grad) for w in src.values()] + [id(v) for v in self.module.state_dict(keep_vars=True).values()]
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key,) + self._make_plan(model, src)
+        _, avg, new, convert, dst, copied = self._plan
+        if avg:   # one multi-tensor kernel per op on CUDA (the same per-element arithmetic as v * d + (1 - d) w)
+            news = [w.to(v.dtype) for v, w in zip(avg, new)] if convert else new
+            torch._foreach_mul_(avg, d)
+            torch._foreach_add_(avg, news, alpha=1 - d)
+        if dst:
+            torch._foreach_copy_(dst, copied)
+
+    def _make_plan(self, model: torch.nn.Module, src: Dict[str, torch.Tensor]):
+        """(averaged EMA tensors, the model's tensors they average, whether any dtype differs, copied
+        EMA tensors, the model's tensors copied into them): floating tensors are averaged except the
+        calibrated ranges (caps, int8 ranges, output scales), which are copied unless they train
+        (learned caps: buffers with requires_grad)."""
+        avg, new, dst, copied = [], [], [], []
         learned = {k for k, b in model.named_buffers() if b.requires_grad}
-        avg, new = [], []
         for k, v in self.module.state_dict().items():
             w = src[k]
             fixed = k.endswith(".cap") or k.startswith("quant.") or k.endswith("output_scale")   # calibrated ranges
             if v.dtype.is_floating_point and (not fixed or k in learned):
                 avg.append(v)
-                new.append(w.detach().to(v.dtype))
+                new.append(w.detach())
             else:
-                v.copy_(w)
-        if avg:   # one multi-tensor kernel per op on CUDA (the same per-element arithmetic as v * d + (1 - d) w)
-            torch._foreach_mul_(avg, d)
-            torch._foreach_add_(avg, new, alpha=1 - d)
+                dst.append(v)
+                copied.append(w.detach())
+        return avg, new, any(v.dtype != w.dtype for v, w in zip(avg, new)), dst, copied
 
     def sync_switches(self, model: torch.nn.Module) -> None:
         """Copy layer switches (quantization on/off, caps mode) from the trained model."""
