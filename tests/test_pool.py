@@ -32,6 +32,15 @@ def test_values_and_gradients_equal_torch_device_cpu(channels_last, dtype):
     ties = ((x[..., 0::2, 0::2] == x[..., 0::2, 1::2]) & (x[..., 0::2, 0::2] == yb)).sum()
     assert ties > 20                      # the tie rule is exercised, not only distinct maxima
     assert (a.grad != 0).sum() == ya.numel()         # one position per window gets the gradient
+    # windows holding NaN route their gradient where torch routes it too
+    xn = x.detach().clone()
+    xn[0, 0, 0, 1] = xn[0, 1, 2, 2] = xn[0, 1, 3, 3] = float("nan")
+    a, b = _pair(xn)
+    ya, yb = max_pool_2x2(a), F.max_pool2d(b, 2, 2)
+    assert torch.equal(ya.isnan(), yb.isnan()) and torch.equal(ya.nan_to_num(), yb.nan_to_num())
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(a.grad, b.grad)
 
 
 def test_no_index_tensor_is_kept_device_cpu():

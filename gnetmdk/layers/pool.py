@@ -8,13 +8,10 @@ conv), so the indices are the only memory the pool adds: 16% of what a step-1 GN
 its backward pass (docs/results/memory.md). torch offers no max pool that rebuilds its
 indices, hence this function.
 
-The backward pass finds, in each 2x2 window of the kept input, the first position (row-major:
-top-left, top-right, bottom-left, bottom-right) that equals the kept output, and sends the output's
-gradient there. That is the position torch's CPU and CUDA kernels pick (they replace the running
-maximum only on ``val > max``, so among equal values the first wins), so the gradients are
-torch's bit for bit (tests/test_pool.py), ties between zeros of a ReLU output included. (A window
-holding NaN is the one difference: torch sends its gradient to the last NaN, this function to the
-bottom-right position.)
+The backward pass recomputes torch's pool with its indices from the kept input (a pass over the
+input, the indices living only while that layer's gradient is computed) and runs torch's own
+backward kernel with them: the gradients are torch's bit for bit (tests/test_pool.py), ties and NaN
+included, in two kernels.
 """
 from __future__ import annotations
 
@@ -27,27 +24,15 @@ __all__ = ["max_pool_2x2"]
 class _MaxPool2x2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        y = F.max_pool2d(x, 2, 2)
-        ctx.save_for_backward(x, y)
-        return y
+        ctx.save_for_backward(x)
+        return F.max_pool2d(x, 2, 2)
 
     @staticmethod
     def backward(ctx, g):
-        x, y = ctx.saved_tensors
-        quads = (x[..., 0::2, 0::2], x[..., 0::2, 1::2], x[..., 1::2, 0::2], x[..., 1::2, 1::2])
-        grad = torch.empty_like(x)
-        taken = None
-        for i, q in enumerate(quads):
-            hit = q == y
-            if taken is None:
-                first, taken = hit, hit
-            elif i < 3:
-                first = hit & ~taken
-                taken = taken | hit
-            else:
-                first = ~taken                      # the window's maximum is here when not before
-            grad[..., i // 2::2, i % 2::2] = torch.where(first, g, torch.zeros((), dtype=g.dtype, device=g.device))
-        return grad
+        (x,) = ctx.saved_tensors
+        k = [2, 2]
+        _, idx = torch.ops.aten.max_pool2d_with_indices(x, k, k, [0, 0], [1, 1], False)
+        return torch.ops.aten.max_pool2d_with_indices_backward(g, x, k, k, [0, 0], [1, 1], False, idx)
 
 
 def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
