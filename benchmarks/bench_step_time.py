@@ -41,12 +41,16 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gnetmdk.config import build_config, load_config_class  # noqa: E402
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
+from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler  # noqa: E402
 from gnetmdk.engine.calibration import calibrate_caps  # noqa: E402
 from gnetmdk.engine.device import configure_backends, resolve_device  # noqa: E402
 from gnetmdk.engine.runtime import keep_freed_memory  # noqa: E402
 from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
 from gnetmdk.models import model_from_config  # noqa: E402
 
+
+#: epochs the loader is timed over, in one chained iteration (EpochBatches.chain_to)
+LOAD_EPOCHS = 4
 
 #: autocast dtype of the timed steps (None: float32); set by main for the bf16 comparison
 AUTOCAST = {}
@@ -112,11 +116,18 @@ def summarize_rounds(base, other):
 
 
 def time_loop(model, loader, iters, device, warmup=2):
-    """Seconds per training step with each batch drawn from ``loader`` (a new pass when it runs out)
-    and copied to ``device`` as the trainer copies it (uint8 codes, non-blocking, float there)."""
+    """Seconds per training step with each batch drawn from ``loader`` and copied to ``device`` as the
+    trainer copies it (uint8 codes, non-blocking, float there); with an EpochBatches sampler, in one
+    iteration over as many epochs as it takes (the trainer's chained loading), else a new pass when
+    the loader runs out."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
+    chain = isinstance(loader.batch_sampler, EpochBatches)
+    if chain:
+        loader.batch_sampler.chain_to = 1 + (warmup + iters) // max(1, len(loader))
     batches = iter(loader)
+    if chain:
+        loader.batch_sampler.chain_to = None
     for i in range(warmup + iters):
         if i == warmup:
             sync(device)
@@ -263,8 +274,10 @@ def main():
     if cfg.cpu_keep_memory and device.type == "cpu":   # as the trainer does on CPU (docs/training.md)
         print(keep_freed_memory())
     ds = build_dataset(cfg, "train")
-    loader = DataLoader(ds, batch_size=cfg.batch_size, shuffle=False, num_workers=cfg.num_workers,
-                        collate_fn=collate, worker_init_fn=seed_worker, drop_last=True,
+    # the trainer's sampling: global batches of shuffled indices, each carrying its epoch (EpochBatches)
+    batches = EpochBatches(GlobalBatchSampler(len(ds), cfg.batch_size, shuffle=True, seed=cfg.seed))
+    loader = DataLoader(ds, batch_sampler=batches, num_workers=cfg.num_workers,
+                        collate_fn=collate, worker_init_fn=seed_worker,
                         pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0)
     images, targets, _, _ = next(iter(loader))
     batch = (images.to(device).float(), targets.to(device))
@@ -310,17 +323,21 @@ def main():
         print(f"speed bf16/fp32     {amp_ratio:8.3f}   (fp32 time / bf16 time, median of rounds {alow:.3f}-{ahigh:.3f}; "
               "goal >= 1.25 on a GPU)")
 
-    # data loading alone (augmentation on, as in training), then training throughput
-    ds.set_epoch(1)
-    for _ in loader:                                  # the workers start (persistent afterwards)
-        break
+    # data loading alone (augmentation on, as in training), then training throughput: LOAD_EPOCHS epochs
+    # in one iteration of the loader, as the trainer draws them with workers (one epoch alone would time
+    # its start: every worker's first batch at once, a latency that a small dataset never amortizes)
+    batches.chain_to = LOAD_EPOCHS
+    it = iter(loader)
+    batches.chain_to = None
+    next(it)                                          # the workers start (persistent afterwards)
     n = 0
     t0 = time.perf_counter()
-    for imgs, _, _, _ in loader:
+    for imgs, _, _, _ in it:
         n += imgs.shape[0]
     load_rate = n / (time.perf_counter() - t0)
     train_rate = cfg.batch_size / t1
-    print(f"data loading        {load_rate:8.1f} img/s ({cfg.num_workers} workers, cache_images={cfg.cache_images})")
+    print(f"data loading        {load_rate:8.1f} img/s ({cfg.num_workers} workers, cache_images={cfg.cache_images}, "
+          f"{LOAD_EPOCHS} epochs of {len(ds)} images in one pass)")
     print(f"training (step 1)   {train_rate:8.1f} img/s (bare step, batch on the device)")
     print(f"ratio load/train    {load_rate / train_rate:8.2f}   (> 1: the loader keeps up when alone; goal >= 1.5 on a GPU)")
     t_loop = time_loop(float_model, loader, args.iters, device)

@@ -287,3 +287,58 @@ def test_persistent_workers_draw_each_epochs_augmentation_device_cpu(tmp_path):
             assert torch.equal(a, b) and torch.equal(ta, tb)
     assert not torch.equal(plain[0][0][0], plain[1][0][0])     # same images, each epoch its own draws
 
+
+def test_chained_epochs_give_each_epochs_own_batches_device_cpu():
+    """EpochBatches with chain_to: one iteration yields epoch after epoch exactly the batches each epoch
+    gives alone (a resumed first epoch from its start batch, the next ones from batch 0), and leaves the
+    trainer's sampler at its epoch."""
+    from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler
+    sampler = GlobalBatchSampler(20, 4, shuffle=True, seed=3, accumulate=2)
+    eb = EpochBatches(sampler)
+    alone = []
+    for epoch, start in ((1, 2), (2, 0), (3, 0)):
+        sampler.set_epoch(epoch, start)
+        alone += list(eb)
+    sampler.set_epoch(1, 2)
+    eb.chain_to = 4
+    chained = iter(eb)
+    eb.chain_to = None                        # read when the iteration starts, not later
+    assert list(chained) == alone and len(alone) == (3 + 5 + 5) * 2
+    assert (sampler.epoch, sampler.start_batch) == (1, 2)
+    assert [b[0][1] for b in alone] == [1] * 6 + [2] * 10 + [3] * 10        # (micro-batches, accumulate 2)
+    assert [b[0][2] for b in alone][:6] == [2, 2, 3, 3, 4, 4] and alone[-1][0][1:] == (3, 4)
+
+
+def test_trainer_with_chained_loader_workers_trains_as_without_workers_device_cpu(tmp_path):
+    """Loader workers that prefetch across epochs (Trainer._epoch_batches) feed the trainer the same
+    batches as loading in the process: the same indices in every iteration of three epochs, with an
+    evaluation between them, and the same weights bit for bit."""
+    from dist_helpers import make_workspace
+    from gnetmdk.config import build_config, load_config_class
+    from gnetmdk.engine.hooks import HookBase
+    from gnetmdk.engine.trainer import Trainer
+    path = make_workspace(str(tmp_path), num_train=12, num_val=2)
+
+    class Seen(HookBase):
+        def __init__(self):
+            self.indices = []
+
+        def after_iteration(self, it):
+            self.indices.append(it["batch"][2].tolist())
+
+    def train(workers):
+        out = tmp_path / f"w{workers}"
+        cfg = build_config(load_config_class(path), [
+            "num_workers", str(workers), "batch_size", "4", "num_epochs", "3", "eval_interval", "2", "threads", "1",
+            "checkpoint_root", str(out / "ck"), "log_root", str(out / "log"), "progress", "false"], step=1)
+        t = Trainer(cfg)
+        seen = Seen()
+        t.register(seen)
+        t.run()
+        chain = t._chain
+        return seen.indices, {k: v.clone() for k, v in t.model.state_dict().items()}, chain
+
+    (i0, w0, c0), (i2, w2, c2) = train(0), train(2)
+    assert c0 is None and c2 is not None                  # workers: one iteration over the epochs
+    assert i0 == i2 and len(i0) == 9
+    assert all(torch.equal(w0[k], w2[k]) for k in w0)

@@ -1,7 +1,8 @@
 """Deterministic data sharding: the same global batches whatever the number of processes."""
 from __future__ import annotations
 
-from typing import Iterator, List
+import copy
+from typing import Iterator, List, Optional
 
 import torch
 from torch.utils.data import Sampler
@@ -121,17 +122,33 @@ class EpochBatches:
     process. Datasets that accept such keys then draw that epoch's augmentation even in persistent
     workers, whose dataset copies never see ``set_epoch``, and a per-batch choice (PP-YOLO's
     multi-scale size) from (seed, epoch, batch): the same on every rank and in a replay.
+
+    ``chain_to``: None (one epoch per iteration of the loader), or an epoch E: the iteration started
+    next goes on through the following epochs up to E - 1 (each from its first batch), the batches
+    each epoch would give on its own, one after the other, so that the loader's workers prefetch
+    across epoch boundaries (the trainer's chained loading). The value is read when ``iter`` is called;
+    the iteration works on copies of ``sampler``, whose own epoch is left as it was.
     """
 
     def __init__(self, sampler: GlobalBatchSampler):
         self.sampler = sampler
+        self.chain_to: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self):
-        epoch = int(self.sampler.epoch)
-        first, per = int(self.sampler.start_batch), int(self.sampler.accumulate)
-        for k, batch in enumerate(self.sampler):
-            b = first + k // per
-            yield [(i, epoch, b) for i in batch]
+        return self._batches(copy.copy(self.sampler), self.chain_to)   # chain_to read now, not at the first batch
+
+    @staticmethod
+    def _batches(sampler: GlobalBatchSampler, chain_to: Optional[int]):
+        while True:
+            epoch = int(sampler.epoch)
+            first, per = int(sampler.start_batch), int(sampler.accumulate)
+            for k, batch in enumerate(sampler):
+                b = first + k // per
+                yield [(i, epoch, b) for i in batch]
+            if chain_to is None or epoch + 1 >= chain_to:
+                return
+            sampler = copy.copy(sampler)
+            sampler.set_epoch(epoch + 1, 0)

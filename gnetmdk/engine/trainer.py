@@ -12,6 +12,7 @@ its family (gnetmdk.models).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -20,6 +21,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, check_compatible,
@@ -46,6 +48,12 @@ from .stages import Stage, apply_stage, get_stage, source_path
 #: learned caps (step 3, cap_lr) are kept at least this large after every optimizer step (value units;
 #: a cap divides the gains, so it must stay positive)
 CAP_FLOOR = 1e-3
+
+
+#: the named spans of one training iteration (torch.profiler.record_function), in the order they run:
+#: the batch's copy to the device, forward + loss, backward, the optimizer step (gradient clipping, the
+#: scheduler), the hooks' after_step (the EMA), the read-back and logging of the iteration before
+SPANS = {k: "gnetmdk." + k for k in ("to_device", "forward", "backward", "optimizer", "hooks", "read_back")}
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (non-finite loss, ...); the message names the iteration and the last good checkpoint."""
@@ -122,6 +130,8 @@ class Trainer:
         self.source_stage = None
         self.optimizer = self.scheduler = self.precision = None
         self.iters_per_epoch = 0
+        self._chain = None                      # the loader's iteration over the epochs (_epoch_batches)
+        self._chain_next: Optional[tuple] = None
         self.learned_caps: List[torch.Tensor] = []          # caps trained in step 3 (cap_lr > 0)
         self.finetune_frozen: List[torch.nn.Parameter] = []
         self.frozen_at: List[torch.nn.Parameter] = []
@@ -423,14 +433,37 @@ class Trainer:
         return "".join(f"{c:.8g}\n" for c in caps)
 
     # ------------------------------------------------------------------ loop
-    def _progress(self, iterable, desc: str):
+    def _progress(self, iterable, desc: str, total: Optional[int] = None):
         """A tqdm bar over ``iterable`` on rank 0 with ``progress`` on, and only when stderr is a
         terminal (``disable=None``): output sent to a file keeps the epoch lines without the bar's
         carriage-return frames."""
         if self.main and self.cfg.progress:
             from tqdm import tqdm
-            return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=None)
+            return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=None, total=total)
         return iterable
+
+    def _epoch_batches(self, epoch: int):
+        """The loader batches of ``epoch`` (the sampler set to it), and how many there are.
+
+        With loader workers, every epoch's batches come from one iteration of the loader over the
+        epochs left (EpochBatches.chain_to): the workers prepare the next epoch's first batches while
+        this epoch ends and while the model is evaluated, where a new iteration per epoch would wait
+        for them (a whole batch's loading, at every epoch). The batches are the same ones: each
+        carries its epoch and the sampler's order depends only on (seed, epoch). A new iteration is
+        started at the first epoch, after a resume, and after an epoch left early.
+        """
+        loader = self.train_loader
+        n = len(loader)
+        chained = (isinstance(loader, DataLoader) and loader.num_workers > 0
+                   and isinstance(loader.batch_sampler, EpochBatches))
+        if not chained:
+            return loader, n
+        if self._chain is None or self._chain_next != (epoch, self.batch_in_epoch):
+            loader.batch_sampler.chain_to = max(self.cfg.num_epochs, epoch + 1)
+            self._chain = iter(loader)          # the iteration has read chain_to
+            loader.batch_sampler.chain_to = None
+        self._chain_next = None                 # set again when this epoch's batches are all taken
+        return itertools.islice(self._chain, n), n
 
     def train_one_epoch(self, epoch: int) -> Dict[str, float]:
         """Train one epoch (or what is left of it after a resume); returns the epoch's mean loss terms,
@@ -450,6 +483,7 @@ class Trainer:
         self.batch_in_epoch = self.start_batch if epoch == self.start_epoch else 0
         self.train_sampler.set_epoch(epoch, self.batch_in_epoch)
         self.train_set.set_epoch(epoch)
+        batches, n_batches = self._epoch_batches(epoch)
         self._sums: Dict[str, float] = {}
         self._count = 0
         t0 = time.time()
@@ -470,10 +504,15 @@ class Trainer:
         pending = None
         lag = not self.align.active
         self.optimizer.zero_grad(set_to_none=True)
-        self._bar = bar = self._progress(self.train_loader, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}")
+        self._bar = bar = self._progress(batches, f"{self.stage.name} {epoch + 1}/{cfg.num_epochs}", n_batches)
+        taken = 0
+        # the named spans (record_function, a no-op unless a profiler runs) are what
+        # benchmarks/profile_trainer.py splits an iteration's host time into
         for images, targets, indices, _ in bar:
-            images = images.to(self.device, non_blocking=True).float()   # the loader sends uint8 codes
-            targets = targets.to(self.device, non_blocking=True)
+            taken += 1
+            with record_function(SPANS["to_device"]):
+                images = images.to(self.device, non_blocking=True).float()   # the loader sends uint8 codes
+                targets = targets.to(self.device, non_blocking=True)
             micro += 1
             last_micro = micro == accumulate
             if self.virtual is not None:
@@ -485,9 +524,11 @@ class Trainer:
                 sync = contextlib.nullcontext() if last_micro or not hasattr(self.ddp_model, "no_sync") \
                     else self.ddp_model.no_sync()
                 with sync:
-                    terms = self._forward_loss(self.ddp_model, model, images, targets)
-                    loss = terms["total"]
-                    self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+                    with record_function(SPANS["forward"]):
+                        terms = self._forward_loss(self.ddp_model, model, images, targets)
+                        loss = terms["total"]
+                    with record_function(SPANS["backward"]):
+                        self.precision.backward(loss / accumulate if accumulate > 1 else loss)
                 rank_terms = [terms]
             for v, terms in enumerate(rank_terms):
                 micro_totals.append(terms["total"].detach().float())
@@ -499,24 +540,26 @@ class Trainer:
                 continue
             micro = 0
             rows, acc = acc, [{} for _ in range(n_ranks)]
-            if reps is not None:                    # virtual ranks: the mean of every rank's gradients
-                combine_gradients(model, reps)
-                reps = None
-            elif self.learned_caps and is_dist():   # DDP averages parameters' gradients; caps are buffers
-                g = torch.stack([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.learned_caps])
-                all_reduce(g, "mean")
-                for c, gi in zip(self.learned_caps, g):
-                    c.grad = gi.clone()
-            norm = self.precision.step(self.optimizer, list(model.parameters()) + self.learned_caps, cfg.grad_clip)
-            if self.learned_caps:
-                with torch.no_grad():
-                    for c in self.learned_caps:
-                        c.clamp_(min=CAP_FLOOR)
-            self.optimizer.zero_grad(set_to_none=True)
-            lr_step = self.optimizer.param_groups[0]["lr"]        # the rate of this step (recorded)
-            self.scheduler.step()
-            for hook in self.hooks:                 # the EMA's update
-                hook.after_step()
+            with record_function(SPANS["optimizer"]):
+                if reps is not None:                    # virtual ranks: the mean of every rank's gradients
+                    combine_gradients(model, reps)
+                    reps = None
+                elif self.learned_caps and is_dist():   # DDP averages parameters' gradients; caps are buffers
+                    g = torch.stack([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.learned_caps])
+                    all_reduce(g, "mean")
+                    for c, gi in zip(self.learned_caps, g):
+                        c.grad = gi.clone()
+                norm = self.precision.step(self.optimizer, list(model.parameters()) + self.learned_caps, cfg.grad_clip)
+                if self.learned_caps:
+                    with torch.no_grad():
+                        for c in self.learned_caps:
+                            c.clamp_(min=CAP_FLOOR)
+                self.optimizer.zero_grad(set_to_none=True)
+                lr_step = self.optimizer.param_groups[0]["lr"]        # the rate of this step (recorded)
+                self.scheduler.step()
+            with record_function(SPANS["hooks"]):
+                for hook in self.hooks:             # the EMA's update
+                    hook.after_step()
             self.iteration += 1
             self.batch_in_epoch += 1
             keys = sorted(rows[0])
@@ -525,12 +568,13 @@ class Trainer:
                     "batch": (images, targets, indices), "lr": self.optimizer.param_groups[0]["lr"],
                     "lr_step": lr_step}
             micro_totals = []
-            if pending is not None:
-                self._finish_step(pending)
-            pending = step
-            if not lag:
-                self._finish_step(pending)
-                pending = None
+            with record_function(SPANS["read_back"]):
+                if pending is not None:
+                    self._finish_step(pending)
+                pending = step
+                if not lag:
+                    self._finish_step(pending)
+                    pending = None
             if (cfg.checkpoint_interval and self.iteration % cfg.checkpoint_interval == 0
                     and self.batch_in_epoch < self.iters_per_epoch):
                 if pending is not None:
@@ -541,6 +585,8 @@ class Trainer:
                 break
         if pending is not None:
             self._finish_step(pending)
+        if taken == n_batches:                  # the chained iteration goes on with the next epoch
+            self._chain_next = (epoch + 1, 0)
         sums, count = self._sums, self._count
         mean = {k: v / max(count, 1) for k, v in sums.items()}
         if is_dist():
