@@ -6,15 +6,21 @@ with the failures' names, every ratio beside its goal, the pipeline's seconds an
 writes it as JSON.
 
     python3 benchmarks/gpu_check.py                      # everything; summary in gpu_check/summary.json
-    python3 benchmarks/gpu_check.py --out DIR --workers 6 --parts cuda_lane,step_time
+    python3 benchmarks/gpu_check.py --out DIR --workers 12 --parts cuda_lane,step_time --timeouts suite=300
     python3 benchmarks/gpu_check.py --dry-run            # the commands it would run, nothing else
 
 Without a CUDA GPU it says so and runs what a CPU can: the CUDA lane (collected and skipped), the
 step-time benchmark on the CPU in a short form (the trainer's host overhead shows there too) and,
 with ``--suite``, the rest of the suite; the GPU-only parts are listed as not run.
 
-Each part runs as its own process with a time limit (``--part-timeout``); its whole output is kept in
-``DIR/<part>.log``. The suite's workers are pytest-xdist's (``-n``) where it is installed, else that
+On a GPU the CUDA lane and the suite run at the same time (the lane needs the GPU, the suite's workers
+the cores; ``--no-overlap`` runs them in turn); the timed parts then run one by one, alone.
+bench_step_time runs twice: at GNetDet-448 x1.0 batch 32 and at the cards config itself (224 x0.25
+batch 16), where the host's work per iteration shows. The pipeline runs with 6 loader workers and 4
+threads (the cards config's 0 workers and 2 threads are a 2-core CPU's).
+
+Each part runs as its own process with a time limit (``--part-timeout``, or per part ``--timeouts``);
+its whole output is kept in ``DIR/<part>.log``, and the summary is rewritten after every part. The suite's workers are pytest-xdist's (``-n``) where it is installed, else that
 many pytest processes, each over a share of the test files (largest files first, to the least loaded
 worker): xdist is not among the test requirements, and a CPU-only machine needs nothing more.
 
@@ -33,17 +39,25 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 PARTS = ("cuda_lane", "suite", "step_time", "memory", "pipeline")
 #: the issue's GPU timing setting: full-width GNetDet-448 on the cards images
-STEP_TIME_GPU = ["--config", "examples/cards.py", "--device", "cuda", "--trainer", "image_size", "448",
-                 "gnetdet.width_mult", "1.0", "gnetdet.mask_bits", "8,3,3,3,3,3,8", "batch_size", "32",
-                 "num_workers", "12", "threads", "8"]
-STEP_TIME_CPU = ["--config", "examples/cards.py", "--device", "cpu", "--trainer", "--iters", "4", "--rounds", "2",
-                 "num_workers", "0"]
+STEP_TIME_GPU = {
+    "448": ["--config", "examples/cards.py", "--device", "cuda", "--trainer", "image_size", "448",
+            "gnetdet.width_mult", "1.0", "gnetdet.mask_bits", "8,3,3,3,3,3,8", "batch_size", "32",
+            "num_workers", "12", "threads", "8"],
+    # the cards config itself (224 x0.25, batch 16): a step of a few milliseconds, where the host's work
+    # per iteration shows; its 0 workers and 2 threads are a 2-core CPU's choice, not a GPU machine's
+    "cards": ["--config", "examples/cards.py", "--device", "cuda", "--trainer", "num_workers", "6", "threads", "4"],
+}
+STEP_TIME_CPU = {"cards": ["--config", "examples/cards.py", "--device", "cpu", "--trainer", "--iters", "4",
+                           "--rounds", "2", "num_workers", "0"]}
+#: the pipeline's settings on a GPU machine beside the cards config's (which are a 2-core CPU's)
+PIPELINE_GPU = ["num_workers", "6", "threads", "4"]
 RATIO_GOALS = {  # printed label in bench_step_time -> (name, comparison, goal)
     "ratio step3/step1": ("step3/step1", "<=", 1.15),
     "speed bf16/fp32": ("bf16/fp32", ">=", 1.25),
@@ -57,17 +71,34 @@ PIPELINE_GOAL_S = 120.0
 
 
 def pytest_summary(text: str) -> Dict[str, Any]:
-    """Counts and failed test ids from pytest output (run with ``-rfE``).
+    """Counts and failed test ids from pytest output (run with ``-rfE``, and ``-v`` so that a run cut
+    short still names its tests: ``PASSED`` / ``FAILED`` per test, pytest-xdist's ``[gw0] [ 5%] FAILED
+    id`` or pytest's ``id FAILED [ 5%]``).
 
     Returns:
-        {"passed", "failed", "skipped", "errors", "deselected": int, "failures": [test ids]}.
+        {"passed", "failed", "skipped", "errors", "deselected": int, "failures": [test ids]}, the counts
+        from pytest's closing line, or from the per-test lines when the run ended before it.
     """
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "deselected": 0}
     lines = [l for l in text.splitlines() if re.match(r"^=+ .* in [\d.]+s", l) or re.match(r"^\d+ \w+.* in [\d.]+s", l)]
     for line in lines[-1:]:
         for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", line):
             counts["errors" if word.startswith("error") else word] += int(n)
-    failures = [l.split()[1] for l in text.splitlines() if l.startswith(("FAILED ", "ERROR "))]
+    failures: List[str] = []
+    per_test = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors"}
+    seen = {k: set() for k in per_test.values()}
+    for l in text.splitlines():
+        words = l.split()
+        ids = [w for w in words if "::" in w]
+        status = next((per_test[w] for w in words if w in per_test), None)
+        if status is None or not ids:
+            continue
+        seen[status].add(ids[0])
+        if status in ("failed", "errors") and ids[0] not in failures:
+            failures.append(ids[0])
+    if not lines:
+        for k, ids in seen.items():
+            counts[k] = len(ids)
     return {**counts, "failures": failures}
 
 
@@ -140,6 +171,26 @@ def shards(files: List[str], workers: int) -> List[List[str]]:
     return [b for b in bins if b]
 
 
+def parse_timeouts(text: str) -> Dict[str, float]:
+    """``--timeouts``: "part=seconds,..." -> {part: seconds}.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown part, or seconds that are not a positive number.
+    """
+    out: Dict[str, float] = {}
+    for item in [x for x in text.split(",") if x]:
+        name, _, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if name not in PARTS or seconds <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: write PART=SECONDS with PART one of {','.join(PARTS)} "
+                                             "and SECONDS positive")
+        out[name] = seconds
+    return out
+
+
 def have_xdist() -> bool:
     try:
         import xdist  # noqa: F401
@@ -157,25 +208,34 @@ class Check:
 
     def commands(self, part: str) -> List[List[str]]:
         a = self.args
-        pytest = [PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
+        pytest = [PY, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider"]
         if part == "cuda_lane":
             return [pytest + ["-m", "cuda"]]
         if part == "suite":
             if have_xdist():
-                return [pytest + ["-m", "not cuda", "-n", str(a.workers)]]
+                return [pytest + ["-m", "not cuda", "-n", str(a.workers), "--durations", "15"]]
             files = [os.path.join("tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
                      if f.startswith("test_") and f.endswith(".py")]
             return [pytest + ["-m", "not cuda", *s] for s in shards([os.path.join(ROOT, f) for f in files], a.workers)]
-        if part == "step_time":
-            return [[PY, "benchmarks/bench_step_time.py", *(STEP_TIME_GPU if self.cuda else STEP_TIME_CPU)]]
+        if part == "step_time":         # one after the other (timings alone), in STEP_TIME_* order
+            return [[PY, "benchmarks/bench_step_time.py", *a] for a in self.step_time_runs().values()]
         if part == "memory":
             return [[PY, "benchmarks/bench_memory.py", "--gpu-only"]]
         if part == "pipeline":
             ck = os.path.join(os.path.abspath(a.out), "pipeline")
-            return [[PY, "tools/run_pipeline.py", "--config", "examples/cards.py", "device", "cuda",
+            return [[PY, "tools/xml_2_txt.py", "--config", "examples/cards.py"],   # the meta files, as a user would
+                    [PY, "tools/run_pipeline.py", "--config", "examples/cards.py", "device", "cuda", *PIPELINE_GPU,
                      "checkpoint_root", os.path.join(ck, "checkpoint"), "log_root", os.path.join(ck, "log"),
                      "model_root", os.path.join(ck, "model")]]
         raise ValueError(part)
+
+    def step_time_runs(self) -> Dict[str, List[str]]:
+        """bench_step_time's runs, {label: arguments}: two settings on a GPU, a short one on a CPU."""
+        return STEP_TIME_GPU if self.cuda else STEP_TIME_CPU
+
+    def timeout(self, part: str) -> float:
+        """Seconds ``part`` may take: its ``--timeouts`` entry, else ``--part-timeout``."""
+        return self.args.timeouts.get(part, self.args.part_timeout)
 
     def skipped_without_gpu(self, part: str) -> bool:
         return not self.cuda and (part in ("memory", "pipeline") or (part == "suite" and not self.args.suite))
@@ -183,14 +243,22 @@ class Check:
     def run(self, part: str) -> Dict[str, Any]:
         cmds = self.commands(part)
         env = dict(os.environ)
-        if part == "suite" and len(cmds) > 1:           # the shards share the cores
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // len(cmds))))
-        t0 = time.perf_counter()
-        procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for c in cmds]
+        if part == "suite":                              # the workers share the cores: one thread each
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(self.args.workers, 1))))
+        t0, limit = time.perf_counter(), self.timeout(part)
+        start = lambda c: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE,  # noqa: E731
+                                           stderr=subprocess.STDOUT, text=True)
+        sequential = part in ("step_time", "pipeline")   # timings, or a command that needs the one before
+        procs = [] if sequential else [start(c) for c in cmds]
         texts, timed_out = [], False
-        for p in procs:
-            left = max(1.0, self.args.part_timeout - (time.perf_counter() - t0))
+        for i in range(len(cmds)):
+            if sequential:
+                if timed_out:
+                    texts.append("")
+                    continue
+                procs.append(start(cmds[i]))
+            p = procs[i]
+            left = max(1.0, limit - (time.perf_counter() - t0))
             try:
                 out, _ = p.communicate(timeout=left)
             except subprocess.TimeoutExpired:
@@ -202,14 +270,17 @@ class Check:
         text = "\n".join(texts)
         with open(os.path.join(self.args.out, f"{part}.log"), "w") as fh:
             fh.write(text)
-        res: Dict[str, Any] = {"seconds": round(seconds, 1), "exit": [p.returncode for p in procs],
+        res: Dict[str, Any] = {"seconds": round(seconds, 1), "exit": [p.returncode for p in procs] + [None] * (
+                               len(cmds) - len(procs)),
                                "timed_out": timed_out, "commands": [" ".join(c) for c in cmds]}
         if part in ("cuda_lane", "suite"):
             res.update(merge_summaries([pytest_summary(t) for t in texts]))
             res["met"] = not timed_out and res["failed"] == 0 and res["errors"] == 0 and res["passed"] + res["skipped"] > 0
         elif part == "step_time":
-            res["ratios"] = step_time_ratios(text)
-            if not res["ratios"] or timed_out or procs[0].returncode != 0:
+            res["ratios"] = {}
+            for label, t in zip(self.step_time_runs(), texts):
+                res["ratios"].update({f"{label}: {k}": v for k, v in step_time_ratios(t).items()})
+            if not res["ratios"] or timed_out or any(p.returncode != 0 for p in procs):
                 res["met"] = False
             elif self.cuda:
                 res["met"] = all(r["met"] is not False for r in res["ratios"].values())
@@ -220,7 +291,7 @@ class Check:
             res["met"] = bool(res["models"]) and all(m["met"] for m in res["models"].values())
         else:
             res["stages"] = pipeline_rows(text)
-            res["met"] = (not timed_out and procs[0].returncode == 0 and "step4" in res["stages"]
+            res["met"] = (not timed_out and all(p.returncode == 0 for p in procs) and "step4" in res["stages"]
                           and seconds <= PIPELINE_GOAL_S)
         return res
 
@@ -246,7 +317,7 @@ class Check:
                 for name, q in r["ratios"].items():
                     goal = "" if q["goal"] is None else f"{q['cmp']} {q['goal']:g}"
                     mark = "" if q["met"] is None or not self.cuda else ("met" if q["met"] else "MISSED")
-                    lines.append(f"{'':<13}   {name:<20} {q['value']:<33.3f} {goal:<8} {mark:<5}")
+                    lines.append(f"{'':<13}   {name:<28} {q['value']:<25.3f} {goal:<8} {mark:<5}")
             elif part == "memory":
                 lines.append(f"{part:<13} {'(bench_memory, GPU)':<58} {'-35% at +10%':<14} {secs}")
                 for title, m in r["models"].items():
@@ -265,8 +336,15 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", default="gpu_check", help="folder for the logs and summary.json (default gpu_check)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    p.add_argument("--workers", type=int, default=6, help="parallel workers of the suite (default 6)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="parallel workers of the suite (default: the cores less 4, which the CUDA lane run beside "
+                        "it uses; 2 without a GPU)")
     p.add_argument("--part-timeout", type=float, default=480.0, help="seconds each part may take (default 480)")
+    p.add_argument("--timeouts", default="", type=parse_timeouts, metavar="PART=S,...",
+                   help="per-part limits in seconds, beside --part-timeout (e.g. suite=240,pipeline=200)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="on a GPU, run the CUDA lane and the suite one after the other (default: at once; "
+                        "both are pass / fail, and the lane needs the GPU, the suite the CPU cores)")
     p.add_argument("--suite", action="store_true", help="without a GPU, also run the suite (slow on small CPUs)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
@@ -274,6 +352,9 @@ def main(argv=None) -> int:
     bad = [x for x in parts if x not in PARTS]
     if bad or not parts:
         p.error(f"--parts: unknown part(s) {bad or parts}; choose from {','.join(PARTS)}")
+    if args.workers is None:
+        import torch
+        args.workers = max(1, (os.cpu_count() or 2) - 4) if torch.cuda.is_available() else 2
     if args.workers < 1 or args.part_timeout <= 0:
         p.error("--workers must be at least 1 and --part-timeout positive")
     import torch
@@ -295,12 +376,33 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    for part in parts:
+    path = os.path.join(args.out, "summary.json")
+
+    def write_summary(all_met: bool) -> None:            # after every part: a run cut short keeps its results
+        summary = {"device": device, "torch": torch.__version__, "cuda": cuda, "cpu_cores": os.cpu_count(),
+                   "seconds": round(time.perf_counter() - t0, 1), "parts": check.results, "all_met": all_met}
+        with open(path + ".tmp", "w") as fh:
+            json.dump(summary, fh, indent=1)
+        os.replace(path + ".tmp", path)
+
+    todo = [x for x in PARTS if x in parts]
+    for part in todo:
+        if part in check.results:
+            continue
         if check.skipped_without_gpu(part):
             check.results[part] = {"not_run": "no GPU" if part != "suite" else "no GPU (--suite runs it)"}
             continue
-        print(f"[gpu_check] {part} ...", flush=True)
-        check.results[part] = check.run(part)
+        together = [part]
+        if cuda and args.overlap and part == "cuda_lane" and "suite" in todo:
+            together.append("suite")
+        print(f"[gpu_check] {' + '.join(together)} ...", flush=True)
+        if len(together) == 1:
+            check.results[part] = check.run(part)
+        else:
+            with ThreadPoolExecutor(len(together)) as pool:
+                for name, res in zip(together, pool.map(check.run, together)):
+                    check.results[name] = res
+        write_summary(False)
     total = time.perf_counter() - t0
     table = check.table()
     print(table)
@@ -308,12 +410,7 @@ def main(argv=None) -> int:
     ran = [r for r in check.results.values() if "not_run" not in r]
     ok = bool(ran) and all(r["met"] is not False for r in ran)
     all_met = ok and cuda and len(ran) == len(PARTS)
-    summary = {"device": device, "torch": torch.__version__, "cuda": cuda, "cpu_cores": os.cpu_count(),
-               "seconds": round(total, 1), "parts": check.results, "all_met": all_met}
-    path = os.path.join(args.out, "summary.json")
-    with open(path + ".tmp", "w") as fh:
-        json.dump(summary, fh, indent=1)
-    os.replace(path + ".tmp", path)
+    write_summary(all_met)
     print(f"summary: {path}; " + ("every part ran and met its goal" if all_met else
                                   "what ran passed; the GPU parts are unchecked" if ok else "a part failed or missed its goal"))
     return 0 if ok else 1

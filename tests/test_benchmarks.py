@@ -277,6 +277,11 @@ def test_gpu_check_reads_what_the_parts_print_device_cpu(capsys):
     s = gc.pytest_summary(text)
     assert (s["passed"], s["failed"], s["skipped"], s["errors"], s["deselected"]) == (3, 1, 1, 1, 2)
     assert s["failures"] == ["tests/test_a.py::test_x", "tests/test_b.py::test_y"]
+    cut = gc.pytest_summary("[gw0] [  5%] PASSED tests/test_a.py::test_x \n[gw1] [  6%] FAILED tests/test_b.py::"
+                            "test_y[1] \ntests/test_c.py::test_z SKIPPED (no GPU) [  7%]\n"
+                            "48.11s call     tests/test_a.py::test_x\n")      # -v lines of a run cut short
+    assert (cut["passed"], cut["failed"], cut["skipped"]) == (1, 1, 1)
+    assert cut["failures"] == ["tests/test_b.py::test_y[1]"]
     merged = gc.merge_summaries([s, gc.pytest_summary("1 passed in 0.1s\n")])
     assert merged["passed"] == 4 and len(merged["failures"]) == 2
     ratios = gc.step_time_ratios("ratio step3/step1      1.216   (median ...; goal <= 1.15)\n"
@@ -337,6 +342,11 @@ def test_gpu_check_without_a_gpu_says_so_and_runs_the_cpu_parts_device_cpu(tmp_p
     assert os.path.isfile(tmp_path / "o" / "cuda_lane.log")
     r = subprocess.run([sys.executable, script, "--parts", "gpu"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part(s) ['gpu']" in r.stderr
+    gc = _load("gpu_check")
+    assert gc.parse_timeouts("suite=240,pipeline=150.5") == {"suite": 240.0, "pipeline": 150.5}
+    for bad in ("suite=0", "suite=x", "gpu=10"):
+        r = subprocess.run([sys.executable, script, "--timeouts", bad, "--dry-run"], capture_output=True, text=True)
+        assert r.returncode == 2 and f"{bad!r}: write PART=SECONDS" in r.stderr
 
 
 def test_torch_ao_peer_is_the_same_float_model_under_torch_qat_device_cpu():
@@ -421,3 +431,91 @@ def test_demo_check_summarizes_runs_and_judges_the_goals():
     cmd = dc.command("/o", 2, 1)
     assert cmd[cmd.index("seed"):cmd.index("seed") + 4] == ["seed", "2", "threads", "1"] and "--control" in cmd
     assert dc.main(["--kernels", "avx512"]) == 2
+
+
+def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
+    """With a GPU (faked here) the CUDA lane and the suite run at the same time, the timed parts after
+    them one by one in PARTS order, and summary.json is rewritten after each part: a run killed midway
+    keeps what finished."""
+    import json
+    import threading
+    gc = _load("gpu_check")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    seen, lock, both = [], threading.Lock(), threading.Barrier(2, timeout=20)
+    summaries = []
+
+    def fake_run(self, part):
+        with lock:
+            seen.append(part)
+            if os.path.isfile(tmp_path / "o" / "summary.json"):
+                summaries.append(sorted(json.load(open(tmp_path / "o" / "summary.json"))["parts"]))
+        if part in ("cuda_lane", "suite"):
+            both.wait()                       # raises BrokenBarrierError unless the other runs meanwhile
+        return {"seconds": 1.0, "met": True, "passed": 1, "failed": 0, "errors": 0, "skipped": 0,
+                "failures": [], "timed_out": False, "ratios": {}, "models": {}, "stages": {}}
+
+    monkeypatch.setattr(gc.Check, "run", fake_run)
+    assert gc.main(["--out", str(tmp_path / "o")]) == 0
+    assert sorted(seen[:2]) == ["cuda_lane", "suite"] and seen[2:] == ["step_time", "memory", "pipeline"]
+    assert summaries == [["cuda_lane", "suite"], ["cuda_lane", "step_time", "suite"],
+                         ["cuda_lane", "memory", "step_time", "suite"]]
+    assert json.load(open(tmp_path / "o" / "summary.json"))["all_met"] is True
+
+
+def test_profile_trainer_splits_an_iteration_into_the_trainers_spans_device_cpu(tmp_path):
+    """profile_trainer: the spans' host time per iteration from profiler events (the loader's by its
+    prefix), the rest of the wall as "outside"; only computing aten operators called from outside
+    other aten operators are counted; a real run on a tiny set writes every span, forward and
+    backward taking time, and a positive operator count."""
+    import json
+    from types import SimpleNamespace as E
+    pt = _load("profile_trainer")
+    tr = pt.SPANS
+    events = [E(name=tr["forward"], cpu_time_total=3000.0), E(name=tr["backward"], cpu_time_total=5000.0),
+              E(name=tr["forward"], cpu_time_total=1000.0),
+              E(name="enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", cpu_time_total=2000.0),
+              E(name="aten::conv2d", cpu_time_total=900.0)]
+    s = pt.split_spans(events, wall_us=20000.0, iters=2)
+    assert s["wall_ms"] == 10.0 and s["spans"]["forward"] == 2.0 and s["spans"]["backward"] == 2.5
+    assert s["spans"]["loader"] == 1.0 and s["outside_ms"] == 10.0 - 5.5 and s["share"]["outside"] == 0.45
+    with pytest.raises(ValueError, match="must be positive"):
+        pt.split_spans(events, wall_us=0.0, iters=2)
+    span = E(name=tr["forward"], cpu_parent=None)
+    conv = E(name="aten::conv2d", cpu_parent=span)
+    inner = E(name="aten::convolution", cpu_parent=conv)
+    view = E(name="aten::view", cpu_parent=span)
+    assert pt.top_level_ops([span, conv, inner, view, E(name="aten::add_", cpu_parent=None)]) == 2
+    from dist_helpers import make_workspace
+    path = make_workspace(str(tmp_path), num_train=8, num_val=2)
+    out = tmp_path / "split.json"
+    assert pt.main(["--config", path, "--device", "cpu", "--iters", "2", "--top", "0", "--json", str(out),
+                    "batch_size", "4", "num_workers", "0", "threads", "1", "ema", "true"]) == 0
+    got = json.load(open(out))
+    assert got["iters"] == 2 and set(got["spans"]) == set(tr) | {"loader"}
+    assert got["spans"]["forward"] > 0 and got["spans"]["backward"] > 0 and got["spans"]["hooks"] > 0
+    assert got["ops_per_iter"] > 0 and 0 <= got["share"]["outside"] < 1
+
+
+def test_gpu_check_runs_the_step_time_settings_in_turn_and_labels_their_ratios_device_cpu(tmp_path, monkeypatch):
+    """The step-time part runs its settings one after the other (timings alone) and names each ratio
+    by its setting; a setting cut by the part's time limit leaves the part unmet and later settings
+    unrun."""
+    import sys
+    from types import SimpleNamespace
+    gc = _load("gpu_check")
+    say = lambda text: [sys.executable, "-c", f"print({text!r})"]          # noqa: E731
+    args = SimpleNamespace(out=str(tmp_path), timeouts={}, part_timeout=60.0, workers=1)
+    check = gc.Check(args, cuda=True)
+    monkeypatch.setattr(gc.Check, "step_time_runs", lambda self: {"448": [], "cards": []})
+    monkeypatch.setattr(gc.Check, "commands", lambda self, part: [say("ratio step3/step1      1.100   (...)"),
+                                                                   say("ratio step3/step1      3.000   (...)")])
+    res = check.run("step_time")
+    assert res["ratios"]["448: step3/step1"]["value"] == 1.1 and res["ratios"]["448: step3/step1"]["met"]
+    assert res["ratios"]["cards: step3/step1"]["met"] is False and res["met"] is False
+    assert (tmp_path / "step_time.log").read_text().count("ratio step3/step1") == 2
+    args.timeouts = {"step_time": 1.0}
+    slow = [sys.executable, "-c", "import time; time.sleep(30)"]
+    monkeypatch.setattr(gc.Check, "commands", lambda self, part: [slow, say("ratio step3/step1  1.0 (...)")])
+    res = check.run("step_time")
+    assert res["timed_out"] and res["met"] is False and res["exit"][1] is None and not res["ratios"]
