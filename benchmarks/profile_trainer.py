@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from gnetmdk.config import build_config, load_config_class  # noqa: E402
+from gnetmdk.config import ConfigError, build_config, load_config_class  # noqa: E402
 from gnetmdk.engine.device import resolve_device  # noqa: E402
 from gnetmdk.engine.trainer import SPANS, Trainer  # noqa: E402
 
@@ -108,12 +108,14 @@ def main(argv=None) -> int:
         p.error(f"--iters must be at least 1 and --top at least 0 (got {args.iters}, {args.top})")
     if args.device:
         overrides = list(overrides) + ["device", args.device]
-    cls = load_config_class(args.config)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = build_config(cls, list(overrides) + [
-            "checkpoint_root", tmp + "/ck", "log_root", tmp + "/log", "progress", "false", "eval_before", "false"],
-            step=1)
-        device = resolve_device(cfg)
+        try:                                        # a user's mistake (config, override, device): one line
+            cfg = build_config(load_config_class(args.config), list(overrides) + [
+                "checkpoint_root", tmp + "/ck", "log_root", tmp + "/log", "progress", "false",
+                "eval_before", "false"], step=1)
+            device = resolve_device(cfg)
+        except (ConfigError, OSError) as exc:
+            p.error(str(exc))
         t = Trainer(cfg)
         t.build_data()
         t.build_model()

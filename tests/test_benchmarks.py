@@ -469,6 +469,8 @@ def test_profile_trainer_splits_an_iteration_into_the_trainers_spans_device_cpu(
     other aten operators are counted; a real run on a tiny set writes every span, forward and
     backward taking time, and a positive operator count."""
     import json
+    import subprocess
+    import sys
     from types import SimpleNamespace as E
     pt = _load("profile_trainer")
     tr = pt.SPANS
@@ -488,6 +490,12 @@ def test_profile_trainer_splits_an_iteration_into_the_trainers_spans_device_cpu(
     assert pt.top_level_ops([span, conv, inner, view, E(name="aten::add_", cpu_parent=None)]) == 2
     from dist_helpers import make_workspace
     path = make_workspace(str(tmp_path), num_train=8, num_val=2)
+    script = os.path.join(ROOT, "benchmarks", "profile_trainer.py")
+    for bad, says in ((["--iters", "0"], "--iters must be at least 1"),
+                      (["--config", str(tmp_path / "none.py")], "none.py"),
+                      (["--config", path, "batch_size", "x"], "batch_size")):
+        r = subprocess.run([sys.executable, script, *bad], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     out = tmp_path / "split.json"
     assert pt.main(["--config", path, "--device", "cpu", "--iters", "2", "--top", "0", "--json", str(out),
                     "batch_size", "4", "num_workers", "0", "threads", "1", "ema", "true"]) == 0
