@@ -72,6 +72,11 @@ def test_ema_reuses_its_plan_until_the_model_swaps_a_tensor_or_a_cap_starts_trai
     before = ema.module.fc.weight.detach().clone()
     ema.update(net)
     assert ema._plan is not plan and torch.equal(ema.module.fc.weight, expect(before, net.fc.weight.detach()))
+    plan = ema._plan
+    net.fc.weight.data = torch.randn(2, 2)                    # new storage, same parameter: read where it lives
+    before = ema.module.fc.weight.detach().clone()
+    ema.update(net)
+    assert ema._plan is plan and torch.equal(ema.module.fc.weight, expect(before, net.fc.weight.detach()))
     with torch.no_grad():
         net.relu.cap.fill_(4.0)
     ema.update(net)

@@ -47,9 +47,10 @@ class ModelEMA:
         self.updates += 1
         d = self.current_decay()
         src = model.state_dict(keep_vars=True)
-        key = [(id(w), w.requires_grad) for w in src.values()] + [id(v) for v in self.module.state_dict(keep_vars=True).values()]
+        mine = self.module.state_dict(keep_vars=True)
+        key = [(id(w), w.requires_grad) for w in src.values()] + [id(v) for v in mine.values()]
         if self._plan is None or self._plan[0] != key:
-            self._plan = (key,) + self._make_plan(model, src)
+            self._plan = (key,) + self._make_plan(model, src, mine)
         _, avg, new, convert, dst, copied = self._plan
         if avg:   # one multi-tensor kernel per op on CUDA (the same per-element arithmetic as v * d + (1 - d) w)
             news = [w.to(v.dtype) for v, w in zip(avg, new)] if convert else new
@@ -58,22 +59,24 @@ class ModelEMA:
         if dst:
             torch._foreach_copy_(dst, copied)
 
-    def _make_plan(self, model: torch.nn.Module, src: Dict[str, torch.Tensor]):
+    def _make_plan(self, model: torch.nn.Module, src: Dict[str, torch.Tensor], mine: Dict[str, torch.Tensor]):
         """(averaged EMA tensors, the model's tensors they average, whether any dtype differs, copied
         EMA tensors, the model's tensors copied into them): floating tensors are averaged except the
         calibrated ranges (caps, int8 ranges, output scales), which are copied unless they train
-        (learned caps: buffers with requires_grad)."""
+        (learned caps: buffers with requires_grad). The lists hold the tensors themselves (parameters
+        and buffers as registered, not detached views), so a parameter whose ``.data`` is replaced (a
+        move or a memory-format change) is read where it now lives."""
         avg, new, dst, copied = [], [], [], []
         learned = {k for k, b in model.named_buffers() if b.requires_grad}
-        for k, v in self.module.state_dict().items():
+        for k, v in mine.items():
             w = src[k]
             fixed = k.endswith(".cap") or k.startswith("quant.") or k.endswith("output_scale")   # calibrated ranges
             if v.dtype.is_floating_point and (not fixed or k in learned):
                 avg.append(v)
-                new.append(w.detach())
+                new.append(w)
             else:
                 dst.append(v)
-                copied.append(w.detach())
+                copied.append(w)
         return avg, new, any(v.dtype != w.dtype for v, w in zip(avg, new)), dst, copied
 
     def sync_switches(self, model: torch.nn.Module) -> None:
