@@ -142,23 +142,31 @@ def time_loop(model, loader, iters, device, warmup=2):
     return (time.perf_counter() - t0) / iters
 
 
+def ready_trainer(cfg):
+    """A step-1 Trainer of ``cfg`` set up as Trainer.run sets it up before its first epoch (data, a
+    fresh model, optimizer and schedule, every hook's before_train: the EMA when the config has it),
+    for timing train_one_epoch; also used by benchmarks/profile_trainer.py."""
+    from gnetmdk.engine.trainer import Trainer
+    t = Trainer(cfg)
+    t.build_data()
+    t.build_model()
+    t.best_map, t.last_map, t.iteration, t.start_epoch, t.start_batch = -1.0, None, 0, 0, 0
+    t.setup_optimizer()
+    for hook in t.hooks:
+        hook.before_train()
+    return t
+
+
 def time_trainer(cfg, overrides, iters: int) -> float:
     """Images/s of the real trainer (step 1, a fresh model, no evaluation) over ``iters`` iterations
     after one warm-up epoch: its loader (persistent workers), its per-iteration work (deferred
     read-back, EMA when on, tensorboard) and the device it resolves. ``overrides``: the command line's,
     so the trainer's config is the benchmark's."""
     import tempfile
-    from gnetmdk.engine.trainer import Trainer
     with tempfile.TemporaryDirectory() as tmp:
-        t = Trainer(build_config(type(cfg), list(overrides) + [
+        t = ready_trainer(build_config(type(cfg), list(overrides) + [
             "checkpoint_root", tmp + "/ck", "log_root", tmp + "/log", "progress", "false", "eval_before", "false"],
             step=1))
-        t.build_data()
-        t.build_model()
-        t.best_map, t.last_map, t.iteration, t.start_epoch, t.start_batch = -1.0, None, 0, 0, 0
-        t.setup_optimizer()
-        for hook in t.hooks:                               # as Trainer.run: the EMA when the config has it
-            hook.before_train()
         t.train_one_epoch(0)                               # warm-up: workers start, caches fill
         rates, epoch, done = [], 1, 0
         while done < iters:

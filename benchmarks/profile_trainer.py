@@ -11,8 +11,8 @@ launch kernels fast enough.
     python3 benchmarks/profile_trainer.py --config examples/cards.py [--device cpu|cuda] [--iters 40]
         [--top 15] [--json FILE] [overrides...]
 
-The trainer is set up as ``bench_step_time.time_trainer`` sets it up (its hooks, the EMA when the config
-has it, no evaluation); one untraced epoch warms it up (workers start, caches fill, cuDNN picks its
+The trainer is set up by ``bench_step_time.ready_trainer`` (its hooks, the EMA when the config has it,
+no evaluation); one untraced epoch warms it up (workers start, caches fill, cuDNN picks its
 kernels), then whole epochs are traced until ``--iters`` iterations ran. Prints milliseconds per
 iteration per span, their share of the wall time, and the operators with the most host time.
 """
@@ -25,13 +25,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench_step_time beside this file
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gnetmdk.config import ConfigError, build_config, load_config_class  # noqa: E402
 from gnetmdk.engine.device import resolve_device  # noqa: E402
-from gnetmdk.engine.trainer import SPANS, Trainer  # noqa: E402
+from gnetmdk.engine.trainer import SPANS  # noqa: E402
+from bench_step_time import ready_trainer  # noqa: E402
 
 #: the DataLoader's own span around handing over a batch (torch.utils.data names it so)
 LOADER_SPAN = "enumerate(DataLoader)"
@@ -116,13 +118,7 @@ def main(argv=None) -> int:
             device = resolve_device(cfg)
         except (ConfigError, OSError) as exc:
             p.error(str(exc))
-        t = Trainer(cfg)
-        t.build_data()
-        t.build_model()
-        t.best_map, t.last_map, t.iteration, t.start_epoch, t.start_batch = -1.0, None, 0, 0, 0
-        t.setup_optimizer()
-        for hook in t.hooks:                        # as Trainer.run: the EMA when the config has it
-            hook.before_train()
+        t = ready_trainer(cfg)                      # as Trainer.run sets it up: the EMA when the config has it
         t.train_one_epoch(0)                        # untraced warm-up
         cuda = device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
