@@ -154,8 +154,9 @@ def main(argv=None) -> int:
     if args.top:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.json:
-        with open(args.json, "w") as fh:
+        with open(args.json + ".tmp", "w") as fh:     # whole or not at all: a previous file stays until then
             json.dump({"device": where, "torch": torch.__version__, "iters": done, **split}, fh, indent=1)
+        os.replace(args.json + ".tmp", args.json)
     return 0
 
 
