@@ -25,16 +25,9 @@ KNOWN_DEFERRED_UP = {
     ("gnetmdk.config.overrides", "gnetmdk.engine.resume"),
     ("gnetmdk.config.overrides", "gnetmdk.dist.sampler"),
     ("gnetmdk.checkpoint.io", "gnetmdk.models"),
-    ("gnetmdk.dist.comm", "gnetmdk.layers.observers"),
-    ("gnetmdk.dist.parallel", "gnetmdk.layers.inplace_abn"),
-    ("gnetmdk.dist.parallel", "gnetmdk.layers.stem"),
     ("gnetmdk.gti.memory", "gnetmdk.models.gnetdet.model"),
     ("gnetmdk.gti.memory", "gnetmdk.models.gnetdet.config"),
     ("gnetmdk.dataset.dataset", "gnetmdk.models"),
-    ("gnetmdk.layers.stem", "gnetmdk.models.gnetdet.model"),
-    ("gnetmdk.layers.stem", "gnetmdk.models.ppyolo.common"),
-    ("gnetmdk.layers.inplace_abn", "gnetmdk.models.gnetdet.model"),
-    ("gnetmdk.layers.inplace_abn", "gnetmdk.models.ppyolo.common"),
     ("gnetmdk.models.base", "gnetmdk.engine.calibration"),
     ("gnetmdk.gti.chip.convert", "gnetmdk.engine.stages"),
     ("gnetmdk.gti.chip.cli_util", "gnetmdk.engine.stages"),
@@ -173,3 +166,14 @@ def test_every_module_is_imported_by_a_test():
                     seen.update(a.name for a in node.names if a.name.startswith("gnetmdk"))
     untested = sorted(m for m in mods if m not in seen and not any(s.startswith(m + ".") for s in seen))
     assert not untested, f"modules no test imports: {untested}"
+
+
+def test_family_blocks_are_the_layer_units_the_conversions_recognise():
+    """The in-place activated BatchNorm and recomputed-stem conversions find the families' conv ->
+    BatchNorm -> activation blocks through gnetmdk.layers.units, not by their model classes."""
+    from gnetmdk.layers.units import ConvBNAct, ConvBNQReLU, ConvBNUnit
+    from gnetmdk.models.gnetdet.model import Sublayer
+    from gnetmdk.models.ppyolo.common import ConvBNLayer
+    assert issubclass(Sublayer, ConvBNQReLU) and issubclass(ConvBNLayer, ConvBNAct)
+    assert issubclass(ConvBNQReLU, ConvBNUnit) and issubclass(ConvBNAct, ConvBNUnit)
+    assert not issubclass(ConvBNLayer, ConvBNQReLU) and not issubclass(Sublayer, ConvBNAct)

@@ -71,7 +71,7 @@ def test_biased_running_variance_device_cpu(layer):
 
 
 def test_bn_running_var_config_device_cpu():
-    from gnetmdk.dist.parallel import prepare_model
+    from gnetmdk.layers.prepare import prepare_model
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
     notes = prepare_model(model, _cfg("bn_running_var", "biased"), torch.device("cpu"))
     assert isinstance(model[1], DistBatchNorm2d) and model[1].unbiased_running_var is False

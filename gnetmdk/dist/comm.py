@@ -465,11 +465,3 @@ def global_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
         value = _collective("max")(m)[0].cpu()
     return value.to(x.device)
 
-
-def percentile(x: torch.Tensor, p: float) -> torch.Tensor:
-    """The percentile of the batch of every rank (:func:`global_percentile`) when this rank has peers,
-    else of ``x`` alone (``batch_percentile``): the two are equal for the same values."""
-    if is_dist():
-        return global_percentile(x, p)
-    from gnetmdk.layers.observers import batch_percentile
-    return batch_percentile(x, p)

@@ -18,15 +18,24 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from gnetmdk.dist.comm import all_reduce, percentile
+from gnetmdk.dist.comm import all_reduce, global_percentile, is_dist
 from gnetmdk.dist.virtual import forward_batch
 from gnetmdk.gti.quantize import mse_cap_from_histogram
-from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver,
+from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver, batch_percentile,
                                       observe_inputs)
 
 #: bins of the GNetDet cap calibration's histograms (the MSE method; the int8 target's ranges use
 #: gnetmdk.intq.calibrate.RANGE_HIST_BINS)
 CAP_HIST_BINS = 4096
+
+
+def percentile(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The ``p``-th percentile (nearest rank) of the batch of every rank (gnetmdk.dist.comm.global_percentile)
+    when this rank has peers, else of ``x`` alone (gnetmdk.layers.observers.batch_percentile): the two
+    are equal for the same values. A 0-d float32 tensor."""
+    if is_dist():
+        return global_percentile(x, p)
+    return batch_percentile(x, p)
 
 
 @torch.no_grad()

@@ -34,7 +34,8 @@ from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is
 from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
 from .align_hook import AlignmentHook
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
-from gnetmdk.dist.parallel import prepare_model, wrap_ddp
+from gnetmdk.dist.parallel import wrap_ddp
+from gnetmdk.layers.prepare import prepare_model
 from .device import configure_backends, resolve_device
 from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler, check_batch_split
 from gnetmdk.evaluation.evaluator import evaluate_model

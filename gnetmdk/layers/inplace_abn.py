@@ -103,6 +103,7 @@ from torch.autograd.function import once_differentiable
 from gnetmdk.dist.syncbn import (DistBatchNorm2d, _all_reduce_, batch_moments, channel_grad_sums,
                                  combine_moments, input_grad_coefficients, share_bn_state,
                                  update_running_stats_)
+from gnetmdk.layers.units import ConvBNAct, ConvBNQReLU
 
 __all__ = ["BatchNormAct2d", "convert_inplace_abn", "count_inplace_abn", "ACTIVATIONS"]
 
@@ -524,13 +525,14 @@ def convert_inplace_abn(module: nn.Module, sync: Optional[bool] = None) -> nn.Mo
     doing both (in place on ``module``; returns it). The new layers share the old ones' parameters
     and buffers (same objects: optimizers, EMA copies and state_dict keys are unchanged).
 
-    Recognised units:
-      * GNetDet ``Sublayer`` (conv -> bn -> QReLU): ``bn`` becomes a ReLU BatchNormAct2d and the QReLU
-        gets a forward hook (:class:`_ReluAfterABN`) that passes its input through while it is a plain
-        ReLU (step 1); once ``fold_bn`` removes ``bn``, or caps / calibration are on, the QReLU
-        computes as before. Sublayers whose QReLU has ``revive`` (gradient below 0) are left alone.
-      * PP-YOLO ``ConvBNLayer`` with ``act`` "relu" / "leaky" (slope 0.1): ``bn`` becomes the
-        BatchNormAct2d and ``act`` is set to None (the layer's documented identity).
+    Recognised units (the block classes of gnetmdk.layers.units, which the families' blocks inherit):
+      * :class:`~gnetmdk.layers.units.ConvBNQReLU`, GNetDet's ``Sublayer`` (conv -> bn -> QReLU): ``bn``
+        becomes a ReLU BatchNormAct2d and the QReLU gets a forward hook (:class:`_ReluAfterABN`) that
+        passes its input through while it is a plain ReLU (step 1); once ``fold_bn`` removes ``bn``, or
+        caps / calibration are on, the QReLU computes as before. Sublayers whose QReLU has ``revive`` (gradient below 0) are left alone.
+      * :class:`~gnetmdk.layers.units.ConvBNAct`, PP-YOLO's ``ConvBNLayer``, with ``act`` "relu" / "leaky"
+        (slope 0.1): ``bn`` becomes the BatchNormAct2d and ``act`` is set to None (the layer's documented
+        identity).
       * ``nn.Sequential`` children: a BatchNorm2d immediately followed by ``nn.ReLU`` /
         ``nn.LeakyReLU``: the pair becomes (BatchNormAct2d, ``nn.Identity``).
     BatchNorm2d, DistBatchNorm2d and torch.nn.SyncBatchNorm are converted; ``sync=None`` makes the new
@@ -540,15 +542,13 @@ def convert_inplace_abn(module: nn.Module, sync: Optional[bool] = None) -> nn.Mo
 
     The module's function is unchanged (outputs and gradients to float rounding, see BatchNormAct2d).
     """
-    from gnetmdk.models.gnetdet.model import Sublayer
-    from gnetmdk.models.ppyolo.common import ConvBNLayer
     for m in list(module.modules()):
-        if isinstance(m, Sublayer):
+        if isinstance(m, ConvBNQReLU):
             if _is_plain_bn(m.bn) and not m.relu.revive:
                 m.bn = _abn_from(m.bn, "relu", 0.01, sync)
                 if not any(isinstance(h, _ReluAfterABN) for h in m.relu._forward_hooks.values()):
                     m.relu.register_forward_hook(_ReluAfterABN(m))
-        elif isinstance(m, ConvBNLayer):
+        elif isinstance(m, ConvBNAct):
             if m.act in ("relu", "leaky") and _is_plain_bn(m.bn):
                 m.bn = _abn_from(m.bn, "relu" if m.act == "relu" else "leaky_relu", 0.1, sync)
                 m.act = None

@@ -69,6 +69,7 @@ from torch.autograd.function import once_differentiable
 from gnetmdk.dist.syncbn import (_all_reduce_, batch_moments, combine_moments, input_grad_coefficients,
                                  update_running_stats_)
 from gnetmdk.layers.inplace_abn import _activate_
+from gnetmdk.layers.units import ConvBNUnit
 
 __all__ = ["StemSpec", "conv_bn_act", "convert_recompute_stem", "count_recompute_stem", "MAX_STEM_CHANNELS"]
 
@@ -382,17 +383,16 @@ def conv_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.BatchNorm2d, act: str, 
 def convert_recompute_stem(module: nn.Module) -> int:
     """Mark the stem block of ``module`` for recomputation (in place); returns how many (0 or 1).
 
-    Marked: the first GNetDet ``Sublayer`` or PP-YOLO ``ConvBNLayer`` (in module order: GNetDet's first
-    layer, PP-YOLO's first backbone conv) with a BatchNorm whose conv (plain, groups 1) reads at most
-    :data:`MAX_STEM_CHANNELS` input channels, i.e. the image. A marked block computes the same
+    Marked: the first :class:`gnetmdk.layers.units.ConvBNUnit` (GNetDet's ``Sublayer``, PP-YOLO's
+    ``ConvBNLayer``; in module order: GNetDet's first layer, PP-YOLO's first backbone conv) with a
+    BatchNorm whose conv (plain, groups 1) reads at most :data:`MAX_STEM_CHANNELS` input channels, i.e.
+    the image. A marked block computes the same
     function; it takes :func:`conv_bn_act` only while gradients are on and it trains as a float
     conv -> BatchNorm -> plain activation (its ``stem_ok``), and its own forward otherwise. Parameters,
     buffers and state_dict keys do not change.
     """
-    from gnetmdk.models.gnetdet.model import Sublayer
-    from gnetmdk.models.ppyolo.common import ConvBNLayer
     for m in module.modules():
-        if isinstance(m, (Sublayer, ConvBNLayer)):
+        if isinstance(m, ConvBNUnit):
             conv = m.conv
             if (isinstance(conv, nn.Conv2d) and conv.groups == 1 and conv.in_channels <= MAX_STEM_CHANNELS
                     and isinstance(m.bn, nn.BatchNorm2d)):

@@ -18,6 +18,7 @@ from gnetmdk.config.base import ConfigError
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
 from gnetmdk.layers.quant import QConv2d, QReLU
 from gnetmdk.layers.pool import max_pool_2x2
+from gnetmdk.layers.units import ConvBNQReLU
 
 
 class ChipLimitError(ConfigError):
@@ -169,7 +170,7 @@ def gnetdet_memory_layers(layers: Sequence[LayerSpec], image_size: int, chip: st
     return out
 
 
-class Sublayer(nn.Module):
+class Sublayer(ConvBNQReLU):
     """conv (QConv2d) -> optional BatchNorm2d -> capped ReLU (QReLU); pool handled by the parent."""
 
     def __init__(self, ls: LayerSpec, chip: str, use_bn: bool, method: str, percentile: float):

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from gnetmdk.layers.units import ConvBNAct
+
 from .dcn import DeformConv2d
 
 __all__ = ["ConvBNLayer", "init_conv_", "ACTIVATIONS"]
@@ -32,7 +34,7 @@ def init_conv_(conv: nn.Conv2d) -> None:
         nn.init.zeros_(conv.bias)
 
 
-class ConvBNLayer(nn.Module):
+class ConvBNLayer(ConvBNAct):
     """Conv (no bias) + BatchNorm2d + activation: the unit of ResNet-vd and of the PP-YOLO neck.
 
     PaddleDetection: ``ConvNormLayer`` in ``backbones/resnet.py`` (activation ReLU or none) and
