@@ -334,3 +334,36 @@ def test_recomputed_stem_equals_the_block_on_the_gpu(channels_last):
             assert torch.allclose(b2.running_var, 0.9 + 0.1 * ref["var_unbiased"], rtol=2 * n * u, atol=0)
     finally:
         stem.CHUNK_ELEMENTS = chunk
+
+
+@pytest.mark.parametrize("weight_scale", ["gti", "mse"])
+def test_weights_quantized_in_one_pass_equal_each_conv_alone_on_the_gpu(weight_scale, monkeypatch):
+    """The one-pass weight quantization (GNetDet.batch_weight_quant) on the GPU: outputs and gradients
+    of step 2 and gain-aware step 3 (learned caps) equal each conv quantizing its own, bit for bit, in
+    deterministic mode (the MSE sweep's float64 scatter-add is order-dependent otherwise)."""
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.models.gnetdet.model import GNetDet
+    from test_model import _step
+    torch.manual_seed(0)
+    m = GNetDet(3, 224, 0.25, use_bn=False, mask_bits=[8, 3, 3, 3, 1, 8], weight_scale=weight_scale,
+                gain_aware=True).to(DEV)
+    with torch.no_grad():
+        for k, r in enumerate(m.relus()):
+            r.cap.fill_(2.0 + 0.37 * k)
+    x = torch.randint(0, 32, (2, 3, 224, 224), device=DEV).float()
+    old = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")      # the MSE sweep's prefix sums are products
+    torch.use_deterministic_algorithms(True)
+    try:
+        for stage, learn in (("step2", False), ("step3", True)):
+            for r in m.relus():
+                r.cap.requires_grad_(learn)
+            apply_stage(m, STAGES[stage])
+            m.train()
+            y0, g0, c0 = _step(m, x, False)
+            y1, g1, c1 = _step(m, x, True)
+            assert torch.equal(y0, y1), stage
+            for a, b in zip(g0 + c0, g1 + c1):
+                assert (a is None and b is None) or torch.equal(a, b), stage
+    finally:
+        torch.use_deterministic_algorithms(old)

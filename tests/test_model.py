@@ -133,3 +133,50 @@ def test_box_slots_reaches_the_loss_from_config_and_checkpoint():
     assert build_model_from_checkpoint(ckpt, two).loss_weights["box_slots"] == 2
     with pytest.raises(ConfigError, match="box_slots"):
         GNetDet(num_classes=2, image_size=224, width_mult=0.0625, box_slots=0)
+
+
+def _step(model, x, batched):
+    model.batch_weight_quant = batched
+    model.zero_grad(set_to_none=True)
+    for r in model.relus():         # the caps are buffers: zero_grad does not reach them
+        r.cap.grad = None
+    y = model(x)
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    caps = [None if r.cap.grad is None else r.cap.grad.clone() for r in model.relus()]
+    return y.detach(), grads, caps
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("stage,learn_caps", [("step2", False), ("step3", False), ("step3", True), ("step4", False)])
+@pytest.mark.parametrize("weight_scale", ["gti", "mse"])
+def test_weights_quantized_in_one_pass_equal_each_conv_alone(weight_scale, stage, learn_caps, device_path):
+    """GNetDet quantizes all its convs' weights in one pass per forward (batch_weight_quant); outputs,
+    weight and bias gradients and the learned caps' gradients equal those of each conv quantizing its
+    own, bit for bit: step 2, gain-aware step 3 with fixed and with learned caps, step 4, on the host
+    and on the device path (device cpu)."""
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.gti import quantize as Q
+    torch.manual_seed(0)
+    m = GNetDet(3, 224, 0.25, use_bn=False, chip="5801", mask_bits=[8, 3, 3, 3, 1, 8], weight_scale=weight_scale,
+                gain_aware=True)
+    with torch.no_grad():
+        for k, r in enumerate(m.relus()):
+            r.cap.fill_(2.0 + 0.37 * k)
+        if stage == "step4":
+            from gnetmdk.gti.transforms import gain_edit
+            gain_edit(m)
+    for r in m.relus():
+        r.cap.requires_grad_(learn_caps)
+    apply_stage(m, STAGES[stage])
+    m.train()
+    x = torch.randint(0, 32, (2, 3, 224, 224)).float()
+    with (Q.force_device_path() if device_path else torch.enable_grad()):
+        y0, g0, c0 = _step(m, x, False)
+        y1, g1, c1 = _step(m, x, True)
+    assert m.set_gains() == (stage == "step3")
+    assert torch.equal(y0, y1)
+    for a, b in zip(g0 + c0, g1 + c1):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert all(g is not None for g in g1) and (not learn_caps or all(c is not None for c in c1))
+    assert all(c.batched_params is None for c in m.convs())      # nothing kept after the forward

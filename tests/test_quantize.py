@@ -751,3 +751,68 @@ def test_output_cap_limit_rule_from_the_score_head_device_cpu(over, limit):
     if g.score_head == "logit":
         top = g.score_offset + math.log(99) / g.score_scale
         assert 1 / (1 + math.exp(-g.score_scale * (top - g.score_offset))) == pytest.approx(0.99, abs=1e-12)
+
+
+# ------------------------------------------------------------------ several sublayers in one pass
+def _sublayers(seed, n, dtype=torch.float32, channels_last=False):
+    """n sublayers of random shapes and magnitudes (some all-zero kernels, one all-zero bias)."""
+    g = torch.Generator().manual_seed(seed)
+    ws, bs = [], []
+    for k in range(n):
+        o, i = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        w = torch.randn(o, i, 3, 3, generator=g, dtype=torch.float64) * 10.0 ** float(-3 * torch.rand(1, generator=g))
+        w = w * (torch.rand(o, i, 1, 1, generator=g, dtype=torch.float64) >= 0.15)
+        b = torch.randn(o, generator=g, dtype=torch.float64) * 10.0 ** float(2 * torch.rand(1, generator=g) - 1)
+        if k == 1:
+            b.zero_()
+        w = w.to(dtype)
+        ws.append(w.contiguous(memory_format=torch.channels_last) if channels_last and k % 2 else w)
+        bs.append(b.to(dtype))
+    return ws, bs
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+@pytest.mark.parametrize("method", ["gti", "mse"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_conv_values_equals_each_sublayer_alone(scheme, method, device_path, monkeypatch):
+    """Several sublayers in one pass give each one's quantize_conv_params values bit for bit: weights,
+    bias and shift, on the host and the device path, with gain-edited values, float32 and float64,
+    channels_last kernels beside contiguous ones, and the MSE sweep's chunks straddling sublayers
+    (device cpu)."""
+    monkeypatch.setattr(Q, "_SWEEP_CHUNK_VALUES", 5 * 27)          # 5 kernels per pass
+    bw, bb = (12, 20) if scheme != 8 else (8, 12)
+    for seed, dtype, gains in ((0, torch.float32, None), (1, torch.float64, None),
+                               (2, torch.float32, [(31.0, 2.5), (2.5, 0.75), (0.75, 3.1), (3.1, 1.3), (1.3, 7.0)])):
+        ws, bs = _sublayers(seed, 5, dtype, channels_last=seed == 0)
+        with (Q.force_device_path() if device_path else torch.no_grad()):
+            got_w, got_b, got_s = Q.quantize_conv_values(ws, bs, scheme, bw, bb, method, gains)
+            for k, (w, b) in enumerate(zip(ws, bs)):
+                if gains is not None:     # QConv2d's gain-edited values (float64 products)
+                    w = (w.double() * gains[k][0] / gains[k][1]).to(dtype)
+                    b = (b.double() * Q.ACT_MAX / gains[k][1]).to(dtype)
+                wq, bq, s = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+                assert isinstance(got_s[k], torch.Tensor) == device_path
+                assert int(got_s[k]) == int(s), (seed, k)
+                assert got_w[k].shape == w.shape and got_w[k].dtype == dtype
+                assert torch.equal(got_w[k], wq), (seed, k)
+                assert torch.equal(got_b[k], bq), (seed, k)
+        assert any(not torch.equal(q, w) for q, w in zip(got_w, ws))      # it did quantize
+
+
+def test_quantize_conv_values_without_bias_and_refusals():
+    """Sublayers without a bias; one sublayer alone; mixed inputs refused with the reason (device cpu)."""
+    ws, _ = _sublayers(3, 3)
+    got_w, got_b, got_s = Q.quantize_conv_values(ws, [None] * 3, 3, 8, 20, "mse")
+    assert got_b == [None] * 3
+    for w, gw, gs in zip(ws, got_w, got_s):
+        wq, bq, s = Q.quantize_conv_params(w, None, 3, 8, 20, "mse")
+        assert gs == s and torch.equal(gw, wq) and bq is None
+    one = Q.quantize_conv_values(ws[:1], [None], 5, 8, 20, "gti")
+    assert torch.equal(one[0][0], Q.quantize_conv_params(ws[0], None, 5, 8, 20, "gti")[0])
+    assert Q.quantize_conv_values([], [], 3, 8, 20) == ([], [], [])
+    with pytest.raises(ValueError, match="bias for every sublayer or for none"):
+        Q.quantize_conv_values(ws[:2], [torch.zeros(ws[0].shape[0]), None], 3, 8, 20)
+    with pytest.raises(ValueError, match="differ in dtype"):
+        Q.quantize_conv_values([ws[0], ws[1].double()], [None, None], 3, 8, 20)
+    with pytest.raises(ValueError, match="unknown weight scheme 4"):
+        Q.quantize_conv_values(ws, [None] * 3, 4, 8, 20)

@@ -16,7 +16,7 @@ activation clip passes it on the open interval (0, cap) only.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,6 +117,12 @@ def _constant(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
+def scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-d tensor holding ``value`` (built once per value, dtype and device; do not write into
+    it): a constant a forward needs, such as the cap 31 of the code domain, without a fill per step."""
+    return _constant([float(value)], dtype, device).reshape(())
+
+
 def shift_scale(shift, like: torch.Tensor):
     """2^s as the multiplier of Q_s: a Python float for an int shift, a 0-d tensor of ``like``'s dtype
     and device for a tensor shift (looked up in a table of the exact powers 2^0..2^12, no rounding)."""
@@ -164,26 +170,25 @@ def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: 
             r = torch.minimum(r, (2 ** (bias_bits - 1) - 1) / bias.detach().abs().amax().double())
         powers = _constant([float(2 ** k) for k in range(1, MAX_SHIFT + 1)], torch.float64, w.device)
         return (r >= powers).sum()
-    limits = []
     wmax = float(weight.detach().abs().max()) if weight.numel() else 0.0
+    bmax = float(bias.detach().abs().max()) if bias is not None and bias.numel() else 0.0
+    return _shift_from_max(wmax, bmax, weight_bits, bias_bits)
+
+
+def _shift_from_max(wmax: float, bmax: float, weight_bits: int, bias_bits: int) -> int:
+    """compute_shift's host path from max|W| and max|b| (Python floats; 0 for a zero or absent tensor,
+    which does not constrain s)."""
+    limits = []
     if wmax > 0:
         limits.append(math.floor(math.log2((2 ** (weight_bits - 1) - 1) / wmax)))
-    if bias is not None and bias.numel():
-        bmax = float(bias.detach().abs().max())
-        if bmax > 0:
-            limits.append(math.floor(math.log2((2 ** (bias_bits - 1) - 1) / bmax)))
+    if bmax > 0:
+        limits.append(math.floor(math.log2((2 ** (bias_bits - 1) - 1) / bmax)))
     s = min(limits) if limits else MAX_SHIFT
     return int(min(max(s, 0), MAX_SHIFT))
 
 
 # ------------------------------------------------------------------ weight schemes
 _LEVELS = {1: (1.0,), 2: (0.0, 1.0), 3: (0.0, 1.0, 2.0, 4.0), 5: tuple(float(i) for i in range(16))}
-
-
-def _kernel_stats(w: torch.Tensor):
-    """mean|w| and max|w| per 3x3 kernel: (O, I, 1, 1) each."""
-    a = w.abs()
-    return a.mean(dim=(2, 3), keepdim=True), a.amax(dim=(2, 3), keepdim=True)
 
 
 def _nearest_level(r: torch.Tensor, levels: Tuple[float, ...], inplace: bool = False) -> torch.Tensor:
@@ -244,14 +249,27 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     Returns:
         (O, I, 1, 1) scales of w's dtype, already quantized to multiples of 2^-shift.
     """
-    levels = _LEVELS[scheme]
     o, i = w.shape[:2]
-    k = o * i
-    a = w.abs().reshape(k, -1)                                           # (K, n)
-    n = a.shape[1]
-    dev = w.device
-    f = torch.linspace(0.15, 1.0, candidates, dtype=w.dtype, device=dev)
-    scale = shift_scale(shift, a)      # quantize_shift for values >= 0, without torch's slow trunc
+    a = _kernel_rows(w).abs()
+    return _mse_scale_rows(a, scheme, shift_scale(shift, a), candidates).reshape(o, i, 1, 1)
+
+
+def _kernel_rows(w: torch.Tensor) -> torch.Tensor:
+    """(O, I, kh, kw) weights as (O * I, kh * kw) rows, one kernel per row, in row-major order (a view
+    of a contiguous tensor; a copy of any other layout, so every kernel's statistics sum in one order)."""
+    return w.reshape(w.shape[0] * w.shape[1], -1)
+
+
+def _mse_scale_rows(a: torch.Tensor, scheme: int, scale, candidates: int = 32) -> torch.Tensor:
+    """_mse_scale on kernels as rows: a (K, n) = |w| per kernel, ``scale`` = 2^s as a Python float, a
+    0-d tensor or a (K, 1) tensor (each row's sublayer shift: several sublayers in one pass, see
+    quantize_conv_values). Every row is computed on its own (the result of a row does not depend on the
+    other rows). Returns (K, 1) scales of a's dtype."""
+    levels = _LEVELS[scheme]
+    k, n = a.shape
+    dev = a.device
+    f = torch.linspace(0.15, 1.0, candidates, dtype=a.dtype, device=dev)
+    # quantize_shift for values >= 0, without torch's slow trunc
     d = _chip_round_nonneg_(a.amax(1, keepdim=True) / levels[-1] * f * scale).div_(scale)  # (K, C) ascending
     dd = d.double()
     lows, highs = levels[:-1], levels[1:]
@@ -288,7 +306,7 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
             p2[start:start + chunk] = q.square().sum(-1)                    # integers: exact
             pa[start:start + chunk] = torch.matmul(q.double(), ax.double().transpose(1, 2)).squeeze(-1)
     err = dd * (dd * p2 - 2.0 * pa)          # sum (q d - |w|)^2 - sum |w|^2; 0 for d = 0
-    return d.gather(1, err.argmin(dim=1, keepdim=True)).reshape(o, i, 1, 1)
+    return d.gather(1, err.argmin(dim=1, keepdim=True))
 
 
 def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits: int,
@@ -319,35 +337,46 @@ def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits:
         raise ValueError(f"unknown weight scheme {scheme}: use one of {WEIGHT_SCHEMES}")
     if method not in ("gti", "mse"):
         raise ValueError(f"unknown weight scale method '{method}': use 'gti' or 'mse'")
-    w = w.detach()
+    rows = _kernel_rows(w.detach())
+    return _quantize_weight_rows(rows, scheme, shift_scale(shift, rows), weight_bits, method).reshape(w.shape)
+
+
+def _quantize_weight_rows(w: torch.Tensor, scheme: int, scale, weight_bits: int, method: str) -> torch.Tensor:
+    """quantize_weight_value on kernels as rows: w (K, n) float, one kernel per row (_kernel_rows);
+    ``scale`` = 2^s as a Python float, a 0-d tensor, or a (K, 1) tensor holding each row's sublayer
+    shift (several sublayers in one pass: quantize_conv_values). Every operation is elementwise or a
+    reduction within a row, so a row's result does not depend on the rows beside it. Returns (K, n)."""
     sign = torch.sign(w)
     absw = w.abs()
     if scheme in (8, 12):
-        wq = quantize_shift(w, shift)
+        wq = _scaled_round(w, scale)
     elif method == "mse":
-        d = _mse_scale(w, scheme, shift)
+        d = _mse_scale_rows(absw, scheme, scale)
         safe = torch.where(d > 0, d, torch.ones_like(d))
         wq = sign * _nearest_level(absw / safe, _LEVELS[scheme]) * d
     else:
-        mean, amax = _kernel_stats(w)
         if scheme == 1:
-            wq = sign * quantize_shift(mean, shift)
+            wq = sign * _scaled_round(absw.mean(1, keepdim=True), scale)
         elif scheme == 2:
-            m = quantize_shift(mean, shift)
+            m = _scaled_round(absw.mean(1, keepdim=True), scale)
             wq = sign * m * (absw >= m / 4).to(w.dtype)
         elif scheme == 3:
-            d = mean / 4
+            d = absw.mean(1, keepdim=True) / 4
             safe = torch.where(d > 0, d, torch.ones_like(d))
             c = torch.floor(absw / safe)
             c = torch.where(c >= 3, torch.full_like(c, 4.0), c)
-            wq = sign * c * quantize_shift(d, shift)
+            wq = sign * c * _scaled_round(d, scale)
         else:  # 5-bit
-            d = amax / 15
+            d = absw.amax(1, keepdim=True) / 15
             safe = torch.where(d > 0, d, torch.ones_like(d))
-            wq = chip_round(w / safe) * quantize_shift(d, shift)
+            wq = chip_round(w / safe) * _scaled_round(d, scale)
     limit = float(2 ** (weight_bits - 1) - 1)
-    scale = shift_scale(shift, wq)
     return torch.clamp(chip_round(wq * scale), -limit, limit) / scale
+
+
+def _scaled_round(x: torch.Tensor, scale) -> torch.Tensor:
+    """Q_s(x) = R(x 2^s) / 2^s with ``scale`` = 2^s (a Python float or a tensor that broadcasts to x)."""
+    return chip_round(x * scale) / scale
 
 
 def quantize_bias_value(b: torch.Tensor, shift, bias_bits: int) -> torch.Tensor:
@@ -376,6 +405,120 @@ def quantize_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme
     w_q = ste(weight, quantize_weight_value(weight, scheme, shift, weight_bits, method))
     b_q = None if bias is None else ste(bias, quantize_bias_value(bias, shift, bias_bits))
     return w_q, b_q, shift
+
+
+def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], scheme: int,
+                         weight_bits: int, bias_bits: int, method: str = "gti",
+                         gains: Optional[Sequence[Tuple[float, float]]] = None):
+    """Quantize several sublayers of one weight format in one pass: the values of quantize_conv_params
+    for each, bit for bit, with a fixed number of operations however many sublayers there are.
+
+    A training step quantizes every conv's weights; one pass per conv costs about sixty small
+    operations each (shift, statistics, rounding), which on an accelerator means as many kernel
+    launches. Here the kernels of all the sublayers are rows of one (K, n) tensor (_kernel_rows), the
+    shifts come from per-sublayer maxima (scatter_reduce, an exact max), each row is scaled by its own
+    sublayer's 2^s, and every other operation is elementwise or a reduction within a row, so each value
+    is the same computation as in quantize_conv_params (tests/test_quantize.py checks the equality).
+
+    Args:
+        weights: L float tensors (O_l, I_l, kh, kw) of one dtype, device and kernel size (read detached).
+        biases: L tensors (O_l,) or None, of the weights' dtype.
+        scheme, weight_bits, bias_bits, method: the format shared by the L sublayers (see
+            quantize_weight_value).
+        gains: None, or L pairs (cap_in, cap_out) of Python floats: quantize the gain-edited values
+            W cap_in / cap_out and b 31 / cap_out (float64 products, then the weights' dtype), as
+            gnetmdk.layers.quant.QConv2d does in gain-aware step 3.
+    Returns:
+        (w_values, b_values, shifts): lists of L detached tensors (O_l, I_l, kh, kw) and (O_l,) (None
+        where the bias is None), and L shifts: ints, or on the device path (device_path) 0-d int64
+        tensors on the weights' device.
+    Raises:
+        ValueError: unknown scheme or method, or sublayers that differ in dtype, device or kernel size.
+    """
+    if scheme not in WEIGHT_SCHEMES:
+        raise ValueError(f"unknown weight scheme {scheme}: use one of {WEIGHT_SCHEMES}")
+    if method not in ("gti", "mse"):
+        raise ValueError(f"unknown weight scale method '{method}': use 'gti' or 'mse'")
+    n_layers = len(weights)
+    if n_layers == 0:
+        return [], [], []
+    first = weights[0]
+    if any(w.dtype != first.dtype or w.device != first.device or w.shape[2:] != first.shape[2:] for w in weights):
+        raise ValueError("quantize_conv_values: the sublayers differ in dtype, device or kernel size")
+    with_bias = biases[0] is not None
+    if len(biases) != n_layers or any((b is not None) != with_bias for b in biases):
+        raise ValueError("quantize_conv_values: give a bias for every sublayer or for none")
+    dtype, dev = first.dtype, first.device
+    rows = [_kernel_rows(w.detach()) for w in weights]
+    kernels = [r.shape[0] for r in rows]
+    kidx = _row_index(kernels, dev)
+    w_all = torch.cat(rows) if n_layers > 1 else rows[0]                                 # (K, n)
+    if with_bias:
+        channels = [b.shape[0] for b in biases]
+        cidx = _row_index(channels, dev)
+        b_all = torch.cat([b.detach() for b in biases]) if n_layers > 1 else biases[0].detach()   # (C,)
+    if gains is not None:       # gain editing's values (gnetmdk.gti.transforms.gain_edit, float64)
+        cin, cout = _gain_tensors(gains, dev)
+        w_all = (w_all.double() * cin.index_select(0, kidx).unsqueeze(1)
+                 / cout.index_select(0, kidx).unsqueeze(1)).to(dtype)
+        if with_bias:
+            b_all = (b_all.double() * ACT_MAX / cout.index_select(0, cidx)).to(dtype)
+    # per-sublayer max|W| and max|b| (0 for none): a max is exact in any order
+    w_abs = w_all.abs()
+    wmax = torch.zeros(n_layers, dtype=dtype, device=dev).scatter_reduce_(0, kidx, w_abs.amax(1), "amax")
+    bmax = (torch.zeros(n_layers, dtype=dtype, device=dev).scatter_reduce_(0, cidx, b_all.abs(), "amax")
+            if with_bias else None)
+    if device_path(first):      # compute_shift(as_tensor=True) for all sublayers: nothing read back
+        r = (2 ** (weight_bits - 1) - 1) / wmax.double()
+        if with_bias:
+            r = torch.minimum(r, (2 ** (bias_bits - 1) - 1) / bmax.double())
+        powers = _constant([float(2 ** k) for k in range(1, MAX_SHIFT + 1)], torch.float64, dev)
+        shift_t = (r.unsqueeze(1) >= powers).sum(1)                                         # (L,) int64
+        layer_scale = _constant([float(2 ** k) for k in range(MAX_SHIFT + 1)], dtype, dev).index_select(0, shift_t)
+        shifts = list(shift_t.unbind(0))
+    else:
+        maxima = (torch.stack([wmax, bmax]) if with_bias else wmax.unsqueeze(0)).tolist()
+        bm = maxima[1] if with_bias else [0.0] * n_layers
+        shifts = [_shift_from_max(a, b, weight_bits, bias_bits) for a, b in zip(maxima[0], bm)]
+        layer_scale = torch.tensor([float(2 ** s) for s in shifts], dtype=dtype, device=dev)
+    wq = _quantize_weight_rows(w_all, scheme, layer_scale.index_select(0, kidx).unsqueeze(1), weight_bits, method)
+    w_out = [q.reshape(w.shape) for q, w in zip(wq.split(kernels), weights)]
+    b_out: List[Optional[torch.Tensor]] = [None] * n_layers
+    if with_bias:
+        limit = float(2 ** (bias_bits - 1) - 1)
+        bs = layer_scale.index_select(0, cidx)
+        b_out = list((torch.clamp(chip_round(b_all * bs), -limit, limit) / bs).split(channels))
+    return w_out, b_out, shifts
+
+
+_GAINS: dict = {}
+
+
+def _gain_tensors(gains: Sequence[Tuple[float, float]], device: torch.device):
+    """(cap_in, cap_out) float64 tensors (L,) on ``device``, cached per value (at most 16 kept), so
+    fixed caps are copied to an accelerator once, not every step."""
+    key = (tuple((float(a), float(b)) for a, b in gains), str(device))
+    t = _GAINS.get(key)
+    if t is None:
+        if len(_GAINS) >= 16:                  # learned caps change every step: keep the newest
+            _GAINS.pop(next(iter(_GAINS)))
+        both = torch.tensor(key[0], dtype=torch.float64).t().contiguous().to(device)
+        t = _GAINS[key] = (both[0], both[1])
+    return t
+
+
+_ROW_INDEX: dict = {}
+
+
+def _row_index(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor (sum(counts),) holding l counts[l] times: the sublayer of every row (cached per
+    layout and device, so a step builds none)."""
+    key = (tuple(counts), str(device))
+    t = _ROW_INDEX.get(key)
+    if t is None:
+        t = _ROW_INDEX[key] = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(list(counts),
+                                                                                          dtype=torch.long)).to(device)
+    return t
 
 
 def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme: int, weight_bits: int,

@@ -5,7 +5,7 @@ table (gnetmdk.engine.stages) sets; the math itself is in gnetmdk.gti.quantize.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,8 @@ class QConv2d(nn.Conv2d):
         self.gain: Optional[tuple] = None
         self.gain_tensors: Optional[tuple] = None
         self.exact = False
+        #: (w_q, b_q, shift) computed for this forward by quantize_convs (one pass over all convs), or None
+        self.batched_params: Optional[tuple] = None
 
     def quantized_params(self):
         """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients).
@@ -98,7 +100,7 @@ class QConv2d(nn.Conv2d):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b, shift = self.quantized_params()
+        w, b, shift = self.batched_params if self.batched_params is not None else self.quantized_params()
         if self.exact or (self.gain is not None and not self.training):
             # float32 only on CPU (direct convolution); on CUDA TF32 and algorithm choice could round
             if shift is not None and x.device.type == "cpu" and self.float32_exact(w, b, shift):
@@ -162,12 +164,12 @@ class QReLU(nn.Module):
             return F.relu(x)
         if not self.use_cap:
             if self.revive and torch.is_grad_enabled():
-                return Q.capped_relu(x, x.new_full((), float("inf")), quantize=False, revive=True)
+                return Q.capped_relu(x, Q.scalar(float("inf"), x.dtype, x.device), quantize=False, revive=True)
             return F.relu(x)
         if not Q.device_path(self.cap) and self.cap <= 0:   # on a device the stage's entry checks the caps
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
         if self.code_domain:        # gain-aware step 3: the codes, exactly as step 4 computes them
-            cap, integer = self.cap.new_full((), float(Q.ACT_MAX)), True
+            cap, integer = Q.scalar(Q.ACT_MAX, self.cap.dtype, self.cap.device), True
         else:
             cap, integer = self.cap, self.integer
         if torch.is_autocast_enabled(x.device.type):
@@ -180,3 +182,50 @@ class QReLU(nn.Module):
     def extra_repr(self) -> str:
         return (f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}, "
                 f"code_domain={self.code_domain}")
+
+
+def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
+    """``[conv.quantized_params() for conv in convs]``, equal bit for bit in values and gradients, in
+    one pass per weight format (gnetmdk.gti.quantize.quantize_conv_values) instead of one per conv: a
+    training step of a quantized model then costs a fixed number of quantizer operations however many
+    convs it has (on an accelerator, kernel launches).
+
+    Convs are grouped by (scheme, registers, method, dtype, device, kernel size, bias or not, gain or
+    not); a conv without ``quant_weight`` gets (weight, bias, None) as quantized_params gives it. The
+    straight-through gradients are the per-conv ones: identity to weight and bias, times the gain where
+    there is one (QConv2d.quantized_params). Runs with autocast off, as QConv2d.forward runs them.
+
+    Returns:
+        one (w_q, b_q, shift) per conv, in order.
+    """
+    out: List[Optional[tuple]] = [None] * len(convs)
+    groups: dict = {}
+    for i, c in enumerate(convs):
+        if not c.quant_weight:
+            out[i] = (c.weight, c.bias, None)
+            continue
+        key = (c.scheme, c.weight_bits, c.bias_bits, c.method, c.weight.dtype, c.weight.device,
+               tuple(c.weight.shape[2:]), c.bias is None, c.gain is None)
+        groups.setdefault(key, []).append(i)
+    if not groups:
+        return out
+    dev_type = convs[next(iter(groups.values()))[0]].weight.device.type
+    with torch.autocast(dev_type, enabled=False):
+        for (scheme, bw, bb, method, *_rest), idx in groups.items():
+            members = [convs[i] for i in idx]
+            gains = None if members[0].gain is None else [tuple(float(g) for g in c.gain) for c in members]
+            w_vals, b_vals, shifts = Q.quantize_conv_values([c.weight for c in members], [c.bias for c in members],
+                                                            scheme, bw, bb, method, gains)
+            for i, c, wv, bv, s in zip(idx, members, w_vals, b_vals, shifts):
+                src_w, src_b = c.weight, c.bias
+                if c.gain is not None:      # the gradient reaches the parameters through the gain
+                    if c.gain_tensors is not None:
+                        ci, co = c.gain_tensors
+                        gw, gb = ci / co, Q.ACT_MAX / co
+                    else:
+                        cap_in, cap_out = (float(g) for g in c.gain)
+                        gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
+                    src_w = src_w * gw
+                    src_b = None if src_b is None else src_b * gb
+                out[i] = (Q.ste(src_w, wv), None if src_b is None else Q.ste(src_b, bv), s)
+    return out

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from gnetmdk.config.base import ConfigError
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
-from gnetmdk.layers.quant import QConv2d, QReLU
+from gnetmdk.layers.quant import QConv2d, QReLU, quantize_convs
 from gnetmdk.layers.pool import max_pool_2x2
 from gnetmdk.layers.units import ConvBNQReLU
 
@@ -289,6 +289,10 @@ class GNetDet(nn.Module):
         self._code_output_scale: Optional[torch.Tensor] = None
         self._code_scale_learned = False
 
+    #: quantize all convs' weights in one pass per forward (gnetmdk.layers.quant.quantize_convs), the
+    #: same values and gradients as each conv's own pass with a fixed number of operations; False: per conv
+    batch_weight_quant = True
+
     def train(self, mode: bool = True):
         """Switch train/eval; in eval with ``exact_eval`` the convs compute in float64 (bit-exact)."""
         super().train(mode)
@@ -371,11 +375,21 @@ class GNetDet(nn.Module):
         The outputs are values (steps 1-3 with ``gain_aware`` off) or codes 0..31 (step 4, gain-aware
         step 3), before the host scale that ``forward`` applies."""
         self.set_gains()
+        convs = self.convs()
+        batched = self.batch_weight_quant and any(c.quant_weight for c in convs)
+        if batched:     # every conv's quantized weights in one pass (bit-equal to each conv's own)
+            for conv, params in zip(convs, quantize_convs(convs)):
+                conv.batched_params = params
         outs = []
-        for layer in self.layers:
-            x = layer(x)
-            if return_all:
-                outs.append(x)
+        try:
+            for layer in self.layers:
+                x = layer(x)
+                if return_all:
+                    outs.append(x)
+        finally:
+            if batched:
+                for conv in convs:
+                    conv.batched_params = None
         return (x, outs) if return_all else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
