@@ -20,18 +20,7 @@ REGISTRY = {"gnetmdk.models", "gnetmdk.models.gnetdet", "gnetmdk.models.ppyolo"}
 
 #: (importing module, imported module) of every import inside a function that points up a floor
 KNOWN_DEFERRED_UP = {
-    ("gnetmdk.config.base", "gnetmdk.models"),
-    ("gnetmdk.config.overrides", "gnetmdk.models"),
-    ("gnetmdk.config.overrides", "gnetmdk.engine.resume"),
-    ("gnetmdk.config.overrides", "gnetmdk.dist.sampler"),
-    ("gnetmdk.checkpoint.io", "gnetmdk.models"),
-    ("gnetmdk.gti.memory", "gnetmdk.models.gnetdet.model"),
-    ("gnetmdk.gti.memory", "gnetmdk.models.gnetdet.config"),
-    ("gnetmdk.dataset.dataset", "gnetmdk.models"),
-    ("gnetmdk.models.base", "gnetmdk.engine.calibration"),
-    ("gnetmdk.gti.chip.convert", "gnetmdk.engine.stages"),
-    ("gnetmdk.gti.chip.cli_util", "gnetmdk.engine.stages"),
-    ("gnetmdk.gti.chip.cli_util", "gnetmdk.engine.device"),
+    ("gnetmdk.config.registry", "gnetmdk.models"),
 }
 
 
@@ -177,3 +166,38 @@ def test_family_blocks_are_the_layer_units_the_conversions_recognise():
     assert issubclass(Sublayer, ConvBNQReLU) and issubclass(ConvBNLayer, ConvBNAct)
     assert issubclass(ConvBNQReLU, ConvBNUnit) and issubclass(ConvBNAct, ConvBNUnit)
     assert not issubclass(ConvBNLayer, ConvBNQReLU) and not issubclass(Sublayer, ConvBNAct)
+
+
+def test_the_config_loads_no_family_until_a_lookup():
+    """gnetmdk.config, gnetmdk.checkpoint.io and gnetmdk.dataset.dataset import no family: the registry
+    (gnetmdk.config.registry) imports gnetmdk.models on the first lookup that needs it."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "import gnetmdk.config, gnetmdk.config.registry, gnetmdk.checkpoint.io, gnetmdk.dataset.dataset\n"
+            "assert not any(m.startswith('gnetmdk.models') for m in sys.modules), sorted(sys.modules)\n"
+            "from gnetmdk.config.registry import get_family, sections\n"
+            "assert get_family('ppyolo').name == 'ppyolo' and set(sections()) >= {'gnetdet', 'ppyolo'}\n"
+            "import gnetmdk.models\n"
+            "assert gnetmdk.models.get_family is get_family and gnetmdk.models.FAMILIES['gnetdet'].name == 'gnetdet'\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_registry_refuses_an_unknown_model_with_the_closest_names():
+    from gnetmdk.config.base import ConfigError
+    from gnetmdk.config.registry import get_family
+    with pytest.raises(ConfigError, match=r"unknown model 'gnetdt'; did you mean gnetdet.*\(registered: .*ppyolo"):
+        get_family("gnetdt")
+
+
+def test_engine_modules_re_export_the_lower_ones():
+    """The stage table, the cap calibration and the device choice sit below the chip model; the engine's
+    modules of the same names hand on the same objects."""
+    from gnetmdk.dist import device as low_device
+    from gnetmdk.engine import calibration, device, stages
+    from gnetmdk.models import calibration as low_calibration
+    from gnetmdk.models import stages as low_stages
+    assert stages.STAGES is low_stages.STAGES and stages.apply_stage is low_stages.apply_stage
+    assert calibration.calibrate_caps is low_calibration.calibrate_caps
+    assert device.set_tf32 is low_device.set_tf32 and device.resolve_device is low_device.resolve_device

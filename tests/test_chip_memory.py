@@ -12,8 +12,9 @@ import pytest
 
 from gnetmdk.config import BaseConfig, load_config_class
 from gnetmdk.config.overrides import build_config
-from gnetmdk.gti.memory import (MemoryLayer, check_chip_memory, chip_layers_memory, memory_report, memory_table,
+from gnetmdk.gti.memory import (MemoryLayer, check_chip_memory, chip_layers_memory, memory_report,
                                 suggest_mask_bits)
+from gnetmdk.models.gnetdet.memory import memory_table
 from gnetmdk.gti.spec import CHIPS, ChipSpecError, get_chip_spec
 from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers
 
@@ -236,8 +237,8 @@ def test_memory_table_matches_checks_device_cpu():
 
 
 def test_docs_table_is_what_the_code_computes_device_cpu(capsys):
-    """docs/chip.md's memory table is the output of ``python3 -m gnetmdk.gti.memory``, line for line."""
-    from gnetmdk.gti.memory import main
+    """docs/chip.md's memory table is the output of ``python3 -m gnetmdk.models.gnetdet.memory``, line for line."""
+    from gnetmdk.models.gnetdet.memory import main
     assert main([]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     with open(os.path.join(REPO, "docs", "chip.md"), encoding="utf-8") as fh:

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from gnetmdk.config.registry import get_family
+
 FORMAT = "gnetmdk-checkpoint"
 VERSION = 1
 
@@ -186,8 +188,8 @@ def _looks_like_onnx(head: bytes) -> bool:
 
 
 def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?", weights: str = "eval"):
-    """Rebuild the model a checkpoint describes (through its family: gnetmdk.models) and load its
-    weights (strict).
+    """Rebuild the model a checkpoint describes (through its family, looked up by the name in its
+    ``model_meta`` in gnetmdk.config.registry) and load its weights (strict).
 
     The architecture comes from ``ckpt["model_meta"]``; with ``cfg`` the run's training settings apply
     as the family decides (DetectorFamily.rebuild: e.g. GNetDet's loss weights from the config, its
@@ -198,7 +200,6 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
     Raises:
         CheckpointError: the checkpoint's model cannot be rebuilt or its tensors do not fit.
     """
-    from gnetmdk.models import get_family
     meta = dict(ckpt.get("model_meta") or {})
     name = meta.get("name", "?")
     try:
@@ -221,7 +222,6 @@ def check_compatible(ckpt: Dict[str, Any], cfg, path: str) -> None:
     Raises:
         CheckpointError: naming each difference and the fix.
     """
-    from gnetmdk.models import get_family
     family = get_family(cfg.model_name)
     meta = {**family.meta_defaults(), **ckpt.get("model_meta", {})}
     want = {"name": family.name, "num_classes": cfg.num_classes, **family.compat_fields(cfg)}

@@ -14,6 +14,9 @@ import os
 import typing
 from typing import Any, Dict, List
 
+# the sections' registry is gnetmdk.config.registry's; SECTIONS and register_section are re-exported here
+from .registry import SECTIONS, get_family, register_section, sections  # noqa: F401
+
 
 class ConfigError(ValueError):
     """A configuration value or override that cannot be used; the message names the field and the fix."""
@@ -76,21 +79,10 @@ class ConfigSection:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
 
-#: section name (a model family's) -> its ConfigSection subclass
-SECTIONS: Dict[str, type] = {}
-
-
-def register_section(name: str, klass: type) -> type:
-    """Register a family's config section; every config then has ``cfg.<name>``."""
-    SECTIONS[name] = klass
-    return klass
-
-
 def ensure_sections() -> Dict[str, type]:
-    """The registered sections, after importing the model families that register them."""
-    if not SECTIONS:
-        import gnetmdk.models  # noqa: F401  (each family registers its section)
-    return SECTIONS
+    """The registered sections ({name: ConfigSection subclass}), after loading the model families that
+    register them (gnetmdk.config.registry.sections)."""
+    return sections()
 
 
 class BaseConfig:
@@ -261,7 +253,6 @@ class BaseConfig:
     def section(self, name: str | None = None) -> "ConfigSection":
         """The section of family ``name`` (default: the run's model family, ``model_name``)."""
         if name is None:
-            from gnetmdk.models import get_family
             name = get_family(self.model_name).name
         return getattr(self, name)
 

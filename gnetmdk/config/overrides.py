@@ -18,6 +18,7 @@ import typing
 from typing import Any, Dict, List, Sequence, Tuple, Type
 
 from .base import BaseConfig, ConfigError, ConfigSection, ensure_sections
+from .registry import get_family
 
 _TRUE = {"1", "true", "yes", "y", "on"}
 _FALSE = {"0", "false", "no", "n", "off"}
@@ -354,7 +355,6 @@ def build_config(klass: Type[BaseConfig], overrides: Sequence[str] = (), step: i
         cfg.model_name = stage_values["model_name"]
     if "model_name" in early:
         cfg.model_name = early["model_name"]
-    from gnetmdk.models import get_family
     family = get_family(cfg.model_name).name
     known = known_fields(klass, family)
     # the sections: defaults, then configs.py (a dict per section, or a section field by its own name)
@@ -408,6 +408,39 @@ def _class_section_fields(klass, top, sections) -> List[str]:
     return sorted(n for n in names if n in every)
 
 
+#: the settings a resume compares with its checkpoint (gnetmdk.engine.resume, which re-exports these):
+#: must be equal to the checkpoint's (a different batch or accumulation moves the position in the epoch;
+#: another optimizer or cap_lr changes the optimizer's state layout)
+RESUME_FIXED = ("batch_size", "accumulate", "optimizer", "cap_lr")
+#: may differ when listed in resume_changes (world_size: the global batches and their arithmetic do not
+#: depend on the process count, docs/distributed.md)
+RESUME_CHANGEABLE = ("world_size", "num_epochs", "lr_scheduler", "learning_rate", "warmup_epochs", "warmup_factor",
+                     "min_lr_ratio", "lr_step_size", "lr_milestones", "lr_gamma", "lr_restart_epochs",
+                     "lr_restart_mult", "momentum", "nesterov", "weight_decay")
+RESUME_CHECKED = RESUME_FIXED + RESUME_CHANGEABLE
+
+
+def check_batch_split(batch_size: int, world: int = 1, accumulate: int = 1, how: str = "") -> None:
+    """The one check that a global batch splits into ``world`` processes x ``accumulate`` micro-batches
+    (the config, the launcher, the trainer and the sampler all call it).
+
+    Args:
+        how: how the process count is made up, for the message (e.g. "1 machine(s) x 2 per machine").
+    Raises:
+        ConfigError: naming the batch, the processes and micro-batches, and the two nearest valid batches.
+    """
+    unit = int(world) * int(accumulate)
+    if unit > 0 and batch_size % unit == 0:
+        return
+    lower = (batch_size // unit) * unit
+    choices = " or ".join(str(c) for c in (lower, lower + unit) if c > 0)
+    into = f"evenly over {world} processes" + (f" ({how})" if how else "")
+    if accumulate > 1:
+        into = f"into {world} process(es) x {accumulate} accumulated micro-batches"
+    raise ConfigError(f"batch_size {batch_size} does not split {into}: use a multiple of {unit} (e.g. {choices}); "
+                      f"each process takes batch_size / {world} images and the learning rate is not rescaled")
+
+
 def validate_config(cfg: BaseConfig) -> None:
     """Refuse values out of range at start-up, naming the field and the allowed values; then the
     model family's own checks of its section (DetectorFamily.check_config).
@@ -456,7 +489,6 @@ def validate_config(cfg: BaseConfig) -> None:
                         f"{cfg.eval_interval} epochs, so set patience to {cfg.eval_interval} or more")
     if not cfg.dist_timeout > 0:
         bad("dist_timeout", "must be a positive number of seconds")
-    from gnetmdk.engine.resume import RESUME_CHANGEABLE
     wrong = [k for k in cfg.resume_changes if k not in RESUME_CHANGEABLE]
     if wrong:
         bad("resume_changes", f"{', '.join(map(repr, wrong))} cannot change on a resume; these can: "
@@ -486,7 +518,6 @@ def validate_config(cfg: BaseConfig) -> None:
     if cfg.accumulate < 1:
         bad("accumulate", "must be at least 1")
     if cfg.accumulate >= 1 and cfg.batch_size >= 1:
-        from gnetmdk.dist.sampler import check_batch_split
         try:
             check_batch_split(cfg.batch_size, 1, cfg.accumulate)
         except ConfigError as exc:
@@ -509,7 +540,6 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("checkpoint_interval", "must be >= 0")
     if cfg.disk_reserve_mb < 0:
         bad("disk_reserve_mb", "must be >= 0")
-    from gnetmdk.models import get_family
     family = get_family(cfg.model_name)
     if cfg.stage_name not in family.stages:
         bad("step" if not cfg.cal else "cal", f"the {family.name} family runs the stages {', '.join(family.stages)}; "

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from gnetmdk.config.registry import get_family
 from gnetmdk.gti.quantize import image_to_codes
 from .voc import read_meta
 
@@ -392,8 +393,7 @@ def seed_worker(worker_id: int) -> None:
 def build_dataset(cfg, split: str):
     """The dataset of ``split`` ("train" or "valid") the config's model family reads
     (DetectorFamily.build_dataset: GNetDet's :class:`DetectionDataset`, PP-YOLO's
-    gnetmdk.dataset.ppyolo_dataset.PPYOLODataset)."""
-    from gnetmdk.models import get_family
+    gnetmdk.dataset.ppyolo_dataset.PPYOLODataset), the family looked up in gnetmdk.config.registry."""
     return get_family(cfg.model_name).build_dataset(cfg, split)
 
 

@@ -7,27 +7,8 @@ from typing import Iterator, List, Optional
 import torch
 from torch.utils.data import Sampler
 
-
-def check_batch_split(batch_size: int, world: int = 1, accumulate: int = 1, how: str = "") -> None:
-    """The one check that a global batch splits into ``world`` processes x ``accumulate`` micro-batches
-    (the config, the launcher, the trainer and the sampler all call it).
-
-    Args:
-        how: how the process count is made up, for the message (e.g. "1 machine(s) x 2 per machine").
-    Raises:
-        ConfigError: naming the batch, the processes and micro-batches, and the two nearest valid batches.
-    """
-    from gnetmdk.config.base import ConfigError
-    unit = int(world) * int(accumulate)
-    if unit > 0 and batch_size % unit == 0:
-        return
-    lower = (batch_size // unit) * unit
-    choices = " or ".join(str(c) for c in (lower, lower + unit) if c > 0)
-    into = f"evenly over {world} processes" + (f" ({how})" if how else "")
-    if accumulate > 1:
-        into = f"into {world} process(es) x {accumulate} accumulated micro-batches"
-    raise ConfigError(f"batch_size {batch_size} does not split {into}: use a multiple of {unit} (e.g. {choices}); "
-                      f"each process takes batch_size / {world} images and the learning rate is not rescaled")
+# the batch split check is the config's (the config, the launcher, the trainer and the sampler call it)
+from gnetmdk.config.overrides import check_batch_split  # noqa: F401
 
 
 class GlobalBatchSampler(Sampler[List[int]]):

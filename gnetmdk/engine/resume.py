@@ -8,15 +8,8 @@ the checkpoint's iteration instead of silently keeping the old ones.
 """
 from __future__ import annotations
 
-#: must be equal to the checkpoint's (a different batch or accumulation moves the position in the epoch;
-#: another optimizer or cap_lr changes the optimizer's state layout)
-RESUME_FIXED = ("batch_size", "accumulate", "optimizer", "cap_lr")
-#: may differ when listed in resume_changes (world_size: the global batches and their arithmetic do not
-#: depend on the process count, docs/distributed.md)
-RESUME_CHANGEABLE = ("world_size", "num_epochs", "lr_scheduler", "learning_rate", "warmup_epochs", "warmup_factor",
-                     "min_lr_ratio", "lr_step_size", "lr_milestones", "lr_gamma", "lr_restart_epochs",
-                     "lr_restart_mult", "momentum", "nesterov", "weight_decay")
-RESUME_CHECKED = RESUME_FIXED + RESUME_CHANGEABLE
+# the lists are the config's (validate_config checks resume_changes against RESUME_CHANGEABLE)
+from gnetmdk.config.overrides import RESUME_CHANGEABLE, RESUME_CHECKED, RESUME_FIXED  # noqa: F401
 
 
 def same(a, b) -> bool:

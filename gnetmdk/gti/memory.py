@@ -22,12 +22,11 @@ How the project counts (the choices docs/chip.md explains, with what stays uncer
   gnetmdk.models.gnetdet.config.gnetdet_memory_note), not refused.
 
 The checks raise :class:`gnetmdk.gti.spec.ChipSpecError` (a ConfigError) with one line naming the
-layer, the amount against the limit and the fix. ``python3 -m gnetmdk.gti.memory`` prints the table
-of docs/chip.md for the example configs and the full-width GNetDets.
+layer, the amount against the limit and the fix. The table of docs/chip.md for the example configs and
+the full-width GNetDets is GNetDet's (``python3 -m gnetmdk.models.gnetdet.memory``).
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence
@@ -285,87 +284,3 @@ def memory_note(cm) -> str:
     return (f"chip {spec.name} memory: coefficient memory {fmt(used.coefficient_total)} is below the budget of "
             f"{fmt(spec.max_coef_memory)}, but {fmt(padded.coefficient_total)} if the output layer's zero filters "
             "count; GTI's own GNetDet-448 for this chip is in the same case (docs/chip.md, \"Memory limits\")")
-
-
-# ------------------------------------------------------------------ the table of docs/chip.md
-def _gnetdet_row(label: str, image_size: int, num_classes: int, width_mult: float, chip: str,
-                 mask_bits: Sequence[int]) -> Dict[str, object]:
-    from gnetmdk.gti.spec import get_chip_spec
-    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_schemes
-    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
-    spec = get_chip_spec(chip)
-    rep = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=False), spec)
-    pad = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=True), spec)
-    big = rep.layers[rep.largest_layer]
-    return {"config": label, "size": image_size, "width": width_mult, "chip": chip,
-            "mask_bits": major_schemes(specs), "default": not mask_bits, "largest_io": rep.largest_io,
-            "largest_layer": big.name.split(" (")[0], "coef": rep.coefficient_total,
-            "coef_padded": pad.coefficient_total, "io_limit": spec.max_layer_io, "coef_limit": spec.max_coef_memory,
-            "fits": rep.fits, "padded_fits": pad.fits, "io_fits": rep.io_fits, "coef_fits": rep.coefficients_fit}
-
-
-def memory_table(config_files: Sequence[str] = ()) -> List[Dict[str, object]]:
-    """Rows of the docs/chip.md table: every GNetDet config among ``config_files`` (default: the
-    repository's examples/*.py) with the chip's default mask_bits and with the config's own, then the
-    full-width GNetDet-224 and GNetDet-448 (20 classes, chip 5801) with the default, the examples'
-    mask_bits and all major layers at 3 bits.
-
-    Returns:
-        dicts with config, size, width, chip, mask_bits, default (the chip default), largest_io,
-        largest_layer, coef (the output layer counted as used), coef_padded (with its zero filters),
-        io_limit, coef_limit, fits (as used: what is refused), padded_fits, io_fits, coef_fits.
-    """
-    import glob
-    import os
-    from gnetmdk.config import load_config_class
-    if not config_files:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        config_files = sorted(glob.glob(os.path.join(root, "examples", "*.py")))
-    rows: List[Dict[str, object]] = []
-    examples_bits: Dict[int, List[int]] = {}
-    from gnetmdk.models.gnetdet.config import GNetDetConfig
-    for path in config_files:
-        klass = load_config_class(path)
-        if getattr(klass, "model_name", "gnetdet") != "gnetdet" or klass.image_size not in (224, 448):
-            continue
-        cfg = klass()
-        g = GNetDetConfig()          # the section's defaults, then the config's values (unvalidated)
-        own = getattr(klass, "gnetdet", None)
-        for k, v in (own.items() if isinstance(own, dict) else vars(own).items() if own is not None else ()):
-            setattr(g, k, v)
-        parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        label = f"{parent}/{os.path.basename(path)}" if parent == "examples" else os.path.basename(path)
-        for bits in ([], list(g.mask_bits)) if g.mask_bits else ([],):
-            rows.append(_gnetdet_row(label, cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), bits))
-        if g.mask_bits:
-            examples_bits.setdefault(cfg.image_size, list(g.mask_bits))
-    from gnetmdk.models.gnetdet.model import gnetdet_layers, major_schemes
-    for size in (224, 448):
-        majors = len(major_schemes(gnetdet_layers(size, 20, 1.0, "5801", [])))
-        for bits in [[]] + ([examples_bits[size]] if size in examples_bits else []) + [[3] * majors]:
-            rows.append(_gnetdet_row(f"GNetDet-{size} full width", size, 20, 1.0, "5801", bits))
-    return rows
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python3 -m gnetmdk.gti.memory [CONFIG ...]``: print the memory table (markdown) of the given
-    configs (default: examples/*.py) and the full-width GNetDets."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    rows = memory_table(args)
-    print("| config | input | width_mult | mask_bits | largest layer input + output (limit 4,816,896) "
-          "| coefficient memory, output layer as used / zero-padded (budget 489,216) | fits |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        bits = f"{r['mask_bits']}" + (" (chip default)" if r["default"] else "")
-        if not r["fits"]:
-            fits = "no (" + ", ".join(k for k, ok in (("per layer", r["io_fits"]), ("coefficients", r["coef_fits"]))
-                                      if not ok) + "): refused"
-        else:
-            fits = "yes" if r["padded_fits"] else "unless zero filters count: noted"
-        print(f"| {r['config']} | {r['size']} | {r['width']:g} | {bits} | {fmt(r['largest_io'])} ({r['largest_layer']}) "
-              f"| {fmt(r['coef'])} / {fmt(r['coef_padded'])} | {fits} |")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

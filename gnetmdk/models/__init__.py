@@ -9,52 +9,13 @@ The trainer, evaluator, dataset and checkpoint code use these and know no family
 """
 from __future__ import annotations
 
-import difflib
-from typing import Callable, Dict
-
 import torch.nn as nn
 
-from gnetmdk.config.base import ConfigError
+# the registry itself is a leaf below the models (gnetmdk.config.registry), so that the config, the
+# checkpoints and the datasets find a family without importing one; its names are re-exported here
+from gnetmdk.config.registry import (FAMILIES, MODELS, get_family, register_family, register_model,
+                                     unknown_name_error)
 from .base import ALL_STAGES, DetectorFamily
-
-FAMILIES: Dict[str, DetectorFamily] = {}
-#: builder name -> (builder(**kwargs) -> nn.Module, family name)
-MODELS: Dict[str, tuple] = {}
-
-
-def register_family(family: DetectorFamily) -> DetectorFamily:
-    """Register ``family`` under ``family.name`` (its default builder is ``family.rebuild``)."""
-    FAMILIES[family.name] = family
-    return family
-
-
-def register_model(name: str, family: str = "gnetdet"):
-    """Decorator: register a builder ``fn(**kwargs) -> nn.Module`` under ``name``, as a model of the
-    registered ``family`` (a variant of its architecture, e.g. a test model; config ``model_name`` may
-    then name it)."""
-    def deco(fn):
-        MODELS[name] = (fn, family)
-        return fn
-    return deco
-
-
-def _unknown(name: str, kind: str, known) -> ConfigError:
-    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.4)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"unknown {kind} '{name}'{hint} (registered: {', '.join(sorted(known))})")
-
-
-def get_family(name: str) -> DetectorFamily:
-    """The family of a model name (a family name, or a builder registered with register_model).
-
-    Raises:
-        ConfigError: unknown name, with the closest registered names.
-    """
-    if name in FAMILIES:
-        return FAMILIES[name]
-    if name in MODELS:
-        return FAMILIES[MODELS[name][1]]
-    raise _unknown(name, "model", list(FAMILIES) + list(MODELS))
 
 
 def family_of(model: nn.Module) -> DetectorFamily:
@@ -72,7 +33,7 @@ def create_model(name: str, **kwargs) -> nn.Module:
         return MODELS[name][0](**kwargs)
     if name in FAMILIES:
         return FAMILIES[name].create(**kwargs)
-    raise _unknown(name, "model", list(FAMILIES) + list(MODELS))
+    raise unknown_name_error(name, "model", list(FAMILIES) + list(MODELS))
 
 
 def model_from_config(cfg, **overrides) -> nn.Module:

@@ -101,7 +101,7 @@ class DetectorFamily:
 
     def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
         """The stage's entry edits on a model loaded from an earlier stage's checkpoint (not on
-        resume): by default the stage table's hooks (gnetmdk.engine.stages: BatchNorm folding, the
+        resume): by default the stage table's hooks (gnetmdk.models.stages: BatchNorm folding, the
         caps check, gain editing). Returns log lines.
 
         Raises:
@@ -121,7 +121,7 @@ class DetectorFamily:
 
     def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
         """The cal stage's measurement on ``model`` (weights quantized), which it leaves in step 3's
-        mode (training). By default the chip's ReLU caps (gnetmdk.engine.calibration.calibrate_caps,
+        mode (training). By default the chip's ReLU caps (gnetmdk.models.calibration.calibrate_caps,
         the section's ``cap_method``).
 
         Returns:
@@ -129,7 +129,7 @@ class DetectorFamily:
             (``{batches}`` is replaced by the number of batches), "label": what the values are ("caps"),
             "file": (name under model_root, text) written beside cal.pth}.
         """
-        from gnetmdk.engine.calibration import calibrate_caps
+        from .calibration import calibrate_caps
         sec = cfg.section()
         limit = self.output_cap_limit(cfg, model)
         caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit)

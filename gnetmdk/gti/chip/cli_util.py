@@ -32,7 +32,7 @@ def stage_of(ckpt: Dict[str, Any], path: str):
         CheckpointError: the checkpoint names no known stage.
     """
     from gnetmdk.checkpoint.io import CheckpointError
-    from gnetmdk.engine.stages import STAGES
+    from gnetmdk.models.stages import STAGES
     name = ckpt.get("stage")
     if name == "cal":
         return STAGES["step3"]
@@ -55,7 +55,7 @@ def load_eval_model(path: str, cfg=None, require_stage: Optional[str] = None, ch
         CheckpointError: missing/unreadable, wrong stage, does not fit the config.
     """
     from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint
-    from gnetmdk.engine.stages import apply_stage
+    from gnetmdk.models.stages import apply_stage
     ckpt = load_checkpoint(path)
     if require_stage and ckpt.get("stage") != require_stage:
         raise CheckpointError(f"checkpoint '{path}' is a {ckpt.get('stage')!r} checkpoint, not {require_stage}: "
@@ -71,10 +71,10 @@ def load_eval_model(path: str, cfg=None, require_stage: Optional[str] = None, ch
 
 def eval_device(cfg=None) -> torch.device:
     """cuda when the config allows it (device auto/cuda) and a GPU is present, else cpu; on CUDA the
-    backends are set as for training (TF32 only with ``tf32 true``: gnetmdk.engine.device)."""
+    backends are set as for training (TF32 only with ``tf32 true``: gnetmdk.dist.device)."""
     from gnetmdk.config.base import cuda_wanted
     if cfg is not None and cuda_wanted(cfg.device) and torch.cuda.is_available():
-        from gnetmdk.engine.device import set_tf32
+        from gnetmdk.dist.device import set_tf32
         set_tf32(bool(getattr(cfg, "tf32", False)))
         return torch.device("cuda")
     return torch.device("cpu")

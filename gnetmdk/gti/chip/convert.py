@@ -238,7 +238,7 @@ def convert_checkpoint(path: str, class_names: Optional[Sequence[str]] = None, c
         ConversionError: see check_checkpoint_for_chip / chip_model_from_gnetdet.
     """
     from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
-    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.models.stages import STAGES, apply_stage
     ckpt = load_checkpoint(path, "train step 4 first: python3 train.py --step 4")
     check_checkpoint_for_chip(ckpt, path)
     model = build_model_from_checkpoint(ckpt, None, path)

@@ -1,0 +1,194 @@
+"""Calibration of the activation caps (docs/quantization.md, "Calibration"): observers watch every capped
+ReLU's input over the training data, and their statistics become the caps.
+
+``method "output"``: the "mse" caps, then a short greedy search against the network's output error
+(:func:`refine_caps_for_output`). ``method "percentile"`` (GTI): one pass; each cap is the running max over batches of the batch's
+percentile (the output layer's ``output_cap_percentile``, 100 by default). ``method "mse"``: two passes;
+the first finds each layer's largest value, the second histograms the positive values over [0,
+largest], and each cap minimises the 5-bit quantization error over that histogram
+(gnetmdk.gti.quantize.mse_cap_from_histogram). Over N ranks (processes, or virtual ranks that each run
+their chunk of the batch: gnetmdk.dist.virtual.forward_batch) the maxima are all-reduced (MAX), the
+percentiles are those of the global batch (gnetmdk.dist.comm.global_percentile) and the histograms are
+summed (exact counts), so N processes and one process of N virtual ranks give the same caps bit for bit
+(tests/test_dist_train.py).
+
+It is the families' default calibration (gnetmdk.models.base.DetectorFamily.calibrate), so it sits with
+the models; gnetmdk.engine.calibration re-exports it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+from gnetmdk.dist.comm import all_reduce, global_percentile, is_dist
+from gnetmdk.dist.virtual import forward_batch
+from gnetmdk.gti.quantize import mse_cap_from_histogram
+from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver, batch_percentile,
+                                      observe_inputs)
+
+#: bins of the GNetDet cap calibration's histograms (the MSE method; the int8 target's ranges use
+#: gnetmdk.intq.calibrate.RANGE_HIST_BINS)
+CAP_HIST_BINS = 4096
+
+
+def percentile(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The ``p``-th percentile (nearest rank) of the batch of every rank (gnetmdk.dist.comm.global_percentile)
+    when this rank has peers, else of ``x`` alone (gnetmdk.layers.observers.batch_percentile): the two
+    are equal for the same values. A 0-d float32 tensor."""
+    if is_dist():
+        return global_percentile(x, p)
+    return batch_percentile(x, p)
+
+
+@torch.no_grad()
+def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
+                 device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
+    """Run the calibration observers over ``batches`` and return the caps they give (floats rounded to
+    float32, one per capped ReLU); the model's mode is the caller's (its ReLUs must be plain ReLUs:
+    ``calibrating`` or ``use_cap`` off), nothing is set.
+
+    Args:
+        model: a model with ``relus()`` (QReLU modules; each one's ``percentile`` is its observer's).
+        batches: a function returning an iterable of input batches (N, 3, H, W) (called once per pass).
+        method: "percentile" or "mse".
+        device: where the batches go (default: the model's).
+        progress: wraps each pass's iterable (a progress bar), ``progress(iterable, description)``.
+    Raises:
+        ValueError: unknown method.
+    """
+    if method not in ("percentile", "mse"):
+        raise ValueError(f"calibration method must be 'percentile' or 'mse', not {method!r}")
+    device = device or next(model.parameters()).device
+    relus = list(model.relus())
+
+    def one_pass(observers, desc: str) -> None:
+        with observe_inputs(relus, observers):
+            for images in progress(batches(), desc):
+                forward_batch(model, images.to(device, non_blocking=True).float())
+
+    def stacked(observers) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([torch.maximum(o.value.float(), zero) if o.value is not None else zero for o in observers])
+
+    if method == "mse":
+        maxima = [MaxObserver() for _ in relus]
+        one_pass(maxima, "cal (max)")
+        caps = all_reduce(stacked(maxima), "max")
+        hists = [HistogramObserver(float(c), CAP_HIST_BINS) for c in caps.tolist()]
+        one_pass(hists, "cal (histogram)")
+        counts = torch.stack([h.value if h.value is not None else
+                              torch.zeros(CAP_HIST_BINS, dtype=torch.float64, device=device) for h in hists])
+        all_reduce(counts, "sum")
+        values = [mse_cap_from_histogram(h, c) if c > 0 else 0.0 for h, c in zip(counts, caps.tolist())]
+    else:
+        # the global batch's percentile over every rank (virtual ranks included), the batch's in one
+        observers = [PercentileObserver(r.percentile, percentile) for r in relus]
+        one_pass(observers, "cal")
+        values = all_reduce(stacked(observers), "max").tolist()
+    return [float(torch.tensor(float(c), dtype=torch.float32)) for c in values]
+
+
+#: cap factors the output-error search tries for each layer (1 = keep)
+OUTPUT_FACTORS = (0.5, 0.7, 0.85, 1.15, 1.3)
+#: batches (per process) the output-error search measures on
+OUTPUT_BATCHES = 4
+
+
+@torch.no_grad()
+def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]], caps: List[float],
+                           device: Optional[torch.device] = None, factors=OUTPUT_FACTORS,
+                           max_batches: int = OUTPUT_BATCHES, progress: Callable = lambda it, desc: it) -> List[float]:
+    """Caps chosen against the network's output error instead of each layer's own.
+
+    The reference is the model with quantized weights and float activations (the cal stage's model);
+    the error of a set of caps is the squared difference between the step-3 model's outputs (5-bit
+    activations with those caps) and the reference, summed over the first ``max_batches`` batches.
+    Layer by layer, in order, each cap is multiplied by each of ``factors`` and the factor with the
+    least error is kept (greedy coordinate descent, one sweep; the start is ``caps``). Per-image errors
+    are gathered from every process and summed in sorted order, so N processes choose the caps one
+    process chooses.
+
+    Args:
+        model: GNetDet with ``relus()`` (caps set to ``caps`` on return), any mode; left in step-3
+            eval mode.
+        batches: returns an iterable of image batches (N, 3, H, W).
+        caps: the starting caps (e.g. the "mse" ones), one per ReLU.
+    Returns:
+        the chosen caps (float32 values as floats).
+    """
+    from gnetmdk.dist.comm import all_gather_object
+    from .stages import STAGES, apply_stage
+    device = device or next(model.parameters()).device
+    relus = list(model.relus())
+    data = []
+    for k, images in enumerate(batches()):
+        if k >= max_batches:
+            break
+        data.append(images.to(device, non_blocking=True).float())
+    for r, c in zip(relus, caps):
+        r.cap.fill_(c)
+    apply_stage(model, STAGES["cal"])
+    model.eval()
+    refs = [forward_batch(model, x).double() for x in data]
+    apply_stage(model, STAGES["step3"])
+    model.eval()
+
+    def error() -> float:
+        per = torch.cat([((forward_batch(model, x).double() - r) ** 2).flatten(1).sum(1)
+                         for x, r in zip(data, refs)]).cpu()
+        values = torch.cat(all_gather_object(per))
+        return float(torch.sort(values).values.sum())
+
+    cur = [float(torch.tensor(float(c), dtype=torch.float32)) for c in caps]
+    best = error()
+    for i in progress(list(range(len(relus))), "cal (output error)"):
+        keep = cur[i]
+        for f in factors:
+            c = float(torch.tensor(keep * f, dtype=torch.float32))
+            relus[i].cap.fill_(c)
+            e = error()
+            if e < best:
+                best, cur[i] = e, c
+        relus[i].cap.fill_(cur[i])
+    return cur
+
+
+def _f32(v: float) -> float:
+    """v rounded to float32 (caps are float32 buffers)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+@torch.no_grad()
+def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
+                   device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it,
+                   output_cap_max: float = 0.0) -> List[float]:
+    """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
+    ReLUs, eval mode), :func:`measure_caps` ("output": the "mse" caps refined by
+    :func:`refine_caps_for_output`), set every cap, then switch it to step 3 (caps on, 5-bit
+    activations) in training mode. Returns the caps (arguments as measure_caps).
+
+    ``output_cap_max`` > 0 limits the last capped ReLU's cap (the output layer's) to that value, before
+    and after the output-error search. The output layer's values that the loss trains (GNetDet's
+    boxes and scores) lie in [0, 1]; values far above it (untrained slots, confident cells) can pull a
+    measured cap to several units, and 5-bit codes over such a range leave the trained range a few
+    codes (docs/results/shapes-demo.md: a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2)."""
+    from .stages import STAGES, apply_stage
+    relus = list(model.relus())
+    for relu in relus:
+        relu.cap.zero_()
+    apply_stage(model, STAGES["cal"], calibrating=True)
+    model.eval()
+    caps = measure_caps(model, batches, "mse" if method == "output" else method, device, progress)
+    limit = float(output_cap_max)
+    if limit > 0:
+        caps[-1] = min(caps[-1], _f32(limit))
+    if method == "output":
+        caps = refine_caps_for_output(model, batches, caps, device, progress=progress)
+        if limit > 0:
+            caps[-1] = min(caps[-1], _f32(limit))
+    for relu, c in zip(relus, caps):
+        relu.cap.fill_(c)
+    apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start
+    model.train()
+    return caps
