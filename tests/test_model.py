@@ -180,3 +180,21 @@ def test_weights_quantized_in_one_pass_equal_each_conv_alone(weight_scale, stage
         assert (a is None and b is None) or torch.equal(a, b)
     assert all(g is not None for g in g1) and (not learn_caps or all(c is not None for c in c1))
     assert all(c.batched_params is None for c in m.convs())      # nothing kept after the forward
+
+
+def test_weights_quantized_per_conv_on_a_cpu_by_default(monkeypatch):
+    """``batch_weight_quant None`` (the default) quantizes per conv on a CPU, in one pass elsewhere
+    (device cpu)."""
+    import gnetmdk.models.gnetdet.model as gm
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    calls = []
+    monkeypatch.setattr(gm, "quantize_convs", lambda convs: calls.append(len(convs)) or
+                        [c.quantized_params() for c in convs])
+    m = GNetDet(3, 224, 0.0625, use_bn=False)
+    apply_stage(m, STAGES["step2"])
+    assert m.batch_weight_quant is None
+    m(torch.zeros(1, 3, 224, 224))
+    assert calls == []
+    m.batch_weight_quant = True
+    m(torch.zeros(1, 3, 224, 224))
+    assert calls == [len(m.convs())]

@@ -289,9 +289,13 @@ class GNetDet(nn.Module):
         self._code_output_scale: Optional[torch.Tensor] = None
         self._code_scale_learned = False
 
-    #: quantize all convs' weights in one pass per forward (gnetmdk.layers.quant.quantize_convs), the
-    #: same values and gradients as each conv's own pass with a fixed number of operations; False: per conv
-    batch_weight_quant = True
+    #: quantize all convs' weights in one pass per forward (gnetmdk.layers.quant.quantize_convs): the
+    #: same values and gradients as each conv's own pass, in a fixed number of operations (kernel
+    #: launches on an accelerator). None (default): one pass on accelerators, per conv on a CPU, where
+    #: launches cost nothing and one pass over every kernel was not faster (its (K, 1) per-row scales
+    #: broadcast over rows of 9 values, and its temporaries outgrow the cache: 0.8-2.7x the per-conv
+    #: time, docs/training.md); True / False force either.
+    batch_weight_quant: Optional[bool] = None
 
     def train(self, mode: bool = True):
         """Switch train/eval; in eval with ``exact_eval`` the convs compute in float64 (bit-exact)."""
@@ -376,7 +380,10 @@ class GNetDet(nn.Module):
         step 3), before the host scale that ``forward`` applies."""
         self.set_gains()
         convs = self.convs()
-        batched = self.batch_weight_quant and any(c.quant_weight for c in convs)
+        one_pass = self.batch_weight_quant
+        if one_pass is None:
+            one_pass = x.device.type != "cpu"
+        batched = one_pass and any(c.quant_weight for c in convs)
         if batched:     # every conv's quantized weights in one pass (bit-equal to each conv's own)
             for conv, params in zip(convs, quantize_convs(convs)):
                 conv.batched_params = params
