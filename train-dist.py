@@ -7,12 +7,9 @@
 
 The global batch_size is split over world_size x gpus processes. See docs/distributed.md.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from gnetmdk.engine.cli import main  # noqa: E402
+from gnetmdk.engine.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], distributed=True))

@@ -1,5 +1,10 @@
 """Reading a command line as every tool and train.py read it: options first, then config overrides
-(``KEY VALUE`` / ``KEY=VALUE``), and one ``error:`` line with exit status 2 for a bad one."""
+(``KEY VALUE`` / ``KEY=VALUE``), and one ``error:`` line with exit status 2 for a bad one.
+
+Every tool starts the same way: its ``main(argv)`` is wrapped by gnetmdk.engine.cli.tool_main (the
+command line from ``sys.argv`` when none is given; a user error as one ``error:`` line and exit status
+2) and the script ends with ``sys.exit(main())``. The tools import the installed package
+(``pip install -e .``)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +24,8 @@ class Parser(argparse.ArgumentParser):
         then config overrides (``KEY VALUE`` or ``KEY=VALUE``). The overrides start at the first word that
         is a config field name or holds "=" and is not the value of an option that takes one (an option
         with an optional value, such as ``--check``, never takes an override word), so an override is
-        never read as a path.
+        never read as a path. Words left over at the end of the options (``no_such_field 1``) are
+        overrides too, for the config to refuse by name.
 
         Returns:
             (argparse.Namespace, [override words]).
@@ -46,6 +52,11 @@ class Parser(argparse.ArgumentParser):
         if late:
             self.error(f"option {late[0]} comes after the config overrides; write options first, then KEY VALUE "
                        "overrides")
+        args, extra = self.parse_known_args(options)
+        if extra and extra == options[len(options) - len(extra):] and not any(t.startswith("-") for t in extra):
+            # words after the options that are no field name: overrides still, refused by the config
+            # with its own line (the field named, the nearest field suggested), not as a stray argument
+            return args, extra + overrides
         return self.parse_args(options), overrides
 
 

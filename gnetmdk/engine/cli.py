@@ -1,4 +1,4 @@
-"""Command line shared by train.py and train-dist.py.
+"""Command line shared by train.py and train-dist.py, and the start-up every tool shares (tool_main).
 
     train.py      [--config FILE] [--step N | --cal] [--resume] [KEY VALUE | KEY=VALUE ...]
     train-dist.py [--gpus N] [--world-size M --rank R --dist-url HOST:PORT] [--dist-timeout S] [same as train.py]
@@ -12,10 +12,12 @@ Precedence: command line > Config.per_step > Config (configs.py) > BaseConfig.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Sequence, Tuple
 
 from gnetmdk.config import ConfigError, build_config, load_config_class
+from gnetmdk.config.cli import fail
 
 
 def build_parser(distributed: bool) -> argparse.ArgumentParser:
@@ -72,19 +74,44 @@ def _worker_entry(recipe: dict) -> None:
     run_stage(cfg)
 
 
-
-def user_errors():
-    """Exception types that are the user's to fix: printed as one line, exit code 2 (the tools' kinds,
-    gnetmdk.gti.chip.cli_util.user_errors, and the launcher's and the trainer's)."""
+def user_errors() -> Tuple[type, ...]:
+    """Exception kinds that are the user's to fix, for every tool, train.py and train-dist.py: the chip
+    tools' kinds (gnetmdk.gti.chip.cli_util.user_errors: a bad path, config, checkpoint, dataset or chip
+    model), the launcher's (LaunchError) and the trainer's (TrainingError). Each is reported as one line
+    ``error: ...`` with exit status 2 (or the error's ``exit_code``)."""
     from gnetmdk.dist.launch import LaunchError
     from gnetmdk.gti.chip.cli_util import user_errors as tool_errors
     from .trainer import TrainingError
     return tool_errors() + (LaunchError, TrainingError)
 
 
-def main(argv: Optional[Sequence[str]] = None, distributed: bool = False) -> int:
-    """Entry point of train.py / train-dist.py; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def tool_main(main: Callable[..., int]) -> Callable[..., int]:
+    """Decorator of a tool's ``main(argv, ...) -> exit status``: the start-up every tool (tools/,
+    benchmarks/) and train.py / train-dist.py share.
+
+    ``main`` receives the command line as a list: ``sys.argv[1:]`` when called without one (the script's
+    ``sys.exit(main())``), else the ``argv`` given (the tests' ``main([...])``). A user error
+    (:func:`user_errors`) that leaves ``main`` is printed as one line ``error: ...`` on stderr and
+    returned as the exit status (2, or the error's ``exit_code``), so the shell and a test calling
+    ``main`` see the same status; any other exception is left to show its traceback.
+    """
+    @functools.wraps(main)
+    def run(argv=None, *args, **kwargs) -> int:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        try:
+            return main(argv, *args, **kwargs)
+        except Exception as exc:                  # not SystemExit: --help and argparse's refusals pass
+            if not isinstance(exc, user_errors()):
+                raise
+            return fail(str(exc), getattr(exc, "exit_code", 2))
+    return run
+
+
+@tool_main
+def main(argv: List[str], distributed: bool = False) -> int:
+    """Entry point of train.py / train-dist.py (``argv``: the command line, default ``sys.argv[1:]``);
+    returns the exit code. A user error (:func:`user_errors`) is one ``error:`` line with exit
+    status 2, or the error's ``exit_code`` (tool_main, as for every tool); Ctrl-C is ``interrupted``, 130."""
     try:
         args, cfg = parse(argv, distributed)
         from gnetmdk.align.record import check_alignment_config
@@ -94,9 +121,6 @@ def main(argv: Optional[Sequence[str]] = None, distributed: bool = False) -> int
         spec = spec_from_args(args, cfg)
         launch(_worker_entry, spec, ({"argv": argv, "distributed": distributed},), user_errors=user_errors())
         return 0
-    except user_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
