@@ -23,18 +23,17 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least
+from gnetmdk.engine.cli import tool_main
+
 
 _CHECK_DEFAULT = "<from chip model>"
 
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("chip_model", nargs="?", default=None,
                    help="chip-model file or its folder (default <model_root>/chip_model.json)")
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
@@ -54,65 +53,62 @@ def parse_args(argv):
     return p.parse_with_overrides(argv)
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import eval_device, user_errors
-    from gnetmdk.config.cli import fail
-    try:
-        import torch
-        from gnetmdk.config import load_config
-        from gnetmdk.config.overrides import known_fields, parse_overrides
-        from gnetmdk.dataset.dataset import build_dataset
-        from gnetmdk.evaluation.voc import format_ap_table
-        from gnetmdk.gti.chip import ChipEmulator, ChipModelError, check_bit_exact, evaluate_chip, load_chip_model
-        cfg = load_config(args.config, overrides)
-        threads = args.threads or cfg.threads
-        if threads > 0:
-            torch.set_num_threads(threads)
-        path = args.chip_model or os.path.join(cfg.model_root, "chip_model.json")
-        cm = load_chip_model(path)
-        if list(cfg.VOC_CLASSES) != list(cm.class_names):
-            raise ChipModelError(f"chip model '{path}' has classes {cm.class_names} but the config's VOC_CLASSES are "
-                                 f"{list(cfg.VOC_CLASSES)}: pass the config of the dataset it was trained on (--config)")
-        if cfg.image_size != cm.input_size:
-            raise ChipModelError(f"chip model '{path}' takes {cm.input_size}x{cm.input_size} images but the config's "
-                                 f"image_size is {cfg.image_size}: set image_size={cm.input_size}")
-        from gnetmdk.models import get_family
-        # the names load_config took (section fields too: gnetdet.size_head), to see which were given
-        keys = parse_overrides(overrides, known_fields(type(cfg), get_family(cfg.model_name).name))
-        conf = cfg.conf_thresh if "conf_thresh" in keys else cm.conf_thresh
-        nms = cfg.nms_thresh if "nms_thresh" in keys else cm.nms_thresh
-        maxd = cfg.max_detections if "max_detections" in keys else cm.max_detections
-        dataset = build_dataset(cfg, args.split)
-        dataset.augment = False                   # evaluation: the train split without augmentation too
-        if args.backend == "onnx":
-            from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
-            if args.onnx:
-                if not os.path.isfile(args.onnx):
-                    raise FileNotFoundError(f"ONNX model '{args.onnx}' does not exist: export it with "
-                                            "tools/convert_to_chip.py")
-                with open(args.onnx, "rb") as fh:
-                    runner = OnnxChipRunner(fh.read(), threads=threads)
-            else:
-                runner = OnnxChipRunner(cm, threads=threads, all_layers=args.check is not None)
+    args, overrides = parse_args(argv)
+    from gnetmdk.gti.chip.cli_util import eval_device
+    import torch
+    from gnetmdk.config import load_config
+    from gnetmdk.config.overrides import known_fields, parse_overrides
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.evaluation.voc import format_ap_table
+    from gnetmdk.gti.chip import ChipEmulator, ChipModelError, check_bit_exact, evaluate_chip, load_chip_model
+    cfg = load_config(args.config, overrides)
+    threads = args.threads or cfg.threads
+    if threads > 0:
+        torch.set_num_threads(threads)
+    path = args.chip_model or os.path.join(cfg.model_root, "chip_model.json")
+    cm = load_chip_model(path)
+    if list(cfg.VOC_CLASSES) != list(cm.class_names):
+        raise ChipModelError(f"chip model '{path}' has classes {cm.class_names} but the config's VOC_CLASSES are "
+                             f"{list(cfg.VOC_CLASSES)}: pass the config of the dataset it was trained on (--config)")
+    if cfg.image_size != cm.input_size:
+        raise ChipModelError(f"chip model '{path}' takes {cm.input_size}x{cm.input_size} images but the config's "
+                             f"image_size is {cfg.image_size}: set image_size={cm.input_size}")
+    from gnetmdk.models import get_family
+    # the names load_config took (section fields too: gnetdet.size_head), to see which were given
+    keys = parse_overrides(overrides, known_fields(type(cfg), get_family(cfg.model_name).name))
+    conf = cfg.conf_thresh if "conf_thresh" in keys else cm.conf_thresh
+    nms = cfg.nms_thresh if "nms_thresh" in keys else cm.nms_thresh
+    maxd = cfg.max_detections if "max_detections" in keys else cm.max_detections
+    dataset = build_dataset(cfg, args.split)
+    dataset.augment = False                   # evaluation: the train split without augmentation too
+    if args.backend == "onnx":
+        from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
+        if args.onnx:
+            if not os.path.isfile(args.onnx):
+                raise FileNotFoundError(f"ONNX model '{args.onnx}' does not exist: export it with "
+                                        "tools/convert_to_chip.py")
+            with open(args.onnx, "rb") as fh:
+                runner = OnnxChipRunner(fh.read(), threads=threads)
         else:
-            runner = ChipEmulator(cm)
-        model = None
-        if args.check is not None:
-            from gnetmdk.gti.chip.cli_util import load_eval_model
-            ckpt_path = cm.source.get("checkpoint") if args.check == _CHECK_DEFAULT else args.check
-            if not ckpt_path:
-                raise ChipModelError(f"chip model '{path}' does not name its checkpoint: pass --check CHECKPOINT")
-            model, _ = load_eval_model(ckpt_path, cfg, require_stage="step4")
-            device = eval_device(cfg)              # the step-4 model on the GPU when there is one
-            model.to(device)
-        if args.plots is not None:                # refused before the evaluation, not after it
-            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
-            prepare_plot_dir(args.plots)
-            require_matplotlib()
-    except user_errors() as exc:
-        return fail(str(exc))
+            runner = OnnxChipRunner(cm, threads=threads, all_layers=args.check is not None)
+    else:
+        runner = ChipEmulator(cm)
+    model = None
+    if args.check is not None:
+        from gnetmdk.gti.chip.cli_util import load_eval_model
+        ckpt_path = cm.source.get("checkpoint") if args.check == _CHECK_DEFAULT else args.check
+        if not ckpt_path:
+            raise ChipModelError(f"chip model '{path}' does not name its checkpoint: pass --check CHECKPOINT")
+        model, _ = load_eval_model(ckpt_path, cfg, require_stage="step4")
+        device = eval_device(cfg)              # the step-4 model on the GPU when there is one
+        model.to(device)
+    if args.plots is not None:                # refused before the evaluation, not after it
+        from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+        prepare_plot_dir(args.plots)
+        require_matplotlib()
 
     print(f"chip model {path} (chip {cm.chip}, {cm.input_size}px, {len(cm.layers)} sublayers), backend "
           f"{args.backend}, {args.split} split: {len(dataset)} images; decode conf {conf:g} nms {nms:g} max {maxd}")
@@ -144,11 +140,8 @@ def main(argv=None) -> int:
         if not same:
             status = 1
     if args.plots is not None:
-        try:
-            written = write_chip_plots(args.plots, predictions, cm, dataset, args.batch_size, conf, nms, maxd,
-                                       title=f"chip {args.backend} {cfg.DS_NAME} {args.split}")
-        except user_errors() as exc:
-            return fail(str(exc))
+        written = write_chip_plots(args.plots, predictions, cm, dataset, args.batch_size, conf, nms, maxd,
+                                   title=f"chip {args.backend} {cfg.DS_NAME} {args.split}")
         print(f"plots: {', '.join(written)}")
     return status
 

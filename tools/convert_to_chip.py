@@ -16,16 +16,14 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least
+from gnetmdk.engine.cli import tool_main
 
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="step-4 checkpoint (default <checkpoint_root>/step4/best.pth from the config)")
     p.add_argument("--config", default=None, help="configs.py (only for the default paths, with any KEY VALUE "
@@ -40,49 +38,45 @@ def parse_args(argv):
     return p.parse_with_overrides(argv)
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import user_errors
-    from gnetmdk.config.cli import fail
+    args, overrides = parse_args(argv)
+    from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, text_writer
+    from gnetmdk.config import load_config
+    from gnetmdk.gti.chip import ChipEmulator, check_bit_exact, convert_checkpoint
+    from gnetmdk.gti.chip.model_file import FLOAT32_EXACT_LIMIT
+    from gnetmdk.gti.export import gti_file_names, gti_file_texts
+    cfg = None
+    if args.checkpoint is None or args.out is None or overrides:
+        cfg = load_config(args.config, overrides)
+    ckpt = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
+    out = args.out or cfg.model_root
+    from gnetmdk.checkpoint.outputs import check_output_folder
+    check_output_folder(out, "the chip model files", "--out")   # before any work: a file, a path below one, ...
+    names = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
+    cm, model = convert_checkpoint(ckpt, names, cap_file=os.path.join(out, "relu_cap.txt"))
+    os.makedirs(out, exist_ok=True)
+    cm_path = os.path.join(out, args.name + ".json")
+    onnx_path = os.path.join(out, args.name + ".onnx")
+    # every file of the conversion is made in memory first, then written as one set: a full disk or a
+    # failure on the way leaves the previous conversion's files as they were (never a mix of the two)
+    writers = {cm_path: text_writer(cm.to_json(cm_path))}
+    gti = gti_file_texts(cm, out, data_file=os.path.basename(cm_path))
+    writers.update({p: text_writer(t) for p, t in gti.items()})
+    if not args.no_onnx:
+        from gnetmdk.gti.chip.onnx_export import onnx_bytes
+        data = onnx_bytes(cm)
+        writers[onnx_path] = lambda fh: fh.write(data)
     try:
-        from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, text_writer
-        from gnetmdk.config import load_config
-        from gnetmdk.gti.chip import ChipEmulator, check_bit_exact, convert_checkpoint
-        from gnetmdk.gti.chip.model_file import FLOAT32_EXACT_LIMIT
-        from gnetmdk.gti.export import gti_file_names, gti_file_texts
-        cfg = None
-        if args.checkpoint is None or args.out is None or overrides:
-            cfg = load_config(args.config, overrides)
-        ckpt = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
-        out = args.out or cfg.model_root
-        from gnetmdk.checkpoint.outputs import check_output_folder
-        check_output_folder(out, "the chip model files", "--out")   # before any work: a file, a path below one, ...
-        names = [c.strip() for c in args.classes.split(",") if c.strip()] if args.classes else None
-        cm, model = convert_checkpoint(ckpt, names, cap_file=os.path.join(out, "relu_cap.txt"))
-        os.makedirs(out, exist_ok=True)
-        cm_path = os.path.join(out, args.name + ".json")
-        onnx_path = os.path.join(out, args.name + ".onnx")
-        # every file of the conversion is made in memory first, then written as one set: a full disk or a
-        # failure on the way leaves the previous conversion's files as they were (never a mix of the two)
-        writers = {cm_path: text_writer(cm.to_json(cm_path))}
-        gti = gti_file_texts(cm, out, data_file=os.path.basename(cm_path))
-        writers.update({p: text_writer(t) for p, t in gti.items()})
-        if not args.no_onnx:
-            from gnetmdk.gti.chip.onnx_export import onnx_bytes
-            data = onnx_bytes(cm)
-            writers[onnx_path] = lambda fh: fh.write(data)
-        try:
-            # an ONNX file of an earlier conversion would not match this one: removed with --no-onnx
-            atomic_write_set(writers, remove=[onnx_path] if args.no_onnx else [])
-        except OSError as exc:
-            raise CheckpointError(f"cannot write the chip files to '{out}' ({exc.strerror or exc}): free disk space "
-                                  "or pass another --out; the previous files there are unchanged") from None
-        paths = {k: os.path.join(out, v) for k, v in gti_file_names(cm).items()}
-        if args.no_onnx:
-            onnx_path = None
-    except user_errors() as exc:
-        return fail(str(exc))
+        # an ONNX file of an earlier conversion would not match this one: removed with --no-onnx
+        atomic_write_set(writers, remove=[onnx_path] if args.no_onnx else [])
+    except OSError as exc:
+        raise CheckpointError(f"cannot write the chip files to '{out}' ({exc.strerror or exc}): free disk space "
+                              "or pass another --out; the previous files there are unchanged") from None
+    paths = {k: os.path.join(out, v) for k, v in gti_file_names(cm).items()}
+    if args.no_onnx:
+        onnx_path = None
     print(f"converted {ckpt} ({cm.source.get('stage')}, best mAP {cm.source.get('best_map')}) for chip {cm.chip}, "
           f"input {cm.input_size}x{cm.input_size}, {len(cm.layers)} sublayers in {len(cm.major_layers())} major layers")
     print(f"{'conv':<6} {'major.sub':<9} {'in->out':>11} {'bits':>4} {'shift':>5} {'pool':>4} {'max|acc|':>10} "

@@ -22,14 +22,12 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least, fail
+from gnetmdk.engine.cli import tool_main
 
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately."""
-    from gnetmdk.config.cli import Parser, at_least, parse_with_overrides
     p = Parser(description=__doc__.split("\n")[0], formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("-f", "--config", required=True, help="configs.py of the PP-YOLO that receives the weights")
@@ -40,35 +38,31 @@ def parse_args(argv):
     p.add_argument("--only-backbone", action="store_true", help="take the backbone alone (ImageNet weights)")
     p.add_argument("--class-rows", choices=["keep", "init"], default="keep",
                    help="keep the file's class rows for the first min(C, N) classes, or initialise all of them")
-    return parse_with_overrides(p, argv)
+    return p.parse_with_overrides(argv)
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 written, 1 mismatches, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import user_errors
-    from gnetmdk.config.cli import fail
+    args, overrides = parse_args(argv)
+    import torch
+    from gnetmdk.checkpoint.io import CheckpointError, save_checkpoint
+    from gnetmdk.checkpoint.paddle import PaddleFormatError, read_paddle_params
+    from gnetmdk.config import ConfigError, load_config
+    from gnetmdk.models import model_from_config
+    from gnetmdk.models.ppyolo.convert import convert_paddle_state
+    cfg = load_config(args.config, overrides)
+    if cfg.model_name != "ppyolo":
+        raise ConfigError(f"config '{args.config}' trains {cfg.model_name!r}: convert_weights maps PaddleDetection "
+                          "PP-YOLO weights, so the config needs model_name 'ppyolo'")
+    n = args.num_classes or cfg.num_classes
+    torch.manual_seed(cfg.seed)
+    model = model_from_config(cfg, num_classes=n)
     try:
-        import torch
-        from gnetmdk.checkpoint.io import CheckpointError, save_checkpoint
-        from gnetmdk.checkpoint.paddle import PaddleFormatError, read_paddle_params
-        from gnetmdk.config import ConfigError, load_config
-        from gnetmdk.models import model_from_config
-        from gnetmdk.models.ppyolo.convert import convert_paddle_state
-        cfg = load_config(args.config, overrides)
-        if cfg.model_name != "ppyolo":
-            raise ConfigError(f"config '{args.config}' trains {cfg.model_name!r}: convert_weights maps PaddleDetection "
-                              "PP-YOLO weights, so the config needs model_name 'ppyolo'")
-        n = args.num_classes or cfg.num_classes
-        torch.manual_seed(cfg.seed)
-        model = model_from_config(cfg, num_classes=n)
-        try:
-            params = read_paddle_params(args.ckpt)
-        except PaddleFormatError as exc:
-            raise CheckpointError(str(exc)) from None
-        state, report = convert_paddle_state(params, model, n, args.only_backbone, class_rows=args.class_rows)
-    except user_errors() as exc:
-        return fail(str(exc))
+        params = read_paddle_params(args.ckpt)
+    except PaddleFormatError as exc:
+        raise CheckpointError(str(exc)) from None
+    state, report = convert_paddle_state(params, model, n, args.only_backbone, class_rows=args.class_rows)
     print(report.format())
     if not report.ok:
         print(f"error: {args.ckpt} does not map onto this PP-YOLO (above); nothing was written: check the config's "

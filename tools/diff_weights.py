@@ -20,13 +20,15 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gnetmdk.align.compare import diff_files
+from gnetmdk.config.cli import Parser, fail
+from gnetmdk.engine.cli import tool_main
 
-from gnetmdk.align.compare import CompareError, diff_files  # noqa: E402
 
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@tool_main
+def main(argv) -> int:
+    """Compare the two checkpoints; returns the exit status (0 aligned, 1 not, 2 a file cannot be read)."""
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="first checkpoint (.pth: gnetmdk checkpoint or state_dict)")
     p.add_argument("b", help="second checkpoint, the reference for --rtol")
     p.add_argument("--atol", type=float, default=None,
@@ -41,13 +43,8 @@ def main(argv=None) -> int:
     if args.atol is None and args.d_value is None:
         args.atol = 1e-6
     if (args.atol is not None and args.atol < 0) or args.rtol < 0 or (args.d_value is not None and args.d_value < 0):
-        print("error: --atol, --rtol and --d-value must be >= 0", file=sys.stderr)
-        return 2
-    try:
-        rep = diff_files(args.a, args.b, args.atol, args.rtol, args.d_value, full=args.state)
-    except CompareError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail("--atol, --rtol and --d-value must be >= 0")
+    rep = diff_files(args.a, args.b, args.atol, args.rtol, args.d_value, full=args.state)   # CompareError: 2
     print(rep.format(show_all=args.all, a_name=os.path.basename(args.a) or "A", b_name=os.path.basename(args.b) or "B"))
     return 0 if rep.ok else 1
 

@@ -27,16 +27,14 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least, fail
+from gnetmdk.engine.cli import tool_main
 
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("checkpoint", help="a gnetmdk checkpoint (.pth) of any stage")
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
@@ -49,44 +47,40 @@ def parse_args(argv):
     p.add_argument("--stitch", action="store_true",
                    help="also mAP on the whole images of a tiled dataset (tools/tile_voc.py's tiles.json)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write mAP and per-class AP as JSON to FILE")
-    from gnetmdk.config.cli import parse_with_overrides
-    return parse_with_overrides(p, argv)
+    return p.parse_with_overrides(argv)
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import eval_device, load_eval_model, user_errors
-    from gnetmdk.config.cli import fail
-    try:
-        import torch
-        from torch.utils.data import DataLoader
-        from gnetmdk.config import load_config
-        from gnetmdk.dataset.dataset import build_dataset, collate
-        from gnetmdk.evaluation.evaluator import evaluate_model
-        from gnetmdk.evaluation.voc import format_ap_table
-        cfg = load_config(args.config, overrides)
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        model, ckpt = load_eval_model(args.checkpoint, cfg)
-        dataset = build_dataset(cfg, args.split)
-        dataset.augment = False                   # evaluation: the train split without augmentation too
-        device = eval_device(cfg)
-        model.to(device)
-        loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,
-                            num_workers=cfg.num_workers)
-        if args.plots is not None:                # refused before the evaluation, not after it
-            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
-            prepare_plot_dir(args.plots)
-            require_matplotlib()
-        if args.stitch:                           # refused before the evaluation, not after it
-            from gnetmdk.dataset.tiling import load_manifest
-            load_manifest(cfg.dataset_dir)
-        t0 = time.time()
-        res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
-                             coco=args.coco or cfg.eval_coco, keep_detections=args.plots is not None)
-    except user_errors() as exc:
-        return fail(str(exc))
+    args, overrides = parse_args(argv)
+    from gnetmdk.gti.chip.cli_util import eval_device, load_eval_model
+    import torch
+    from torch.utils.data import DataLoader
+    from gnetmdk.config import load_config
+    from gnetmdk.dataset.dataset import build_dataset, collate
+    from gnetmdk.evaluation.evaluator import evaluate_model
+    from gnetmdk.evaluation.voc import format_ap_table
+    cfg = load_config(args.config, overrides)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    model, ckpt = load_eval_model(args.checkpoint, cfg)
+    dataset = build_dataset(cfg, args.split)
+    dataset.augment = False                   # evaluation: the train split without augmentation too
+    device = eval_device(cfg)
+    model.to(device)
+    loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,
+                        num_workers=cfg.num_workers)
+    if args.plots is not None:                # refused before the evaluation, not after it
+        from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+        prepare_plot_dir(args.plots)
+        require_matplotlib()
+    if args.stitch:                           # refused before the evaluation, not after it
+        from gnetmdk.dataset.tiling import load_manifest
+        load_manifest(cfg.dataset_dir)
+    t0 = time.time()
+    res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                         coco=args.coco or cfg.eval_coco, keep_detections=args.plots is not None)
     stage = ckpt.get("stage")
     print(f"{args.checkpoint}: stage {stage}{' (evaluated as step3)' if stage == 'cal' else ''}, "
           f"{cfg.DS_NAME} {args.split} split, {res['num_images']} images, {time.time() - t0:.1f}s on {device}; "
@@ -98,11 +92,8 @@ def main(argv=None) -> int:
     if args.stitch:
         from gnetmdk.evaluation.stitch import evaluate_stitched
         t0 = time.time()
-        try:
-            st = evaluate_stitched(model, cfg, device, args.batch_size,
-                                   split="val" if args.split == "valid" else "train")
-        except user_errors() as exc:
-            return fail(str(exc))
+        st = evaluate_stitched(model, cfg, device, args.batch_size,
+                               split="val" if args.split == "valid" else "train")
         print(f"stitched: {st['num_images']} whole images from {st['num_tiles']} tiles, {time.time() - t0:.1f}s; "
               f"merged by class-wise NMS at {cfg.nms_thresh:g}")
         print(format_ap_table(st, cfg.VOC_CLASSES))
@@ -128,11 +119,8 @@ def main(argv=None) -> int:
             return fail(f"cannot write --json {args.json}: {exc}")
     if args.plots is not None:
         from gnetmdk.evaluation.plots import write_eval_plots
-        try:
-            written = write_eval_plots(args.plots, res, res["detections"], res["truths"], cfg.VOC_CLASSES,
-                                       title=f"{stage} {cfg.DS_NAME} {args.split}")
-        except user_errors() as exc:
-            return fail(str(exc))
+        written = write_eval_plots(args.plots, res, res["detections"], res["truths"], cfg.VOC_CLASSES,
+                                   title=f"{stage} {cfg.DS_NAME} {args.split}")
         print(f"plots: {', '.join(written)}")
     return 0
 

@@ -34,14 +34,12 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least, fail
+from gnetmdk.engine.cli import tool_main
 
 
 def parse_args(argv):
     """Parse the command line (module docstring); config overrides (KEY VALUE / KEY=VALUE) come back apart."""
-    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("checkpoint", nargs="?", default=None, help="step-4 checkpoint (default checkpoint/step4/best.pth)")
@@ -96,61 +94,58 @@ class OnnxModel:
         return self.model.decode(*a, **kw)
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import load_eval_model, user_errors
-    from gnetmdk.config.cli import fail
+    args, overrides = parse_args(argv)
+    from gnetmdk.gti.chip.cli_util import load_eval_model
     if args.check:
         from gnetmdk.intq.onnx_export import check_provider
         try:
             check_provider(args.provider)
         except ValueError as exc:
             return fail(f"--provider {args.provider}: {exc}")
+    import torch
+    from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, load_checkpoint
+    from gnetmdk.config import load_config
+    from gnetmdk.intq.program import ProgramError
+    cfg = load_config(args.config, overrides)
+    from gnetmdk.checkpoint.outputs import check_output_folder
+    check_output_folder(args.out or cfg.model_root, "the ONNX model", "--out")   # before any work
+    threads = args.threads or cfg.threads
+    if threads > 0:
+        torch.set_num_threads(threads)
+    path = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
+    ckpt = load_checkpoint(path, "train the PP-YOLO stages first (train.py --step 2, --cal, --step 3, --step 4)")
+    name = (ckpt.get("model_meta") or {}).get("name")
+    if name != "ppyolo":
+        raise CheckpointError(f"checkpoint '{path}' is a {name!r} model: tools/export_int.py exports PP-YOLO; a "
+                              "GNetDet step-4 checkpoint becomes a chip model with tools/convert_to_chip.py")
+    model, ckpt = load_eval_model(path, cfg, require_stage="step4")
     try:
-        import torch
-        from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, load_checkpoint
-        from gnetmdk.config import load_config
-        from gnetmdk.intq.program import ProgramError
-        cfg = load_config(args.config, overrides)
-        from gnetmdk.checkpoint.outputs import check_output_folder
-        check_output_folder(args.out or cfg.model_root, "the ONNX model", "--out")   # before any work
-        threads = args.threads or cfg.threads
-        if threads > 0:
-            torch.set_num_threads(threads)
-        path = args.checkpoint or os.path.join(cfg.checkpoint_dir(4), "best.pth")
-        ckpt = load_checkpoint(path, "train the PP-YOLO stages first (train.py --step 2, --cal, --step 3, --step 4)")
-        name = (ckpt.get("model_meta") or {}).get("name")
-        if name != "ppyolo":
-            raise CheckpointError(f"checkpoint '{path}' is a {name!r} model: tools/export_int.py exports PP-YOLO; a "
-                                  "GNetDet step-4 checkpoint becomes a chip model with tools/convert_to_chip.py")
-        model, ckpt = load_eval_model(path, cfg, require_stage="step4")
-        try:
-            prog = model.integer_program()
-        except ProgramError as exc:
-            raise CheckpointError(f"checkpoint '{path}': {exc}") from None
-        meta = {"classes": list(cfg.VOC_CLASSES), "model_meta": model.meta(), "stage": ckpt.get("stage"),
-                "best_map": ckpt.get("best_map"), "tensors": prog["tensors"], "format": args.format}
-        if args.format == "qdq":
-            meta["weights"] = args.weights
-        data = builder(args)(prog, meta=meta).SerializeToString()
-        out = args.out or cfg.model_root
-        os.makedirs(out, exist_ok=True)
-        onnx_path = os.path.join(out, args.name + ".onnx")
-        try:
-            atomic_write_set({onnx_path: lambda fh: fh.write(data)})
-        except OSError as exc:
-            raise CheckpointError(f"cannot write '{onnx_path}' ({exc.strerror or exc}): free disk space or pass "
-                                  "another --out; the previous file is unchanged") from None
-        n_ops = len(prog["ops"])
-        kind = "QDQ model of" if args.format == "qdq" else "integer ops:"
-        print(f"exported {path} (step4, best mAP {ckpt.get('best_map')}, requant {prog['requant']}) -> {onnx_path}: "
-              f"{kind} {n_ops} ops, {len(prog['outputs'])} outputs, {len(data) / 2 ** 20:.1f} MiB")
-        if not args.check:
-            return 0
-        report = check(model, prog, cfg, args, threads)
-    except user_errors() as exc:
-        return fail(str(exc))
+        prog = model.integer_program()
+    except ProgramError as exc:
+        raise CheckpointError(f"checkpoint '{path}': {exc}") from None
+    meta = {"classes": list(cfg.VOC_CLASSES), "model_meta": model.meta(), "stage": ckpt.get("stage"),
+            "best_map": ckpt.get("best_map"), "tensors": prog["tensors"], "format": args.format}
+    if args.format == "qdq":
+        meta["weights"] = args.weights
+    data = builder(args)(prog, meta=meta).SerializeToString()
+    out = args.out or cfg.model_root
+    os.makedirs(out, exist_ok=True)
+    onnx_path = os.path.join(out, args.name + ".onnx")
+    try:
+        atomic_write_set({onnx_path: lambda fh: fh.write(data)})
+    except OSError as exc:
+        raise CheckpointError(f"cannot write '{onnx_path}' ({exc.strerror or exc}): free disk space or pass "
+                              "another --out; the previous file is unchanged") from None
+    n_ops = len(prog["ops"])
+    kind = "QDQ model of" if args.format == "qdq" else "integer ops:"
+    print(f"exported {path} (step4, best mAP {ckpt.get('best_map')}, requant {prog['requant']}) -> {onnx_path}: "
+          f"{kind} {n_ops} ops, {len(prog['outputs'])} outputs, {len(data) / 2 ** 20:.1f} MiB")
+    if not args.check:
+        return 0
+    report = check(model, prog, cfg, args, threads)
     return 0 if report else 1
 
 

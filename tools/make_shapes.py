@@ -12,20 +12,21 @@ Convert it afterwards with:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
+from gnetmdk.config.cli import Parser  # noqa: E402
 from gnetmdk.dataset.shapes import make_shapes_dataset  # noqa: E402
+from gnetmdk.engine.cli import tool_main  # noqa: E402
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Generate the synthetic shapes detection dataset.")
+@tool_main
+def main(argv) -> int:
+    """Write the shapes dataset; returns the exit status (0 ok, 2 a bad value or an unwritable folder)."""
+    p = Parser(description="Generate the synthetic shapes detection dataset.")
     p.add_argument("out_dir", nargs="?", default=os.path.join(REPO_ROOT, "data", "shapes"),
                    help="output folder (default: data/shapes in the repository)")
     p.add_argument("--num-train", type=int, default=240, help="train images (default 240)")

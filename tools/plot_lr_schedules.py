@@ -8,7 +8,6 @@ gnetmdk.engine.schedule.build_scheduler stepped once per optimizer step, 30 epoc
 learning_rate 1e-3, warmup_epochs 2, warmup_factor 0.1, min_lr_ratio 0.01 (the BaseConfig defaults
 where they exist), step: lr_step_size 10; multistep: milestones 20, 25; cosine_restarts: 10 epochs.
 """
-import argparse
 import os
 import sys
 
@@ -16,10 +15,10 @@ import cv2
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gnetmdk.config import BaseConfig, build_config  # noqa: E402
-from gnetmdk.engine.schedule import build_optimizer, build_scheduler  # noqa: E402
+from gnetmdk.config import BaseConfig, build_config
+from gnetmdk.config.cli import Parser
+from gnetmdk.engine.cli import tool_main
+from gnetmdk.engine.schedule import build_optimizer, build_scheduler
 
 IPE, EPOCHS = 100, 30
 KINDS = ["cosine", "cosine_restarts", "step", "multistep", "constant"]
@@ -59,16 +58,19 @@ def draw(lrs, title, path, w=640, h=300, m=50):
     cv2.imwrite(path, img, [cv2.IMWRITE_PNG_COMPRESSION, 9])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@tool_main
+def main(argv) -> int:
+    """Draw every schedule's curve into --out; returns the exit status (0 ok, 2 a bad option)."""
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("docs", "img"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     for kind in KINDS:
         path = os.path.join(args.out, f"lr_{kind}.png")
         draw(curve(kind), f"lr_scheduler {kind} (warmup_epochs 2, lr 1e-3)", path)
         print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

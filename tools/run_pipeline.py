@@ -25,12 +25,10 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from gnetmdk.config import build_config, load_config_class  # noqa: E402
-from gnetmdk.engine.cli import run_stage, user_errors  # noqa: E402
-from gnetmdk.engine.control import PLATEAU_SPAN, plateau_span  # noqa: E402
+from gnetmdk.config import build_config, load_config_class
+from gnetmdk.config.cli import Parser, fail
+from gnetmdk.engine.cli import run_stage, tool_main, user_errors
+from gnetmdk.engine.control import PLATEAU_SPAN, plateau_span
 
 ORDER = ["step1", "step2", "cal", "step3", "step4"]
 
@@ -82,8 +80,13 @@ def drift_plot(klass, overrides, folder, max_images=64):
                                   f"({drift.num_images} val images)")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv):
+    """The command line (module docstring): options first, then config overrides (KEY VALUE / KEY=VALUE).
+
+    Returns:
+        (argparse.Namespace, [override words]).
+    """
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None)
     p.add_argument("--stages", default=",".join(ORDER), help="comma-separated subset of " + ",".join(ORDER))
     p.add_argument("--make-shapes", action="store_true",
@@ -94,21 +97,22 @@ def main(argv=None):
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write stages.png/.json (entry and best mAP per stage) in DIR after the table "
                         "(created if missing; needs matplotlib)")
-    args, overrides = p.parse_known_args(argv)
+    return p.parse_with_overrides(argv)
+
+
+@tool_main
+def main(argv) -> int:
+    """Run the tool; returns the exit status (0 ok, 2 a user error)."""
+    args, overrides = parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in ORDER]
     if bad:
-        print(f"error: unknown stage(s) {bad}: choose from {ORDER}", file=sys.stderr)
-        return 2
+        return fail(f"unknown stage(s) {bad}: choose from {ORDER}")
     made_plots = args.plots is not None and not os.path.exists(args.plots)
     if args.plots is not None:                      # refused before any training, not after it
-        from gnetmdk.evaluation.plots import PlotError, prepare_plot_dir, require_matplotlib
-        try:
-            prepare_plot_dir(args.plots)
-            require_matplotlib()
-        except PlotError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+        prepare_plot_dir(args.plots)
+        require_matplotlib()
     try:
         klass = load_config_class(args.config)
         if args.make_shapes:
@@ -142,13 +146,12 @@ def main(argv=None):
             rows.append(("control", summaries[0].get("entry_map"), last.get("best_map"), None, None,
                          sum(x.get("seconds", 0.0) for x in summaries)))
     except user_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
         if made_plots:                              # the --plots folder this run created stays only if used
             try:
                 os.rmdir(args.plots)
             except OSError:
                 pass
-        return 2
+        return fail(str(exc))
     print("\nPer-stage mAP@0.5 (entry = the loaded model after the stage's entry edits, before training)")
     print(format_table(rows))
     best = {r[0]: r[2] for r in rows}
@@ -173,17 +176,11 @@ def main(argv=None):
         try:
             atomic_write_text(args.json, json.dumps(records, indent=2) + "\n")   # all or nothing
         except OSError as exc:
-            print(f"error: --json '{args.json}' cannot be written ({exc}); the table above is the run's result",
-                  file=sys.stderr)
-            return 2
+            return fail(f"--json '{args.json}' cannot be written ({exc}); the table above is the run's result")
     if args.plots is not None:
         from gnetmdk.evaluation.plots import plot_stages
-        try:
-            written = plot_stages(records, os.path.join(args.plots, "stages.png"))
-            written += drift_plot(klass, overrides, args.plots)
-        except user_errors() as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        written = plot_stages(records, os.path.join(args.plots, "stages.png"))
+        written += drift_plot(klass, overrides, args.plots)
         print(f"plots: {', '.join(written)}")
     return 0
 

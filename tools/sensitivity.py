@@ -23,14 +23,12 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least, fraction
+from gnetmdk.engine.cli import tool_main
 
 
 def parse_args(argv):
     """Parse the command line (module docstring); config overrides come back apart."""
-    from gnetmdk.config.cli import Parser, at_least, fraction, parse_with_overrides
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
@@ -42,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--tolerance", type=fraction(high_open=True), default=0.005,
                    help="mAP a scheme may lose, in [0, 1) (default 0.005)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write sensitivity.png/.json in DIR")
-    return parse_with_overrides(p, argv)
+    return p.parse_with_overrides(argv)
 
 
 def make_evaluator(dataset, cfg, batch_size: int):
@@ -68,60 +66,53 @@ def make_evaluator(dataset, cfg, batch_size: int):
     return evaluate
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import user_errors
-    from gnetmdk.config.cli import fail
-    try:
-        import torch
-        from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint
-        from gnetmdk.config import load_config
-        from gnetmdk.dataset.dataset import build_dataset
-        from gnetmdk.gti.sensitivity import format_sensitivity, measure_sensitivity, suggest_mask_bits
-        from gnetmdk.gti.transforms import fold_bn
-        if args.plots is not None:
-            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
-            prepare_plot_dir(args.plots)
-            require_matplotlib()
-        cfg = load_config(args.config, overrides)
-        if cfg.model_name != "gnetdet":
-            raise CheckpointError(f"tools/sensitivity.py measures GNetDet's chip quantization; the config's model is "
-                                  f"{cfg.model_name!r}")
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        path = args.weights or os.path.join(cfg.checkpoint_dir(1), "best.pth")
-        ckpt = load_checkpoint(path, "train step 1 first (python3 train.py --step 1) or pass --weights")
-        if ckpt.get("stage") != "step1":
-            raise CheckpointError(f"--weights '{path}' is a {ckpt.get('stage')} checkpoint: pass the float "
-                                  "(step-1) model")
-        check_compatible(ckpt, cfg, path)
-        model = build_model_from_checkpoint(ckpt, cfg, path).eval()
-        fold_bn(model)
-        caps, cal_path = None, args.cal or os.path.join(cfg.checkpoint_dir(2), "cal.pth")
-        if args.cal or os.path.isfile(cal_path):
-            cal = load_checkpoint(cal_path)
-            caps = [float(c) for c in cal.get("caps") or []]
-            if not caps or not all(c > 0 for c in caps):
-                raise CheckpointError(f"--cal '{cal_path}' holds no calibrated caps: run python3 train.py --cal")
-        dataset = build_dataset(cfg, args.split)
-        dataset.augment = False
-        t0 = time.time()
-        sens = measure_sensitivity(model, make_evaluator(dataset, cfg, args.batch_size), cfg.gnetdet.chip, caps)
-    except user_errors() as exc:
-        return fail(str(exc))
+    args, overrides = parse_args(argv)
+    import torch
+    from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint
+    from gnetmdk.config import load_config
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.gti.sensitivity import format_sensitivity, measure_sensitivity, suggest_mask_bits
+    from gnetmdk.gti.transforms import fold_bn
+    if args.plots is not None:
+        from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+        prepare_plot_dir(args.plots)
+        require_matplotlib()
+    cfg = load_config(args.config, overrides)
+    if cfg.model_name != "gnetdet":
+        raise CheckpointError(f"tools/sensitivity.py measures GNetDet's chip quantization; the config's model is "
+                              f"{cfg.model_name!r}")
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    path = args.weights or os.path.join(cfg.checkpoint_dir(1), "best.pth")
+    ckpt = load_checkpoint(path, "train step 1 first (python3 train.py --step 1) or pass --weights")
+    if ckpt.get("stage") != "step1":
+        raise CheckpointError(f"--weights '{path}' is a {ckpt.get('stage')} checkpoint: pass the float "
+                              "(step-1) model")
+    check_compatible(ckpt, cfg, path)
+    model = build_model_from_checkpoint(ckpt, cfg, path).eval()
+    fold_bn(model)
+    caps, cal_path = None, args.cal or os.path.join(cfg.checkpoint_dir(2), "cal.pth")
+    if args.cal or os.path.isfile(cal_path):
+        cal = load_checkpoint(cal_path)
+        caps = [float(c) for c in cal.get("caps") or []]
+        if not caps or not all(c > 0 for c in caps):
+            raise CheckpointError(f"--cal '{cal_path}' holds no calibrated caps: run python3 train.py --cal")
+    dataset = build_dataset(cfg, args.split)
+    dataset.augment = False
+    t0 = time.time()
+    sens = measure_sensitivity(model, make_evaluator(dataset, cfg, args.batch_size), cfg.gnetdet.chip, caps)
     print(f"sensitivity: {cfg.DS_NAME} {args.split} split, {len(dataset)} images, float model {path}"
           + (f", caps from {cal_path}" if caps else ", no calibration checkpoint (activations left out)")
           + f"; {time.time() - t0:.1f}s")
     print(format_sensitivity(sens, args.tolerance))
     if args.plots is not None:
         from gnetmdk.evaluation.plots import plot_sensitivity
-        try:
-            written = plot_sensitivity(sens, os.path.join(args.plots, "sensitivity.png"),
-                                       suggest_mask_bits(sens, args.tolerance),
-                                       title=f"{cfg.DS_NAME} {args.split}: mAP change with one layer quantized")
-        except user_errors() as exc:
-            return fail(str(exc))
+        written = plot_sensitivity(sens, os.path.join(args.plots, "sensitivity.png"),
+                                   suggest_mask_bits(sens, args.tolerance),
+                                   title=f"{cfg.DS_NAME} {args.split}: mAP change with one layer quantized")
         print(f"plots: {', '.join(written)}")
     return 0
 

@@ -25,16 +25,14 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser, at_least
+from gnetmdk.engine.cli import tool_main
 
 
 def parse_args(argv):
     """Parse the command line (see the module docstring); config overrides are returned separately where taken."""
-    from gnetmdk.config.cli import Parser, at_least
     p = Parser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     for k in range(1, 5):
@@ -47,62 +45,57 @@ def parse_args(argv):
                    help="images for the per-layer drift table (default 64; 0 leaves the table out)")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="write stage_report.png/.json in DIR: mAP per stage and per-layer drift (needs matplotlib)")
-    from gnetmdk.config.cli import parse_with_overrides
-    return parse_with_overrides(p, argv)
+    return p.parse_with_overrides(argv)
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from gnetmdk.gti.chip.cli_util import user_errors
-    from gnetmdk.config.cli import fail
-    try:
-        import torch
-        from gnetmdk.config import load_config
-        from gnetmdk.dataset.dataset import build_dataset
-        from gnetmdk.gti.chip import ChipModelError, convert_checkpoint, load_chip_model
-        from gnetmdk.gti.chip.report import format_report, stage_report
-        if args.plots is not None:                 # refused before the evaluation, not after it
-            from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
-            prepare_plot_dir(args.plots)
-            require_matplotlib()
-        cfg = load_config(args.config, overrides)
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        ckpts = {}
-        for k in range(1, 5):
-            given = getattr(args, f"step{k}")
-            if given and not os.path.isfile(given):
-                raise FileNotFoundError(f"--step{k} '{given}' does not exist")
-            path = given or os.path.join(cfg.checkpoint_dir(k), "best.pth")
-            ckpts[f"step{k}"] = path if os.path.isfile(path) else None
-        chip = None
-        chip_note = ""
-        if not args.no_chip:
-            chip_path = args.chip or os.path.join(cfg.model_root, "chip_model.json")
-            if os.path.isfile(chip_path) or args.chip:
-                chip = load_chip_model(chip_path)
-                chip_note = chip_path
-            elif ckpts["step4"]:
-                chip, _ = convert_checkpoint(ckpts["step4"], list(cfg.VOC_CLASSES))
-                chip_note = f"converted in memory from {ckpts['step4']}"
-            if chip is not None and list(chip.class_names) != list(cfg.VOC_CLASSES):
-                raise ChipModelError(f"chip model {chip_note} has classes {chip.class_names}, the config "
-                                     f"{list(cfg.VOC_CLASSES)}: pass the matching --config")
-        if not any(ckpts.values()) and chip is None:
-            raise FileNotFoundError(f"no checkpoint found under {cfg.checkpoint_root}/step1..4 and no chip model: "
-                                    "train first, or pass --step1..--step4 / --chip")
-        dataset = build_dataset(cfg, args.split)
-        dataset.augment = False                   # evaluation: the train split without augmentation too
-        t0 = time.time()
-        rows = stage_report(dataset, ckpts, chip, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
-                            args.batch_size, cfg)
-        drift = None
-        if args.drift_images > 0:
-            from gnetmdk.gti.chip.report import layer_drift
-            drift = layer_drift(dataset, ckpts, chip, min(args.batch_size, 4), cfg, args.drift_images)
-    except user_errors() as exc:
-        return fail(str(exc))
+    args, overrides = parse_args(argv)
+    import torch
+    from gnetmdk.config import load_config
+    from gnetmdk.dataset.dataset import build_dataset
+    from gnetmdk.gti.chip import ChipModelError, convert_checkpoint, load_chip_model
+    from gnetmdk.gti.chip.report import format_report, stage_report
+    if args.plots is not None:                 # refused before the evaluation, not after it
+        from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
+        prepare_plot_dir(args.plots)
+        require_matplotlib()
+    cfg = load_config(args.config, overrides)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    ckpts = {}
+    for k in range(1, 5):
+        given = getattr(args, f"step{k}")
+        if given and not os.path.isfile(given):
+            raise FileNotFoundError(f"--step{k} '{given}' does not exist")
+        path = given or os.path.join(cfg.checkpoint_dir(k), "best.pth")
+        ckpts[f"step{k}"] = path if os.path.isfile(path) else None
+    chip = None
+    chip_note = ""
+    if not args.no_chip:
+        chip_path = args.chip or os.path.join(cfg.model_root, "chip_model.json")
+        if os.path.isfile(chip_path) or args.chip:
+            chip = load_chip_model(chip_path)
+            chip_note = chip_path
+        elif ckpts["step4"]:
+            chip, _ = convert_checkpoint(ckpts["step4"], list(cfg.VOC_CLASSES))
+            chip_note = f"converted in memory from {ckpts['step4']}"
+        if chip is not None and list(chip.class_names) != list(cfg.VOC_CLASSES):
+            raise ChipModelError(f"chip model {chip_note} has classes {chip.class_names}, the config "
+                                 f"{list(cfg.VOC_CLASSES)}: pass the matching --config")
+    if not any(ckpts.values()) and chip is None:
+        raise FileNotFoundError(f"no checkpoint found under {cfg.checkpoint_root}/step1..4 and no chip model: "
+                                "train first, or pass --step1..--step4 / --chip")
+    dataset = build_dataset(cfg, args.split)
+    dataset.augment = False                   # evaluation: the train split without augmentation too
+    t0 = time.time()
+    rows = stage_report(dataset, ckpts, chip, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                        args.batch_size, cfg)
+    drift = None
+    if args.drift_images > 0:
+        from gnetmdk.gti.chip.report import layer_drift
+        drift = layer_drift(dataset, ckpts, chip, min(args.batch_size, 4), cfg, args.drift_images)
     missing = [k for k, v in ckpts.items() if v is None]
     print(f"stage report: {cfg.DS_NAME} {args.split} split, {len(dataset)} images, decode conf {cfg.conf_thresh:g} "
           f"nms {cfg.nms_thresh:g}; {time.time() - t0:.1f}s" + (f"; missing: {', '.join(missing)}" if missing else ""))
@@ -115,13 +108,10 @@ def main(argv=None) -> int:
         print(format_drift(drift))
     if args.plots is not None:
         from gnetmdk.evaluation.plots import plot_layer_drift
-        try:
-            written = plot_layer_drift(drift.layers if drift else [], drift.stages if drift else {},
-                                       os.path.join(args.plots, "stage_report.png"),
-                                       drift.reference if drift else "step1", {r.name: r.map for r in rows},
-                                       title=f"{cfg.DS_NAME} {args.split}: mAP and per-layer drift per stage")
-        except user_errors() as exc:
-            return fail(str(exc))
+        written = plot_layer_drift(drift.layers if drift else [], drift.stages if drift else {},
+                                   os.path.join(args.plots, "stage_report.png"),
+                                   drift.reference if drift else "step1", {r.name: r.map for r in rows},
+                                   title=f"{cfg.DS_NAME} {args.split}: mAP and per-layer drift per stage")
         print(f"plots: {', '.join(written)}")
     by = {r.name: r for r in rows}
     if "chip" in by and "step4" in by and rows.index(by["chip"]) == rows.index(by["step4"]) + 1:

@@ -22,15 +22,15 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser
+from gnetmdk.engine.cli import tool_main
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 2 a user error)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = Parser(description=__doc__.split("\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("src", help="VOC dataset root (JPEGImages/, Annotations/, optional ImageSets/Main)")
     p.add_argument("dst", help="the tiled dataset's root (must not exist)")
     p.add_argument("--tiles", type=int, required=True, help="n: n x n tiles per image")

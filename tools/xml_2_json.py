@@ -10,24 +10,20 @@ the config's ``train_json`` / ``val_json`` at the two files to train from them (
     python3 tools/xml_2_json.py --name cards --dataset-dir ../shared/data/cards \\
         --classes nine,ten,jack,queen,king,ace --out-dir data/meta
 
+Config overrides (``KEY VALUE`` or ``KEY=VALUE``, as train.py reads them) come after the options.
 Exit status: 0 on success, 2 on a dataset/annotation/config error (one message on stderr).
 """
 from __future__ import annotations
 
-import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import xml_2_txt  # noqa: E402
+import xml_2_txt  # beside this file: a script's own folder is first on sys.path
 
 
 def main(argv=None) -> int:
-    """Run the tool (xml_2_txt.main writing COCO json); returns the exit status."""
-    return xml_2_txt.main(argv, coco=True)
+    """Run the tool (xml_2_txt.main writing COCO json, with this docstring as its --help); returns the
+    exit status."""
+    return xml_2_txt.main(argv, coco=True, doc=__doc__)
 
 
 if __name__ == "__main__":

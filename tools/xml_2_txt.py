@@ -20,10 +20,10 @@ import os
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
 
+from gnetmdk.config.cli import Parser  # noqa: E402
 from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_coco, convert_voc_to_meta  # noqa: E402
+from gnetmdk.engine.cli import tool_main  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs.py")
 
@@ -32,17 +32,22 @@ class CLIError(Exception):
     """A user error reported as one line on stderr with exit status 2."""
 
 
-def parse_args(argv=None, description="Convert VOC XML annotations into the project's meta files "
-                                       "(<DS_NAME>_train.txt / _valid.txt)."):
-    """The command line of this tool and of tools/xml_2_json.py (which passes its own ``description``):
-    options first, then config overrides (``KEY VALUE`` / ``KEY=VALUE``), returned as ``args.overrides``."""
-    from gnetmdk.config.cli import Parser
-    p = Parser(
-        description=description,
-        epilog="Without --config, values not given on the command line come from configs.py at "
+CONFIG_NOTE = ("Without --config, values not given on the command line come from configs.py at "
                "the repository root. With --name, --dataset-dir, --classes and --out-dir all "
-               "given, no config is loaded.",
-    )
+               "given, no config is loaded.")
+
+
+def parse_args(argv=None, doc=None):
+    """The command line of this tool and of tools/xml_2_json.py: options first, then config overrides
+    (``KEY VALUE`` / ``KEY=VALUE``), returned as ``args.overrides``. ``doc``: the calling script's
+    docstring, the --help text of tools/xml_2_json.py (default: this tool's meta-file text)."""
+    if doc is None:
+        p = Parser(description="Convert VOC XML annotations into the project's meta files "
+                               "(<DS_NAME>_train.txt / _valid.txt).", epilog=CONFIG_NOTE)
+    else:
+        import textwrap
+        p = Parser(description=doc.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                   epilog=doc.split("\n", 1)[1].strip() + "\n\n" + textwrap.fill(CONFIG_NOTE, 100))
     p.add_argument("--config", default=None, metavar="FILE",
                    help=f"config file (default: {DEFAULT_CONFIG})")
     p.add_argument("--name", default=None, metavar="NAME",
@@ -347,11 +352,12 @@ def print_summary(report: dict, out=sys.stdout) -> None:
         print(f"wrote {splits[s]['file']}", file=out)
 
 
-def main(argv=None, coco: bool = False) -> int:
-    """Run the tool; ``coco`` writes COCO-json files (tools/xml_2_json.py) instead of meta files.
-    Returns the exit status (0 ok, 2 a dataset/annotation/config error)."""
-    args = parse_args(argv, "Convert VOC XML annotations into COCO-json files (<DS_NAME>_train.json / "
-                            "_valid.json).") if coco else parse_args(argv)
+@tool_main
+def main(argv, coco: bool = False, doc=None) -> int:
+    """Run the tool; ``coco`` writes COCO-json files (tools/xml_2_json.py, whose docstring ``doc`` is
+    its --help text) instead of meta files. Returns the exit status (0 ok, 2 a dataset/annotation/config
+    error)."""
+    args = parse_args(argv, doc)
     tool = "xml_2_json" if coco else "xml_2_txt"
     try:
         st = st_cfg = resolve_settings(args)
