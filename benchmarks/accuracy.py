@@ -33,6 +33,9 @@ import sys
 import time
 from typing import Dict, List, Sequence
 
+from gnetmdk.config.cli import Parser
+from gnetmdk.engine.cli import tool_main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: dataset name -> (example config, how to make it when missing: None, "shapes", "dense" or "dense_tiles")
 DATASETS = {"cards": ("examples/cards.py", None), "raccoon": ("examples/raccoon.py", None),
@@ -61,7 +64,6 @@ def pipeline_command(dataset: str, seed: int, out: str, overrides: Sequence[str]
 
 
 def _dataset_dir(dataset: str) -> str:
-    sys.path.insert(0, ROOT)
     from gnetmdk.config import build_config, load_config_class
     return build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), []).dataset_dir
 
@@ -70,7 +72,6 @@ def prepare(dataset: str) -> None:
     """Generate a synthetic set (and its meta files) when its folder is missing, cut a tiled set from its
     source; xml_2_txt for all."""
     config, make = DATASETS[dataset]
-    sys.path.insert(0, ROOT)
     from gnetmdk.config import build_config, load_config_class
     cfg = build_config(load_config_class(os.path.join(ROOT, config)), [])
     if dataset in TILED and not os.path.isdir(cfg.dataset_dir):
@@ -211,9 +212,14 @@ def format_table(table: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__)
+def parse_args(argv):
+    """The command line (module docstring): options first, then config overrides (KEY VALUE / KEY=VALUE).
+
+    Returns:
+        (argparse.Namespace, [override words]).
+    """
+    p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=__doc__)
     p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset of " + ",".join(DATASETS))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "accuracy"))
@@ -221,7 +227,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-chip", action="store_true", help="do not convert and check the chip models")
     p.add_argument("--no-control", action="store_true",
                    help="do not train the float control (the cost is then step 4 - step 1)")
-    args, overrides = p.parse_known_args(argv)
+    return p.parse_with_overrides(argv)
+
+
+@tool_main
+def main(argv) -> int:
+    """Run (or only tabulate) the matrix (module docstring); returns the exit status (0, or 2 for bad input)."""
+    args, overrides = parse_args(argv)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     bad = [d for d in datasets if d not in DATASETS]
     if bad:

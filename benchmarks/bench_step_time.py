@@ -28,25 +28,23 @@ Goals: step3 / step1 <= 1.15; on a GPU also trainer / bare step >= 0.9, loader /
 bf16 / fp32 step-1 speed >= 1.25 (448 px, width 1.0, batch 32 on the cards images).
 """
 import argparse
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from gnetmdk.config import build_config, load_config_class  # noqa: E402
-from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker  # noqa: E402
-from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler  # noqa: E402
-from gnetmdk.engine.calibration import calibrate_caps  # noqa: E402
-from gnetmdk.engine.device import configure_backends, resolve_device  # noqa: E402
-from gnetmdk.engine.runtime import keep_freed_memory  # noqa: E402
-from gnetmdk.engine.stages import STAGES, apply_stage  # noqa: E402
-from gnetmdk.models import model_from_config  # noqa: E402
+from gnetmdk.config import build_config, load_config_class
+from gnetmdk.config.cli import Parser
+from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
+from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler
+from gnetmdk.engine.calibration import calibrate_caps
+from gnetmdk.engine.cli import tool_main
+from gnetmdk.engine.device import configure_backends, resolve_device
+from gnetmdk.engine.runtime import keep_freed_memory
+from gnetmdk.engine.stages import STAGES, apply_stage
+from gnetmdk.models import model_from_config
 
 
 #: epochs the loader is timed over, in one chained iteration (EpochBatches.chain_to)
@@ -254,8 +252,15 @@ def time_batchnorm(cfg, batch, iters, rounds):
         print(f"  {name:<26} {(time.perf_counter() - t0) / 20 * 1000:7.2f} ms")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv):
+    """The command line (module docstring): options first, then config overrides (KEY VALUE / KEY=VALUE).
+
+    Returns:
+        (argparse.Namespace, [override words]).
+    Raises:
+        SystemExit(2): one ``error:`` line for a bad option or count.
+    """
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None)
     p.add_argument("--iters", type=int, default=20, help="timed steps per model (default 20)")
     p.add_argument("--rounds", type=int, default=4,
@@ -266,16 +271,20 @@ def main():
                    help="where to time (default: the config's device, auto = cuda when torch sees a GPU)")
     p.add_argument("--amp", action="store_true", help="also time step 1 under bf16 autocast (always on CUDA)")
     p.add_argument("--trainer", action="store_true", help="also time the real trainer's images/s (always on CUDA)")
-    args, overrides = p.parse_known_args()
+    args, overrides = p.parse_with_overrides(argv)
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1 (got --iters {args.iters} --rounds {args.rounds})")
+    return args, overrides
+
+
+@tool_main
+def main(argv) -> int:
+    """Time the steps (module docstring); returns the exit status (0, or 2 for a bad option or config)."""
+    args, overrides = parse_args(argv)
     if args.device:
         overrides = list(overrides) + ["device", args.device]
     cfg = build_config(load_config_class(args.config), overrides, step=1)
-    try:
-        device = resolve_device(cfg)
-    except Exception as exc:
-        p.error(str(exc))
+    device = resolve_device(cfg)                    # ConfigError (no GPU for --device cuda): one line, 2
     configure_backends(cfg, device)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -367,7 +376,8 @@ def main():
               "goal >= 0.9 on a GPU)")
     if args.batchnorm:
         time_batchnorm(cfg, batch, args.iters, rounds)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

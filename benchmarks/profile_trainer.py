@@ -23,17 +23,28 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench_step_time beside this file
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from gnetmdk.config import ConfigError, build_config, load_config_class
+from gnetmdk.config.cli import Parser, fail
+from gnetmdk.engine.cli import tool_main
+from gnetmdk.engine.device import resolve_device
+from gnetmdk.engine.trainer import SPANS
 
-from gnetmdk.config import ConfigError, build_config, load_config_class  # noqa: E402
-from gnetmdk.engine.device import resolve_device  # noqa: E402
-from gnetmdk.engine.trainer import SPANS  # noqa: E402
-from bench_step_time import ready_trainer  # noqa: E402
+
+def _sibling(name: str):
+    """The benchmark script ``name``.py beside this file, as a module: found by its path, so it loads the
+    same way when this script runs and when the tests load this file by its path."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                     name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ready_trainer = _sibling("bench_step_time").ready_trainer
 
 #: the DataLoader's own span around handing over a batch (torch.utils.data names it so)
 LOADER_SPAN = "enumerate(DataLoader)"
@@ -97,17 +108,31 @@ def top_level_ops(events) -> int:
     return n
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def parse_args(argv):
+    """The command line (module docstring): options first, then config overrides (KEY VALUE / KEY=VALUE).
+
+    Returns:
+        (argparse.Namespace, [override words]).
+    Raises:
+        SystemExit(2): one ``error:`` line for a bad option or count.
+    """
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=__doc__)
     p.add_argument("--config", default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--iters", type=int, default=40, help="iterations traced, at least (whole epochs; default 40)")
     p.add_argument("--top", type=int, default=15, help="operators listed by host time (default 15)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the split as JSON")
-    args, overrides = p.parse_known_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
     if args.iters < 1 or args.top < 0:
         p.error(f"--iters must be at least 1 and --top at least 0 (got {args.iters}, {args.top})")
+    return args, overrides
+
+
+@tool_main
+def main(argv) -> int:
+    """Profile the trainer (module docstring); returns the exit status (0, or 2 for a bad option or config)."""
+    args, overrides = parse_args(argv)
     if args.device:
         overrides = list(overrides) + ["device", args.device]
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +142,7 @@ def main(argv=None) -> int:
                 "eval_before", "false"], step=1)
             device = resolve_device(cfg)
         except (ConfigError, OSError) as exc:
-            p.error(str(exc))
+            return fail(str(exc))
         t = ready_trainer(cfg)                      # as Trainer.run sets it up: the EMA when the config has it
         t.train_one_epoch(0)                        # untraced warm-up
         cuda = device.type == "cuda"

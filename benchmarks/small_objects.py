@@ -32,10 +32,10 @@ import sys
 import time
 from typing import List, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from gnetmdk.config.cli import Parser
+from gnetmdk.engine.cli import tool_main
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Band = Tuple[int, int, int, int]
 
 
@@ -138,16 +138,26 @@ def run_band(band: Band, args, overrides: List[str]) -> dict:
             "dx": dx / max(cells, 1), "dx_centre": dx0 / max(cells, 1), "seconds": time.time() - t0}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv):
+    """The command line (module docstring): options first, then config overrides (KEY VALUE / KEY=VALUE).
+
+    Returns:
+        (argparse.Namespace, [override words]).
+    """
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bands", default="4-16:8-20,8-32:2-5,30-95:1-3",
                    help="comma-separated LO-HI:NMIN-NMAX (shape side in px : shapes per 224-px image)")
     p.add_argument("--iters", type=int, default=300, help="training steps per band (default 300)")
     p.add_argument("--seed", type=int, default=0, help="data and weight seed (default 0)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "small_objects"),
                    help="folder for the generated sets (reused when present)")
-    args, overrides = p.parse_known_args(argv)
+    return p.parse_with_overrides(argv)
+
+
+@tool_main
+def main(argv) -> int:
+    """Train and measure every band (module docstring); returns the exit status (0, or 2 for bad input)."""
+    args, overrides = parse_args(argv)
     try:
         bands = parse_bands(args.bands)
     except ValueError as exc:
