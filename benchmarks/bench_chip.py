@@ -26,11 +26,13 @@ import statistics
 import sys
 import time
 
+import numpy as np
+import torch
+
+from gnetmdk.config.cli import Parser
+from gnetmdk.engine.cli import tool_main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 CARDS = os.path.join(os.path.dirname(ROOT), "shared", "data", "cards")
 CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
 
@@ -112,9 +114,10 @@ def time_rows(rows, batch, repeat):
     return {name: len(batch) / statistics.median(t) for name, t in times.items()}
 
 
-def main(argv=None) -> int:
+@tool_main
+def main(argv) -> int:
     """Build the models, time every row, print the table."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a step-4 checkpoint (default: random weights)")
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--width", type=float, default=0.25, help="width_mult without --checkpoint")

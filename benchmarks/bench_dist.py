@@ -29,6 +29,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from gnetmdk.config.cli import Parser
+from gnetmdk.engine.cli import tool_main
+
 
 def _model(width: float, image_size: int):
     from gnetmdk.dist.parallel import freeze_biases_before_bn
@@ -148,8 +151,10 @@ def _two_processes(args) -> dict:
             return json.load(fh)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@tool_main
+def main(argv) -> int:
+    """Time one process and two, print the table (and --json); returns the exit status."""
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--width", type=float, default=0.25, help="GNetDet width_mult (default 0.25, the example model)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--batch", type=int, default=16, help="global batch (split over the processes)")
