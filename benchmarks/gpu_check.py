@@ -242,7 +242,9 @@ class Check:
 
     def run(self, part: str) -> Dict[str, Any]:
         cmds = self.commands(part)
-        env = dict(os.environ)
+        # the tools import gnetmdk as installed (pip install -e .): this checkout's package first on the
+        # path of every part, so that a bare GPU machine, or one with another checkout installed, runs it
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         if part == "suite":                              # the workers share the cores: one thread each
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(self.args.workers, 1))))
         t0, limit = time.perf_counter(), self.timeout(part)
