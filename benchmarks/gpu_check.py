@@ -214,8 +214,9 @@ class Check:
         if part == "suite":
             if have_xdist():
                 return [pytest + ["-m", "not cuda", "-n", str(a.workers), "--durations", "15"]]
-            files = [os.path.join("tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests")))
-                     if f.startswith("test_") and f.endswith(".py")]
+            files = sorted(os.path.relpath(os.path.join(d, f), ROOT)          # tests/ and its package folders
+                           for d, _sub, names in os.walk(os.path.join(ROOT, "tests"))
+                           for f in names if f.startswith("test_") and f.endswith(".py"))
             return [pytest + ["-m", "not cuda", *s] for s in shards([os.path.join(ROOT, f) for f in files], a.workers)]
         if part == "step_time":         # one after the other (timings alone), in STEP_TIME_* order
             return [[PY, "benchmarks/bench_step_time.py", *a] for a in self.step_time_runs().values()]

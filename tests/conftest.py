@@ -5,11 +5,20 @@ A config left at ``device auto`` is an error in the tests and in every process t
 (GNETMDK_AUTO_DEVICE=refuse, gnetmdk.config.base.cuda_wanted): on a GPU machine "auto" would move a
 CPU test onto the GPU, so every test says which device it tests, on every machine."""
 import os
+import sys
 
 import pytest
 import torch
 
 os.environ["GNETMDK_AUTO_DEVICE"] = "refuse"
+
+# tests/<package>/ mirrors gnetmdk/<package>/; test modules import the helpers of tests/ (repo_paths,
+# chip_helpers, dist_helpers) and a few of each other's (test_pipeline's workdir, test_stem's reference),
+# so tests/ and every folder under it are on sys.path, whichever file pytest collects first
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _dir in sorted(d for d, _sub, files in os.walk(_TESTS) if any(f.startswith("test_") for f in files)) + [_TESTS]:
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 
 
 def pytest_collection_modifyitems(config, items):

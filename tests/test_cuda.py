@@ -224,7 +224,7 @@ def test_train_dist_one_gpu_and_torchrun_equal_train_py(lane):
 
 def test_quantized_training_step_never_waits_for_the_gpu(lane):
     """torch.cuda.set_sync_debug_mode('error') around steps 2 and 3 (forward, loss, backward, clipping,
-    SGD): no operation reads back from the GPU (the CPU side of this check is tests/test_device.py)."""
+    SGD): no operation reads back from the GPU (the CPU side of this check is tests/dist/test_device.py)."""
     if DEV != "cuda":
         pytest.skip("sync debug mode exists on CUDA only")
     from gnetmdk.engine import runtime as R
@@ -303,14 +303,14 @@ def test_index_free_max_pool_equals_torchs_on_the_gpu(channels_last):
 def test_recomputed_stem_equals_the_block_on_the_gpu(channels_last):
     """gnetmdk.layers.stem on the GPU (recomputed per chunk, one image per chunk, in the backward pass)
     and conv -> BatchNorm -> ReLU -> max pool with torch's kernels, each against the float64 reference
-    of tests/test_stem.py computed on the CPU: outputs, gradients and running statistics element by
+    of tests/layers/test_stem.py computed on the CPU: outputs, gradients and running statistics element by
     element within 2 n u of the magnitudes of their terms (u = 2^-53; n = 4 x 64 x 64, the longest sum,
     a bound on the rounding of a sum of n terms in any order: Higham, "Accuracy and Stability of
     Numerical Algorithms", 2nd ed., sec. 4.2; twice for the GPU's and the reference's own rounding).
 
     The GPU runs in float64: in float32 cuDNN may pick Winograd or FFT convolutions, whose error is not
     bounded by the magnitudes of the sum's terms, so no tolerance for them could be derived; the
-    float32 arithmetic of the stem is bounded on the CPU (tests/test_stem.py)."""
+    float32 arithmetic of the stem is bounded on the CPU (tests/layers/test_stem.py)."""
     import copy
     import gnetmdk.layers.stem as stem
     from test_stem import _block, _check, _data, _margins_ok, _ours, _plain, _reference

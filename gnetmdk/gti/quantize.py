@@ -239,7 +239,7 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
       * 5-bit (15 midpoints, where the sweep is slower): every (kernel, candidate, weight) level from
         _nearest_level, in chunks.
     The errors are float64 (rounded, not exact); on the test kernels the chosen d equal those of the
-    definition in exact rational arithmetic (tests/test_quantize.py,
+    definition in exact rational arithmetic (tests/gti/test_quantize.py,
     test_mse_scale_matches_the_definition). The sweep compares d < |w| / m in float64 while the final
     assignment rounds |w| / d in the weights' dtype; they can differ only for a quotient within one
     float32 ulp of a midpoint, where the two levels' errors are equal to that precision.
@@ -418,7 +418,7 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
     launches. Here the kernels of all the sublayers are rows of one (K, n) tensor (_kernel_rows), the
     shifts come from per-sublayer maxima (scatter_reduce, an exact max), each row is scaled by its own
     sublayer's 2^s, and every other operation is elementwise or a reduction within a row, so each value
-    is the same computation as in quantize_conv_params (tests/test_quantize.py checks the equality).
+    is the same computation as in quantize_conv_params (tests/gti/test_quantize.py checks the equality).
 
     Args:
         weights: L float tensors (O_l, I_l, kh, kw) of one dtype, device and kernel size (read detached).

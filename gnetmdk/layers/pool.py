@@ -10,7 +10,7 @@ indices, hence this function.
 
 The backward pass recomputes torch's pool with its indices from the kept input (a pass over the
 input, the indices living only while that layer's gradient is computed) and runs torch's own
-backward kernel with them: the gradients are torch's bit for bit (tests/test_pool.py), ties and NaN
+backward kernel with them: the gradients are torch's bit for bit (tests/layers/test_pool.py), ties and NaN
 included, in two kernels.
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ Costs: the stem's conv runs three times instead of once (on CPU, GNetDet 448: ab
 at batch 8 on one thread); against that the backward works on the pooled grid where BatchNorm2d + ReLU
 + max pool walk the full resolution several times. The measured step time is in docs/results.md.
 Results equal conv -> BatchNorm2d -> activation -> max pool to float32 rounding (per-chunk sums in
-another order; tests/test_stem.py).
+another order; tests/layers/test_stem.py).
 
 Mixed precision: under autocast the conv runs in the autocast dtype (as autocast would run it), the
 statistics and the affine map in float32, ``z`` is rounded to that dtype before the activation

@@ -10,7 +10,7 @@ largest], and each cap minimises the 5-bit quantization error over that histogra
 their chunk of the batch: gnetmdk.dist.virtual.forward_batch) the maxima are all-reduced (MAX), the
 percentiles are those of the global batch (gnetmdk.dist.comm.global_percentile) and the histograms are
 summed (exact counts), so N processes and one process of N virtual ranks give the same caps bit for bit
-(tests/test_dist_train.py).
+(tests/dist/test_dist_train.py).
 
 It is the families' default calibration (gnetmdk.models.base.DetectorFamily.calibrate), so it sits with
 the models; gnetmdk.engine.calibration re-exports it.

@@ -1,4 +1,4 @@
-"""Fault injection for the subprocess runs of tests/test_faults.py (device cpu).
+"""Fault injection for the subprocess runs of tests/engine/test_faults.py (device cpu).
 
 Put this folder first on PYTHONPATH and set GNETMDK_FAULT; Python imports this module at start-up.
 

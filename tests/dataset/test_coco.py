@@ -16,11 +16,12 @@ import torch
 from gnetmdk.dataset.coco import CocoFormatError, read_coco_json, write_coco_json
 from gnetmdk.evaluation.coco import evaluate_coco
 from gnetmdk.evaluation.voc import evaluate_detections
+from repo_paths import REPO
 
 torch.set_num_threads(1)
 
 #: the project's real VOC sets sit in ../shared/data beside the repository
-CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
+CARDS = os.path.join(os.path.dirname(REPO), "shared", "data",
                      "cards")
 CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
 

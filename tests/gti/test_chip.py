@@ -19,7 +19,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chip_helpers import (DATASETS, REPO, build_step4_model, have, load_images, run_tool,  # noqa: E402
                           save_step4_checkpoint, write_config)
 
@@ -30,6 +29,7 @@ from gnetmdk.gti.chip import (ChipEmulator, ChipModelError, ConversionError, che
                               padded_output_channels, rounding_shift)
 from gnetmdk.gti.chip.emulator import sublayer_codes  # noqa: E402
 from gnetmdk.gti.chip.model_file import ChipLayer  # noqa: E402
+from repo_paths import REPO
 
 needs_data = pytest.mark.skipif(not (have("raccoon") and have("cards")), reason="shared datasets not present")
 

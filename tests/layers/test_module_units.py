@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chip_helpers import build_step4_model  # noqa: E402
 
 from gnetmdk.config import BaseConfig, ConfigError, build_config  # noqa: E402

@@ -154,7 +154,6 @@ def test_size_head_from_config_to_checkpoint_meta_device_cpu(capsys):
 
 @pytest.fixture(scope="module")
 def log_head_step4():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from chip_helpers import build_step4_model
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(6, 224, 224, 3), dtype=np.uint8)

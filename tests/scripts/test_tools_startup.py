@@ -13,8 +13,9 @@ import pytest
 
 from gnetmdk.config import ConfigError
 from gnetmdk.engine.cli import tool_main
+from repo_paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "tools", "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
                  + [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "train-dist.py")])
 #: override words whose values look like paths; a path-taking positional must never receive one

@@ -21,8 +21,8 @@ from gnetmdk.dataset.voc import (
     read_meta,
     write_voc_xml,
 )
+from repo_paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 CARDS = os.path.join(DATA, "cards")
 RACCOON = os.path.join(DATA, "raccoon")

@@ -17,8 +17,8 @@ from gnetmdk.gti.memory import (MemoryLayer, check_chip_memory, chip_layers_memo
 from gnetmdk.models.gnetdet.memory import memory_table
 from gnetmdk.gti.spec import CHIPS, ChipSpecError, get_chip_spec
 from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers
+from repo_paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = get_chip_spec("5801")
 
 #: a full-width GNetDet-448 over the budget by any count: its last two major layers at 8 bits

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chip_helpers import (DATASETS, REPO, build_step4_model, have, load_images,  # noqa: E402
                           save_step4_checkpoint, write_config)
 
 from gnetmdk.evaluation import plots  # noqa: E402
 from gnetmdk.evaluation.voc import evaluate_detections, voc_ap  # noqa: E402
+from repo_paths import REPO
 
 pytest.importorskip("matplotlib")
 
@@ -301,7 +301,7 @@ def test_tools_refuse_a_plots_dir_on_a_read_only_file_system_device_cpu(cards, t
 
 def test_run_pipeline_plots_stages_after_the_table_device_cpu(tmp_path, capsys, monkeypatch):
     """tools/run_pipeline.py --plots with the stages' training replaced by fixed summaries (the trainer
-    itself: tests/test_pipeline.py); a bad folder is refused before any stage runs."""
+    itself: tests/scripts/test_pipeline.py); a bad folder is refused before any stage runs."""
     tool = load_tool("run_pipeline")
     summaries = {"step1": dict(entry_map=0.01, best_map=0.93, best_epoch=3, best_seconds=9.0, seconds=10.0),
                  "step2": dict(entry_map=0.90, best_map=0.92, best_epoch=1, best_seconds=2.0, seconds=3.0)}

@@ -306,7 +306,7 @@ def test_xml_2_json_tool(ws, tmp_path):
 # ---------------------------------------------------------------------------------------------- weights
 def test_convert_weights_tool_writes_a_checkpoint_train_can_load(ws, tmp_path):
     """A PaddleDetection-format r18vd file (names from the test's own statement of PaddleDetection's
-    rules, tests/test_paddle_convert.py) -> tools/convert_weights.py -nc 6 -> a step-0 checkpoint with
+    rules, tests/checkpoint/test_paddle_convert.py) -> tools/convert_weights.py -nc 6 -> a step-0 checkpoint with
     those tensors, which step 1 loads as its pretrained model; a malicious file is refused unexecuted."""
     from test_paddle_convert import fill, paddle_save_state_dict, pd_ppyolo
     root, path = ws

@@ -18,8 +18,8 @@ from gnetmdk.dataset.tiling import MANIFEST, crop_boxes, load_manifest, tile_rec
 from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_meta, parse_voc_xml
 from gnetmdk.evaluation.stitch import merge_tiles, stitch_detections, whole_image_truths
 from gnetmdk.evaluation.voc import evaluate_detections
+from repo_paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ["circle", "square", "triangle"]
 
 

@@ -15,8 +15,9 @@ from gnetmdk.config.base import ConfigError
 from gnetmdk.dist.syncbn import DistBatchNorm2d
 from gnetmdk.engine.schedule import build_optimizer
 from gnetmdk.layers.inplace_abn import BatchNormAct2d
+from repo_paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 CARDS = os.path.join(os.path.dirname(ROOT), "shared", "data", "cards")
 
 

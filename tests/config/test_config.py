@@ -8,6 +8,7 @@ import pytest
 
 from gnetmdk.config import (BaseConfig, ConfigError, build_config, config_from_dict, convert_value,
                             load_config, load_config_class, parse_overrides)
+from repo_paths import REPO
 
 
 class Config(BaseConfig):
@@ -379,7 +380,6 @@ def test_config_saved_before_sections_reads_into_them():
 
 
 # ------------------------------------------------------------------ shipped configs
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = ["configs.py"] + sorted("examples/" + f for f in os.listdir(os.path.join(REPO, "examples"))
                                   if f.endswith(".py"))
 

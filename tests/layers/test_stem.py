@@ -7,7 +7,7 @@ Tolerances (float32, unit roundoff u = 2^-24), against a float64 reference of th
 conv of 27 products rounds each output by <= 28 u of ``cabs = conv(|x|, |w|) + |b|``; BatchNorm's
 per-channel sums of n <= 2^10 terms are float32 cascade sums (<= log2(n) u of the sum of |terms|);
 each elementwise step rounds once. The conv error moves xhat by ``chat = cabs invstd`` times 28 u.
-So every quantity errs by less than ``K u`` (K = 64, as tests/test_inplace_abn.py) times the
+So every quantity errs by less than ``K u`` (K = 64, as tests/layers/test_inplace_abn.py) times the
 magnitude of its terms, with xhat's magnitude taken as ``|xhat| + chat``:
   y:           K u (cabs |scale| + |shift| + |y|)                                     per element
   grad c:      K u |gamma| invstd (|dz| + mean|dz| + X mean(|dz| X)),  X = |xhat| + chat  (batch stats)

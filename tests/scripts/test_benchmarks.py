@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from repo_paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 
 
 def _load(name):
@@ -192,7 +193,6 @@ def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_pa
     the table's chip lines say which."""
     import json
     import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from chip_helpers import (DATASETS, build_step4_model, have, load_images, save_step4_checkpoint,
                               write_config)
     from gnetmdk.config import load_config

@@ -14,8 +14,9 @@ from gnetmdk.dataset.voc import convert_voc_to_meta
 from gnetmdk.engine import trainer as trainer_mod
 from gnetmdk.engine.cli import run_stage
 from gnetmdk.engine.stages import STAGES, apply_stage
+from repo_paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 CARDS = os.path.join(os.path.dirname(ROOT), "shared", "data", "cards")
 CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
 

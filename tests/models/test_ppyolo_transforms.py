@@ -22,11 +22,12 @@ from gnetmdk.dataset.ppyolo_transforms import (
     random_flip,
     resize_to,
 )
+from repo_paths import REPO
 
 cv2.setNumThreads(1)
 
 #: the project's real VOC sets sit in ../shared/data beside the repository
-CARDS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
+CARDS = os.path.join(os.path.dirname(REPO), "shared", "data",
                      "cards")
 RED, BLUE = (250, 20, 20), (20, 20, 250)
 

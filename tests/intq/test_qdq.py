@@ -172,7 +172,7 @@ def test_requant_mode_travels_with_the_model_device_cpu():
 def test_export_refuses_a_gnetdet_checkpoint_with_one_line_device_cpu(tmp_path):
     """tools/export_int.py --format qdq on a GNetDet step-4 checkpoint: exit 2, one line naming the
     model and the converter to use, nothing written (a step-3 PP-YOLO checkpoint is refused in
-    tests/test_ppyolo_train.py)."""
+    tests/models/test_ppyolo_train.py)."""
     from chip_helpers import build_step4_model, have, run_tool, save_step4_checkpoint, write_config
     if not have("raccoon"):
         pytest.skip("raccoon dataset not present")
