@@ -160,6 +160,13 @@ def pipeline_rows(text: str) -> Dict[str, Dict[str, Optional[float]]]:
     return out
 
 
+def test_files() -> List[str]:
+    """Every test file of the suite: tests/test_*.py and those of its folders (tests/<package>/,
+    tests/scripts/), as absolute paths in sorted order."""
+    return sorted(os.path.join(d, f) for d, _sub, names in os.walk(os.path.join(ROOT, "tests"))
+                  for f in names if f.startswith("test_") and f.endswith(".py"))
+
+
 def shards(files: List[str], workers: int) -> List[List[str]]:
     """Test files dealt to ``workers`` shards, largest first to the least loaded (size as the cost)."""
     bins: List[List[str]] = [[] for _ in range(max(1, workers))]
@@ -214,10 +221,7 @@ class Check:
         if part == "suite":
             if have_xdist():
                 return [pytest + ["-m", "not cuda", "-n", str(a.workers), "--durations", "15"]]
-            files = sorted(os.path.relpath(os.path.join(d, f), ROOT)          # tests/ and its package folders
-                           for d, _sub, names in os.walk(os.path.join(ROOT, "tests"))
-                           for f in names if f.startswith("test_") and f.endswith(".py"))
-            return [pytest + ["-m", "not cuda", *s] for s in shards([os.path.join(ROOT, f) for f in files], a.workers)]
+            return [pytest + ["-m", "not cuda", *s] for s in shards(test_files(), a.workers)]
         if part == "step_time":         # one after the other (timings alone), in STEP_TIME_* order
             return [[PY, "benchmarks/bench_step_time.py", *a] for a in self.step_time_runs().values()]
         if part == "memory":
