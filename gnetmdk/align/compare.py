@@ -31,6 +31,8 @@ class CompareError(ValueError):
 
 @dataclass
 class TensorDiff:
+    """One tensor's comparison: ``name``, ``shape``, max |a - b|, max relative difference, sum of squared
+    differences, ``ok`` (within the tolerances of the report) and ``note`` (e.g. a shape mismatch)."""
     name: str
     shape: Tuple[int, ...]
     max_abs: float
@@ -42,6 +44,9 @@ class TensorDiff:
 
 @dataclass
 class DiffReport:
+    """The result of diff_state_dicts: one :class:`TensorDiff` per tensor in both (``rows``), the names
+    found in only one of them (``only_a`` / ``only_b``), the skipped bookkeeping buffers, and the rules
+    applied (``atol`` / ``rtol``, None: not applied; ``d_value``: the sum-of-squares threshold, None: not applied)."""
     rows: List[TensorDiff] = field(default_factory=list)
     only_a: List[str] = field(default_factory=list)
     only_b: List[str] = field(default_factory=list)
@@ -52,13 +57,18 @@ class DiffReport:
 
     @property
     def ok(self) -> bool:
+        """Aligned: no tensor in only one file and every compared tensor within tolerance."""
         return not self.only_a and not self.only_b and all(r.ok for r in self.rows)
 
     @property
     def failed(self) -> List[TensorDiff]:
+        """The rows outside tolerance."""
         return [r for r in self.rows if not r.ok]
 
     def format(self, show_all: bool = False, a_name: str = "A", b_name: str = "B") -> str:
+        """The report as text: a table of the failing rows (all rows with ``show_all``), the names in only
+        one file (``a_name`` / ``b_name`` label the two sides), a summary line with the rules and the largest
+        differences, and a last line ``ALIGNED: ...`` or ``NOT ALIGNED``."""
         lines = [f"{'tensor':<40} {'shape':<18} {'max|a-b|':>11} {'max rel':>11} {'sum sq':>11}  verdict"]
         for r in self.rows:
             if show_all or not r.ok:

@@ -10,6 +10,8 @@ from typing import List
 
 
 def add_alignment_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the alignment group (--save-npz, --replay-npz, --max-iters, --replay-merged, --deterministic)
+    to ``parser``."""
     g = parser.add_argument_group("alignment (docs/distributed.md, docs/alignment.md)")
     g.add_argument("--save-npz", metavar="DIR", default=None,
                    help="record every iteration's batches (per rank), losses and the starting weights into DIR")

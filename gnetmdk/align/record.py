@@ -217,6 +217,7 @@ class ReplayLoader:
 
     @property
     def last_iteration(self) -> int:
+        """The highest recorded iteration number (the replay stops after it)."""
         return self.iterations[-1]
 
     def _todo(self) -> List[int]:

@@ -55,10 +55,12 @@ def file_sha256(path: str) -> str:
 
 
 def manifest_path(folder: str, stage: str) -> str:
+    """``<folder>/<stage>.manifest.json``: the stage's published set's manifest."""
     return os.path.join(folder, f"{stage}.manifest.json")
 
 
 def pending_path(folder: str, stage: str) -> str:
+    """``<folder>/<stage>.publishing.json``: the marker of a publication in progress."""
     return os.path.join(folder, f"{stage}.publishing.json")
 
 
@@ -193,9 +195,11 @@ class StageOutputs:
 
     # ------------------------------------------------------------------ reading
     def final(self, name: str) -> str:
+        """The path of ``name`` in the stage's output folder (where publishing puts it)."""
         return os.path.join(self.out_dir, name)
 
     def staged(self, name: str) -> str:
+        """The path of ``name`` in the run's folder (where the run writes it before publishing)."""
         return os.path.join(self.run_dir, name)
 
     def resume_path(self) -> str:

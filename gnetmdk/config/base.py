@@ -206,18 +206,22 @@ class BaseConfig:
 
     @property
     def meta_dir(self) -> str:
+        """The folder of the meta files (``meta_root``)."""
         return self.meta_root
 
     @property
     def train_meta(self) -> str:
+        """The training list: ``<meta_root>/<DS_NAME>_train.txt``."""
         return os.path.join(self.meta_root, f"{self.DS_NAME}_train.txt")
 
     @property
     def valid_meta(self) -> str:
+        """The validation list: ``<meta_root>/<DS_NAME>_valid.txt``."""
         return os.path.join(self.meta_root, f"{self.DS_NAME}_valid.txt")
 
     @property
     def num_classes(self) -> int:
+        """C, the number of object classes (``len(VOC_CLASSES)``)."""
         return len(self.VOC_CLASSES)
 
     @property
@@ -236,6 +240,7 @@ class BaseConfig:
 
     @property
     def log_dir(self) -> str:
+        """This stage's log folder: ``<log_root>/<stage_name>`` (``cal`` or ``step<N>``)."""
         return os.path.join(self.log_root, self.stage_name)
 
     # ================================================================= field access

@@ -16,6 +16,11 @@ class Parser(argparse.ArgumentParser):
     option, the value and the fix) and exits with status 2, without the usage block."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
+        """Print ``error: <message> (<prog> --help lists the options)`` to stderr and exit with status 2.
+
+        Raises:
+            SystemExit: always, with code 2.
+        """
         print(f"error: {message} ({self.prog} --help lists the options)", file=sys.stderr, flush=True)
         raise SystemExit(2)
 

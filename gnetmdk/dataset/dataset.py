@@ -255,6 +255,7 @@ class DetectionDataset(Dataset):
         self.epoch = int(epoch)
 
     def image_path(self, index: int) -> str:
+        """The image file of sample ``index``: its meta-file name joined to ``image_dir``."""
         return os.path.join(self.image_dir, self.records[index][0])
 
     def ground_truth(self, index: int) -> Dict[str, np.ndarray]:

@@ -84,6 +84,7 @@ class PPYOLODataset(Dataset):
 
     # ------------------------------------------------------------------ images and ground truth
     def image_path(self, index: int) -> str:
+        """The image file of sample ``index``: its record's name joined to ``image_dir``."""
         return os.path.join(self.image_dir, self.records[index][0])
 
     def _load(self, index: int) -> np.ndarray:
@@ -100,6 +101,8 @@ class PPYOLODataset(Dataset):
         return np.ascontiguousarray(img[:, :, ::-1])
 
     def load_image(self, index: int) -> np.ndarray:
+        """RGB uint8 (H, W, 3) image of ``index``, at most ``cache_side`` on its long side (from the cache when
+        images are cached, else decoded now)."""
         return self._cache[index] if self._cache is not None else self._load(index)
 
     def original_size(self, index: int) -> Tuple[int, int]:

@@ -78,6 +78,9 @@ def is_main_process() -> bool:
 
 
 def barrier() -> None:
+    """Wait until every rank reaches this point: inside virtual ranks, a collective of the process's
+    ranks (whose last arrival waits for the other processes); else ``dist.barrier`` when there are
+    several processes (a no-op in one process)."""
     ctx = _vctx()
     if ctx is not None:
         ctx[0].exchange(ctx[1], None, lambda items: (_process_barrier(), None)[1])
@@ -259,6 +262,7 @@ class VirtualRanks:
         return process_world() * self.size
 
     def global_rank(self, v: int) -> int:
+        """The global rank of virtual rank ``v`` of this process: ``p V + v``."""
         return process_rank() * self.size + v
 
     # -------------------------------------------------------------- running the ranks

@@ -81,6 +81,7 @@ class DistSpec:
         return self.gpus * self.world_size
 
     def global_rank(self, local_rank: int) -> int:
+        """The global rank of process ``local_rank`` on this machine: ``machine rank x gpus + local_rank``."""
         return self.rank * self.gpus + local_rank
 
 
@@ -90,6 +91,7 @@ def torchrun_env() -> bool:
 
 
 def backend_for(use_cuda: bool) -> str:
+    """The process group backend: with ``use_cuda`` NCCL for CUDA tensors and gloo for CPU ones, else gloo."""
     return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
@@ -116,6 +118,7 @@ def normalise_url(url: str) -> str:
 
 
 def split_url(url: str) -> Tuple[str, int]:
+    """``'tcp://host:port'`` -> ``(host, port)`` (port as int)."""
     host, port = url[len("tcp://"):].rsplit(":", 1)
     return host, int(port)
 
@@ -147,6 +150,7 @@ def check_port_free(url: str) -> None:
 
 
 def port_in_use_message(port) -> str:
+    """The one-line LaunchError text for a rendezvous ``port`` that another program already holds, with the fix."""
     return (f"port {port} is already in use (Address already in use): pick another --dist-url port, or "
             f"stop the program holding it (find it with: lsof -i :{port})")
 
@@ -465,6 +469,8 @@ def _run_here(fn: Callable, args: tuple) -> None:
 
 
 def describe(spec: DistSpec, url: str) -> str:
+    """The launch's one-line summary for the log: processes and backend on this machine, machine rank,
+    world size, global ranks, rendezvous URL, time-out and threads per process."""
     kind = ("GPU process(es), NCCL backend" if spec.use_cuda else
             "CPU process(es), gloo backend (no GPU in use)")
     return (f"launch: {spec.gpus} {kind} on this machine (machine {spec.rank} of {spec.world_size}), "

@@ -59,6 +59,8 @@ class GlobalBatchSampler(Sampler[List[int]]):
         self.start_batch = 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch whose permutation the next iteration draws, and skip its first ``start_batch``
+        global batches (resume mid-epoch)."""
         self.epoch = int(epoch)
         self.start_batch = int(start_batch)
 
@@ -66,6 +68,8 @@ class GlobalBatchSampler(Sampler[List[int]]):
         return (self.num_samples // self.global_batch - self.start_batch) * self.accumulate
 
     def global_order(self) -> List[int]:
+        """This epoch's order of all sample indices: ``torch.randperm`` seeded with ``seed + epoch`` (the same
+        on every rank), or 0 .. num_samples - 1 without shuffling."""
         if not self.shuffle:
             return list(range(self.num_samples))
         g = torch.Generator().manual_seed(self.seed + self.epoch)

@@ -286,6 +286,8 @@ class DistBatchNorm2d(nn.BatchNorm2d):
     unbiased_running_var: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` (N, C, H, W) with the global batch's statistics in training (running
+        statistics in evaluation); see the class docstring."""
         if not self.training and self.track_running_stats:
             return super().forward(x)
         if x.dim() != 4:

@@ -124,6 +124,7 @@ class MemoryReport:
 
     @property
     def fits(self) -> bool:
+        """The layer list fits the chip: both :attr:`io_fits` and :attr:`coefficients_fit`."""
         return self.io_fits and self.coefficients_fit
 
 
