@@ -112,10 +112,12 @@ class AlignmentHook(HookBase):
 
     @property
     def active(self) -> bool:
+        """Whether anything is asked of the hook: a recording, a replay or an iteration limit."""
         return bool(self.save_dir or self.replay_dir or self.max_iters)
 
     # ---------------------------------------------------------------- start
     def before_train(self) -> None:
+        """Start the replay (load and check the recording, swap in its loader) and/or the recording."""
         if self.replay_dir:
             self._start_replay(self.trainer)
         if self.save_dir:
@@ -278,6 +280,7 @@ class AlignmentHook(HookBase):
                               "incomplete")
 
     def should_stop(self) -> bool:
+        """Stop after this iteration: ``max_iters`` reached, or the recording's last iteration replayed."""
         return self.stopped
 
     # ---------------------------------------------------------------- end
@@ -307,6 +310,7 @@ class AlignmentHook(HookBase):
                 raise self._write_error(exc) from None
 
     def after_train(self) -> None:
+        """Mark the recording (if any) complete in its meta.json."""
         self.complete_recording()
 
     def release(self) -> None:
@@ -316,6 +320,8 @@ class AlignmentHook(HookBase):
             lock.release()
 
     def write_report(self, trainer) -> None:
+        """Process 0 of a replay: write replay_report.json (per iteration the loss differences against the
+        recording, and the largest) into the run's staged outputs, and log a one-line verdict."""
         if self.replay is None or not is_main_process():
             return
         worst = max((r["max_abs_diff"] for r in self.report), default=0.0)

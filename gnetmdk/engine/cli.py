@@ -21,6 +21,8 @@ from gnetmdk.config.cli import fail
 
 
 def build_parser(distributed: bool) -> argparse.ArgumentParser:
+    """The argument parser of train.py (``distributed`` False) or train-dist.py (``distributed`` True:
+    also --gpus, --world-size, --rank, --dist-url, --dist-timeout), with the alignment options."""
     prog = "train-dist.py" if distributed else "train.py"
     from gnetmdk.config.cli import Parser
     p = Parser(

@@ -34,6 +34,7 @@ class ModelEMA:
         self._plan = None       # update's plan, rebuilt when the model's tensors change
 
     def current_decay(self) -> float:
+        """The decay of the next update: ``decay * (1 - exp(-updates / ramp))``, or ``decay`` with ``ramp`` 0."""
         return self.decay * (1 - math.exp(-self.updates / self.ramp)) if self.ramp > 0 else self.decay
 
     @torch.no_grad()
@@ -88,9 +89,12 @@ class ModelEMA:
                     setattr(a, attr, getattr(b, attr))
 
     def state_dict(self) -> Dict[str, object]:
+        """The averaged weights (on CPU), ``updates``, ``decay`` and ``ramp``, for the checkpoint."""
         return {"model": {k: v.detach().cpu() for k, v in self.module.state_dict().items()},
                 "updates": self.updates, "decay": self.decay, "ramp": self.ramp}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore the averaged weights and the update count from :meth:`state_dict`'s dict (``decay`` and
+        ``ramp`` stay this object's)."""
         self.module.load_state_dict(state["model"])
         self.updates = int(state["updates"])

@@ -36,32 +36,42 @@ class HookBase:
 
     @property
     def trainer(self):
+        """The trainer this hook serves, or None once it is gone (or before registration)."""
         ref = self._trainer_ref
         return ref() if ref is not None else None
 
     @trainer.setter
     def trainer(self, trainer) -> None:
+        """Hold ``trainer`` as a weak reference (None clears it)."""
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
 
     def before_train(self) -> None:
+        """Called once when model, data and optimizer are set up (and resumed); does nothing here."""
         pass
 
     def after_step(self) -> None:
+        """Called after each optimizer step, before its values are read back; does nothing here."""
         pass
 
     def after_iteration(self, it: Dict[str, object]) -> None:
+        """Called with an iteration's read-back values (see the module docstring for ``it``); does nothing here."""
         pass
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """Called at the end of epoch ``epoch`` (0-based) with its ``result`` dict, which a hook may add to;
+        does nothing here."""
         pass
 
     def after_train(self) -> None:
+        """Called when the run finished (not after a failure); does nothing here."""
         pass
 
     def checkpoint_state(self, full: bool) -> Dict[str, object]:
+        """Entries this hook adds to every checkpoint (``full``: a resumable last.pth); none here."""
         return {}
 
     def should_stop(self) -> bool:
+        """Whether training stops early after this iteration; never here."""
         return False
 
 
@@ -74,6 +84,7 @@ class EMAHook(HookBase):
         self.ema: Optional[ModelEMA] = None
 
     def before_train(self) -> None:
+        """Start the EMA from the model's weights (or the resumed checkpoint's EMA); copy the layer switches."""
         t, cfg = self.trainer, self.trainer.cfg
         self.ema = ModelEMA(t.model, cfg.ema_decay, cfg.ema_ramp)
         self.ema.sync_switches(t.model)
@@ -87,9 +98,11 @@ class EMAHook(HookBase):
               "evaluated and used for best.pth; raw weights kept in 'model'")
 
     def after_step(self) -> None:
+        """Fold the model's new weights into the EMA."""
         self.ema.update(self.trainer.model)
 
     def checkpoint_state(self, full: bool) -> Dict[str, object]:
+        """The EMA's state as the checkpoint's ``ema`` entry (nothing before the EMA exists)."""
         return {"ema": self.ema.state_dict()} if self.ema is not None else {}
 
 
@@ -141,6 +154,8 @@ class TensorboardHook(HookBase):
                     pass
 
     def scalar(self, tag: str, value: float, step: int) -> None:
+        """Write one scalar ``tag`` = ``value`` at ``step`` (rank 0; the writer opens on the first call;
+        nothing once the log has failed)."""
         t = self.trainer
         if not t.main or self.failed:
             return
@@ -154,12 +169,14 @@ class TensorboardHook(HookBase):
         self._guard(write)
 
     def after_iteration(self, it: Dict[str, object]) -> None:
+        """Log the iteration's loss terms (mean over ranks) and learning rate."""
         name = self.trainer.stage.name
         for k, v in it["values"].items():
             self.scalar(f"{name}/loss_{k}", v, it["iteration"])
         self.scalar(f"{name}/lr", it["lr"], it["iteration"])
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """After an evaluation: log val mAP (and COCO mAP), val loss and prediction images at step ``epoch + 1``."""
         res = result.get("eval")
         if res is not None:
             name = self.trainer.stage.name
@@ -200,6 +217,7 @@ class TensorboardHook(HookBase):
                                                       step, dataformats="HWC"))
 
     def after_train(self) -> None:
+        """Flush and close the writer."""
         if self.writer is not None:
             def close():
                 self.writer.flush()
@@ -214,6 +232,8 @@ class EvalHook(HookBase):
     best is written as best.pth (Trainer.save_best)."""
 
     def before_train(self) -> None:
+        """With ``eval_before`` (and not resuming): evaluate the entry model, take its mAP as the best so
+        far and write it as best.pth."""
         t, cfg = self.trainer, self.trainer.cfg
         if t.resume_state is not None or not cfg.eval_before:
             return
@@ -230,6 +250,8 @@ class EvalHook(HookBase):
         t.save_best(0, 0)
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """Every ``eval_interval`` epochs and after the last: evaluate, put the result in ``result["eval"]``,
+        and write best.pth (``result["best"]``) when the mAP beats the best so far."""
         t, cfg = self.trainer, self.trainer.cfg
         if not ((epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs):
             return
@@ -252,6 +274,8 @@ class EarlyStopHook(HookBase):
     all ranks."""
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """Set ``result["stop"]`` (the reason, for the log) when the best mAP is ``patience`` or more epochs old
+        after this epoch's evaluation (never after the last epoch)."""
         t, patience = self.trainer, self.trainer.cfg.patience
         if patience <= 0 or "eval" not in result or epoch + 1 >= t.cfg.num_epochs:
             return
@@ -272,11 +296,14 @@ class CurvesHook(HookBase):
         self.warned = False
 
     def before_train(self) -> None:
+        """Take over a resumed checkpoint's epoch history."""
         st = self.trainer.resume_state
         if st is not None and isinstance(st.get("curves"), list):
             self.history = [dict(h) for h in st["curves"]]
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """Append the epoch's entry (epoch, iteration, lr, mean training loss terms, val mAP / COCO mAP
+        when evaluated) and redraw after an evaluation."""
         t = self.trainer
         tr = result["train"]
         entry: Dict[str, object] = {"epoch": epoch + 1, "iteration": t.iteration,
@@ -292,6 +319,7 @@ class CurvesHook(HookBase):
             self.draw()
 
     def after_train(self) -> None:
+        """Put the stage's ``[epoch, val mAP]`` pairs into the trainer's summary and draw the curves a last time."""
         # the stage's val mAPs in its summary (with a resumed run's earlier epochs): run_pipeline's
         # plateau test reads them (gnetmdk.engine.control.plateau_span)
         self.trainer.summary["val_maps"] = [[int(h["epoch"]), float(h["val_map"])]
@@ -300,6 +328,8 @@ class CurvesHook(HookBase):
             self.draw()
 
     def draw(self) -> None:
+        """Draw the history into ``<log_dir>/curves.png`` (rank 0); a failure (no matplotlib, an unwritable
+        folder) is noted once and training goes on."""
         t = self.trainer
         if not t.main:
             return
@@ -314,6 +344,7 @@ class CurvesHook(HookBase):
                 self.warned = True
 
     def checkpoint_state(self, full: bool) -> Dict[str, object]:
+        """The epoch history as the checkpoint's ``curves`` entry."""
         return {"curves": [dict(h) for h in self.history]}
 
 
@@ -324,10 +355,12 @@ class CheckpointHook(HookBase):
     with model/relu_cap.txt when step 3 learned the caps)."""
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """Save a full, resumable last.pth at the end of the epoch."""
         t = self.trainer
         t.save("last.pth", epoch + 1, t.iteration, full=True)
 
     def after_train(self) -> None:
+        """Publish the stage's outputs together, with the learned caps' relu_cap.txt when step 3 trained them."""
         t = self.trainer
         learned = t.best_caps if t.learned_caps else None
         t.outputs.publish({t.caps_file(): t.caps_text(learned)} if learned else None)
@@ -338,6 +371,7 @@ class LoggerHook(HookBase):
     ``*best*`` when best.pth was written, minutes since the stage started."""
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
+        """Log the epoch line (and the early-stop reason, if any)."""
         t, cfg = self.trainer, self.trainer.cfg
         tr = result["train"]
         terms = {k: v for k, v in tr.items() if k not in ("seconds", "images_per_s")}

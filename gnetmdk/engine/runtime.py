@@ -40,11 +40,13 @@ class Precision:
                               f"{device.type}{' with GradScaler' if self.scaler else ''}; quantizers in float32")
 
     def autocast(self):
+        """The forward pass's autocast context (``dtype`` on this device), or a no-op context when amp is off."""
         if not self.enabled:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward from ``loss`` (a 0-d tensor), scaled by the GradScaler first when there is one (fp16 on CUDA)."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def backward_all(self, losses) -> None:
@@ -79,9 +81,11 @@ class Precision:
         return norm.detach()
 
     def state_dict(self) -> Optional[Dict[str, object]]:
+        """The GradScaler's state for the checkpoint, or None without a scaler."""
         return self.scaler.state_dict() if self.scaler is not None else None
 
     def load_state_dict(self, state: Optional[Dict[str, object]]) -> None:
+        """Restore the GradScaler's state from a checkpoint (ignored without a scaler or an empty ``state``)."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
 
@@ -101,6 +105,7 @@ def freeze(params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
 
 
 def unfreeze(params: List[torch.nn.Parameter]) -> None:
+    """Set requires_grad True again on the parameters :func:`freeze` returned."""
     for p in params:
         p.requires_grad_(True)
 
@@ -117,6 +122,7 @@ def estimate_checkpoint_bytes(model: torch.nn.Module, optimizer_slots: int, ema:
 
 
 def free_bytes(folder: str) -> int:
+    """Free disk space in bytes on the file system holding ``folder``."""
     return shutil.disk_usage(folder).free
 
 

@@ -61,6 +61,7 @@ class TrainingError(RuntimeError):
 
 
 def set_seed(seed: int) -> None:
+    """Seed python's, numpy's (``seed mod 2^32``) and torch's random generators."""
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
@@ -76,6 +77,7 @@ def rng_state() -> Dict[str, object]:
 
 
 def set_rng_state(state: Dict[str, object]) -> None:
+    """Restore the python, numpy and torch (CPU) RNG states that :func:`rng_state` saved in a checkpoint."""
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -166,6 +168,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
     def log(self, msg: str) -> None:
+        """Print ``msg`` to stdout on the main process (process 0) only."""
         if self.main:
             print(msg, flush=True)
 
@@ -181,6 +184,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def build_data(self) -> None:
+        """Build the training and validation sets and loaders: the training loader draws this process's
+        part of each global batch (GlobalBatchSampler: micro-batches of ``batch_size / world size / accumulate``;
+        no shuffling, no augmentation and no accumulation for calibration), the validation loader its shard of the
+        images (ShardSampler).
+
+        Raises:
+            ConfigError: ``batch_size`` does not split over the ranks and micro-batches.
+        """
         cfg = self.cfg
         accumulate = 1 if self.stage.calibration else cfg.accumulate
         check_batch_split(cfg.batch_size, self.ranks, accumulate)
@@ -323,6 +334,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tag: str) -> Dict[str, object]:
+        """Evaluate the evaluation weights (:attr:`eval_model`) on the validation set: evaluate_model's dict
+        (VOC mAP@0.5, per-class AP, mean loss terms, ...) plus ``seconds``, the time it took. ``tag`` names the
+        evaluation (``entry``, ``cal``, ``epoch<N>``) and is not used in the computation."""
         cfg = self.cfg
         t0 = time.time()
         res = evaluate_model(self.eval_model, self.val_loader, self.val_set, self.device, cfg.conf_thresh,
@@ -339,6 +353,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, epoch: int, iteration: int, full: bool) -> Dict[str, object]:
+        """The checkpoint dict at ``epoch`` / ``iteration``: stage, model meta, weights (on CPU), caps, config,
+        best mAP and timing, and what the hooks add (EMA, curves); ``full`` adds what a resume needs (optimizer,
+        scheduler, RNG and GradScaler states, the sampler's position and a mid-epoch's loss sums)."""
         m = self.model
         st = {"stage": self.stage.name, "step": self.stage.step, "model_meta": m.meta(),
               "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
@@ -431,6 +448,7 @@ class Trainer:
 
     @staticmethod
     def caps_text(caps: List[float]) -> str:
+        """The text of relu_cap.txt: one cap a line, 8 significant digits."""
         return "".join(f"{c:.8g}\n" for c in caps)
 
     # ------------------------------------------------------------------ loop
@@ -730,6 +748,13 @@ class Trainer:
                 self.scheduler.step()
 
     def setup_optimizer(self) -> None:
+        """Build the optimizer, the learning-rate schedule and the mixed-precision state; freeze the first
+        ``freeze_at`` sublayers for the whole run, make the caps trainable in step 3 with ``cap_lr > 0``, and wrap
+        the model for data parallelism.
+
+        Raises:
+            ConfigError: ``freeze_at`` (or ``freeze_convs`` with ``finetune``) exceeds the model's sublayer count.
+        """
         cfg = self.cfg
         sec = cfg.section()
         n_layers = len(getattr(self.model, "layers", []))
