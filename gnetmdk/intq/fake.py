@@ -131,6 +131,8 @@ class ActQuant(nn.Module):
         return act_qparams(float(self.lo), float(self.hi))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply ``qmode``: pass ``x`` through ("off"), feed it to the observer and pass it through
+        ("observe"), or fake-quantize it with the calibrated (scale, zero point) ("fake"); same shape and dtype."""
         if self.qmode == "observe":
             if self.observer is not None:
                 self.observer(x.detach())
@@ -146,4 +148,5 @@ class ActQuant(nn.Module):
             return (inside + (y - inside).detach()).to(x.dtype)
 
     def extra_repr(self) -> str:
+        """``qmode`` and the calibrated range ``lo``, ``hi``."""
         return f"qmode={self.qmode}, lo={float(self.lo):.4g}, hi={float(self.hi):.4g}"

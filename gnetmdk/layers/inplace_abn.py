@@ -463,6 +463,12 @@ class BatchNormAct2d(nn.BatchNorm2d):
         self.cond_max = float(cond_max)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """BatchNorm then the activation on ``x`` (N, C, H, W); see the class docstring for the modes.
+
+        Raises:
+            ValueError: input not 4-d or without ``num_features`` channels, or running statistics tracked
+                without ``num_batches_tracked``.
+        """
         if x.dim() != 4:
             raise ValueError(f"BatchNormAct2d expects (N, C, H, W) input, got {tuple(x.shape)}")
         if x.shape[1] != self.num_features:
@@ -484,6 +490,7 @@ class BatchNormAct2d(nn.BatchNorm2d):
             self.activation, self.slope, self.cond_max, grad, getattr(self, "unbiased_running_var", True))
 
     def extra_repr(self) -> str:
+        """BatchNorm2d's fields plus the activation (with its slope for leaky ReLU) and ``sync``."""
         act = self.activation + (f"({self.slope:g})" if self.activation == "leaky_relu" else "")
         return f"{super().extra_repr()}, activation={act}, sync={self.sync}"
 

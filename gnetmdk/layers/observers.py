@@ -43,6 +43,11 @@ class Observer:
     """Base of the observers: ``observe(x)`` for each batch's tensor, ``value`` the statistic so far."""
 
     def observe(self, x: torch.Tensor) -> None:
+        """Fold one batch's tensor into :attr:`value`.
+
+        Raises:
+            NotImplementedError: always; each observer overrides it.
+        """
         raise NotImplementedError
 
 
@@ -53,6 +58,7 @@ class MaxObserver(Observer):
         self.value: Optional[torch.Tensor] = None
 
     def observe(self, x: torch.Tensor) -> None:
+        """Keep the maximum of ``value`` and this batch's largest element."""
         m = x.detach().float().max()
         self.value = m if self.value is None else torch.maximum(self.value, m)
 
@@ -73,6 +79,7 @@ class PercentileObserver(Observer):
         self.value: Optional[torch.Tensor] = None
 
     def observe(self, x: torch.Tensor) -> None:
+        """Keep the maximum of ``value`` and this batch's ``percentile``-th percentile (``percentile_fn``)."""
         v = self.percentile_fn(x, self.percentile).float().to(x.device)
         self.value = v if self.value is None else torch.maximum(self.value, v)
 
@@ -87,6 +94,7 @@ class HistogramObserver(Observer):
         self.value: Optional[torch.Tensor] = None
 
     def observe(self, x: torch.Tensor) -> None:
+        """Add this batch's histogram of positive values over [0, vmax] (nothing when vmax is not positive)."""
         if not self.vmax > 0:
             return
         h = value_histogram(x, self.bins, self.vmax)

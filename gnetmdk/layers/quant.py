@@ -92,6 +92,8 @@ class QConv2d(nn.Conv2d):
                                      self.bias_bits, self.method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Convolve with the weights of the current mode (float, or fake-quantized; with ``exact``, in a
+        precision equal to the chip's integer accumulation); a quantized layer turns autocast off."""
         if self.quant_weight and torch.is_autocast_enabled(x.device.type):
             # mixed precision: quantized layers always compute in float32, so their codes do not
             # change under amp (docs/training.md); only step-1 float convs run in bf16 / fp16
@@ -119,6 +121,7 @@ class QConv2d(nn.Conv2d):
         return bool(bound < 2 ** 24)
 
     def extra_repr(self) -> str:
+        """Conv2d's fields plus the quantization scheme, weight and bias bits (Bw, Bb) and method."""
         return (f"{super().extra_repr()}, scheme={self.scheme}, Bw={self.weight_bits}, Bb={self.bias_bits}, "
                 f"method={self.method}")
 
@@ -160,6 +163,12 @@ class QReLU(nn.Module):
         self.revive = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the ReLU of the current switches: plain while calibrating or without the cap, else the capped
+        (and, with ``quant_act``, 5-bit quantized) ReLU, computed in float32 under autocast.
+
+        Raises:
+            RuntimeError: the cap is used but is still 0 (no calibration before step 3).
+        """
         if self.calibrating:
             return F.relu(x)
         if not self.use_cap:
@@ -180,6 +189,7 @@ class QReLU(nn.Module):
                              revive=self.revive and torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
+        """The cap and the switches."""
         return (f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}, "
                 f"code_domain={self.code_domain}")
 

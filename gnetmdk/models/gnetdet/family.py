@@ -31,6 +31,7 @@ class GNetDetFamily(DetectorFamily):
 
     # ------------------------------------------------------------------ models
     def create(self, **kwargs) -> nn.Module:
+        """A GNetDet from its constructor's keyword arguments."""
         return GNetDet(**kwargs)
 
     @staticmethod
@@ -123,22 +124,31 @@ class GNetDetFamily(DetectorFamily):
         return [note] if note else []
 
     def describe(self, cfg) -> str:
+        """Input side and width multiplier, e.g. ``448px x1.0``."""
         return f"{cfg.image_size}px x{cfg.gnetdet.width_mult}"
 
     def compat_fields(self, cfg) -> Dict[str, Any]:
+        """``image_size``, ``width_mult`` and ``chip``: a checkpoint must match them."""
         g = cfg.gnetdet
         return {"image_size": cfg.image_size, "width_mult": float(g.width_mult), "chip": str(g.chip)}
 
     def check_config(self, cfg) -> None:
+        """Check the ``gnetdet`` section (check_gnetdet_config).
+
+        Raises:
+            ConfigError: a value out of range, naming the field.
+        """
         from gnetmdk.models.gnetdet.config import check_gnetdet_config
         check_gnetdet_config(cfg)
 
     # ------------------------------------------------------------------ data
     def build_dataset(self, cfg, split: str):
+        """The GNetDet dataset of ``split`` (chip input codes, dense targets)."""
         from gnetmdk.dataset.dataset import build_gnetdet_dataset
         return build_gnetdet_dataset(cfg, split)
 
     def encode_targets(self, boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, cfg) -> np.ndarray:
+        """Dense (S, S, 10 + C) float32 targets on the ``grid_size`` grid (``scores`` unused)."""
         from gnetmdk.dataset.dataset import encode_targets
         return encode_targets(boxes, labels, cfg.grid_size, cfg.num_classes)
 
@@ -149,5 +159,7 @@ class GNetDetFamily(DetectorFamily):
         return [p for layer in layers[:n] for p in layer.parameters()]
 
     def loss_line(self, terms: Dict[str, float]) -> str:
+        """``loss <total> (<term> <value> ...)`` with GNetDet's terms in a fixed order (loc, conf, noresp,
+        noobj, cls, range, distill; those present)."""
         keys = [k for k in ("loc", "conf", "noresp", "noobj", "cls", "range", "distill") if k in terms]
         return (f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")")

@@ -197,6 +197,8 @@ class Sublayer(ConvBNQReLU):
                 and not relu.use_cap and not relu.quant_act and not relu.calibrating and not relu.revive)
 
     def forward(self, x):
+        """conv -> BatchNorm (if any) -> QReLU -> 2x2 max pool (if ``pool_after``); through the
+        recomputing stem when :meth:`stem_ok`. (N, C_in, H, W) -> (N, C_out, H', W') float."""
         if self.recompute_stem and self.stem_ok(x):
             from gnetmdk.layers.stem import conv_bn_act
             return conv_bn_act(x, self.conv, self.bn, "relu", pool=self.pool_after)
@@ -307,6 +309,7 @@ class GNetDet(nn.Module):
     # ------------------------------------------------------------------ interface
     @property
     def has_bn(self) -> bool:
+        """Whether the sublayers carry BatchNorm (BN not yet folded into the convs)."""
         return any(l.bn is not None for l in self.layers)
 
     def meta(self) -> Dict[str, object]:
@@ -319,12 +322,15 @@ class GNetDet(nn.Module):
                 "size_head": self.size_head, "size_min": self.size_min}
 
     def mask_bits(self) -> List[int]:
+        """The weight scheme (mask bits) of each major layer, in order."""
         return major_schemes(self.specs)
 
     def convs(self) -> List[QConv2d]:
+        """The QConv2d of every sublayer, in order."""
         return [l.conv for l in self.layers]
 
     def relus(self) -> List[QReLU]:
+        """The QReLU of every sublayer, in order (their caps are the model's activation caps)."""
         return [l.relu for l in self.layers]
 
     def set_gains(self) -> bool:
@@ -400,6 +406,8 @@ class GNetDet(nn.Module):
         return (x, outs) if return_all else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Predictions for ``x`` (N, 3, H, W) (float, or uint8 codes from a loader): (N, S, S, 10 + C)
+        float32, the output codes times the host scale (cap_last / 31) in step 4 and gain-aware step 3."""
         if not x.is_floating_point():           # uint8 codes straight from a loader
             x = x.float()
         if self.channels_last and x.dim() == 4:

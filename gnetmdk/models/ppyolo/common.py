@@ -75,6 +75,8 @@ class ConvBNLayer(ConvBNAct):
     recompute_stem = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """conv -> BatchNorm -> activation (``act``); through the recomputing stem when marked, with a plain
+        conv and BatchNorm, and gradients wanted."""
         if (self.recompute_stem and isinstance(self.bn, nn.BatchNorm2d) and type(self.conv) is nn.Conv2d
                 and torch.is_grad_enabled() and (x.requires_grad or self.conv.weight.requires_grad
                                                  or self.bn.weight is None or self.bn.weight.requires_grad)):

@@ -157,9 +157,11 @@ class DeformConv2d(nn.Module):
         return om[:, : 2 * k2], torch.sigmoid(om[:, 2 * k2:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Modulated deformable convolution of ``x`` at the offsets and mask its own predictor gives."""
         offset, mask = self.offsets_and_mask(x)
         return deform_conv2d(x, offset, mask, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
     def extra_repr(self) -> str:
+        """Channels, kernel size, stride, padding, dilation and whether there is a bias."""
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding}, dilation={self.dilation}, bias={self.bias is not None}")

@@ -27,6 +27,7 @@ class PPYOLOFamily(DetectorFamily):
     target_kind = "padded"
 
     def create(self, **kwargs) -> nn.Module:
+        """A PPYOLO from its constructor's keyword arguments."""
         from .model import PPYOLO
         return PPYOLO(**kwargs)
 
@@ -37,6 +38,8 @@ class PPYOLOFamily(DetectorFamily):
                 for f in fields}
 
     def build(self, cfg, builder=None, **overrides) -> nn.Module:
+        """A fresh PPYOLO from the ``ppyolo`` section's architecture and training fields, the class count and
+        ``obj_prior`` (``builder``: a registered variant's constructor)."""
         from .model import PPYOLO
         kw = dict(num_classes=cfg.num_classes, obj_prior=cfg.ppyolo.obj_prior,
                   **self._kwargs(cfg, ARCH_FIELDS + TRAIN_FIELDS))
@@ -44,6 +47,8 @@ class PPYOLOFamily(DetectorFamily):
         return (builder or PPYOLO)(**kw)
 
     def rebuild(self, meta: Dict[str, Any], cfg=None, stage: Optional[str] = None, path: str = "?") -> nn.Module:
+        """The PPYOLO a checkpoint's ``model_meta`` describes (:meth:`meta_defaults` for keys it lacks); with
+        ``cfg`` the run's training fields (freeze_at, DropBlock, loss settings, ...) replace the checkpoint's."""
         from .model import PPYOLO
         kw = {**self.meta_defaults(), **{k: v for k, v in meta.items() if k != "name"}}
         if cfg is not None:
@@ -51,25 +56,41 @@ class PPYOLOFamily(DetectorFamily):
         return PPYOLO(**kw)
 
     def meta_defaults(self) -> Dict[str, Any]:
+        """``coord_range "full"``: the CoordConv range checkpoints used before the field existed."""
         return {"coord_range": "full"}          # the only CoordConv range before the field existed
 
     def describe(self, cfg) -> str:
+        """Depth, FPN levels, evaluation size and the training sizes' span, e.g.
+        ``r50vd, 3 levels, eval 608px, train 320-608px``."""
         p = cfg.ppyolo
         return (f"r{p.depth}vd, {len(p.return_idx)} levels, eval {cfg.image_size}px, train "
                 f"{min(p.train_sizes)}-{max(p.train_sizes)}px")
 
     def compat_fields(self, cfg) -> Dict[str, Any]:
+        """The ``ppyolo`` section's architecture fields (ARCH_FIELDS): a checkpoint must match them."""
         return self._kwargs(cfg, ARCH_FIELDS)
 
     def check_config(self, cfg) -> None:
+        """Check the ``ppyolo`` section (check_ppyolo_config).
+
+        Raises:
+            ConfigError: a value out of range, naming the field.
+        """
         from .config import check_ppyolo_config
         check_ppyolo_config(cfg)
 
     def build_dataset(self, cfg, split: str):
+        """The PP-YOLO dataset of ``split`` (RGB pixels, padded targets)."""
         from gnetmdk.dataset.ppyolo_dataset import build_ppyolo_dataset
         return build_ppyolo_dataset(cfg, split)
 
     def configure(self, model: nn.Module, cfg) -> List[str]:
+        """Refuse a deterministic CUDA run through trained deformable convs, and turn DropBlock off in
+        deterministic runs (the log line says so).
+
+        Raises:
+            ConfigError: from check_deterministic_dcn.
+        """
         param = next(model.parameters(), None)
         check_deterministic_dcn(cfg, param.device.type if param is not None else "cpu")
         if cfg.deterministic and cfg.ppyolo.drop_block:
@@ -126,6 +147,8 @@ class PPYOLOFamily(DetectorFamily):
                 "file": ("act_ranges.txt", text)}
 
     def loss_line(self, terms: Dict[str, float]) -> str:
+        """``loss <total> (<term> <value> ...)`` with PP-YOLO's terms in a fixed order (xy, wh, obj, cls, iou,
+        iou_aware, distill; those present)."""
         keys = [k for k in ("xy", "wh", "obj", "cls", "iou", "iou_aware", "distill") if k in terms]
         return f"loss {terms['total']:.4f} (" + " ".join(f"{k} {terms[k]:.3f}" for k in keys) + ")"
 

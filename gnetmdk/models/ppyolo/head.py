@@ -76,6 +76,11 @@ class YOLOv3Head(nn.Module):
             self.outputs.append(conv)
 
     def forward(self, feats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """One 1x1 output conv per level: the raw outputs, in the order of ``feats``.
+
+        Raises:
+            ValueError: not one feature map per level.
+        """
         if len(feats) != len(self.outputs):
             raise ValueError(f"YOLOv3Head has {len(self.outputs)} levels, got {len(feats)} feature maps")
         return [conv(f) for conv, f in zip(self.outputs, feats)]

@@ -72,6 +72,7 @@ class CoordConv(nn.Module):
         self.conv = ConvBNLayer(ch_in + 2, ch_out, kernel_size, 1, act="leaky")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Append the (gx, gy) coordinate channels of ``x``'s size to it, then the conv unit."""
         gx, gy = coord_channels(x.shape[0], x.shape[2], x.shape[3], x.dtype, x.device, self.coord_range)
         return self.conv(torch.cat([x, gx, gy], dim=1))
 
@@ -89,6 +90,7 @@ class SPP(nn.Module):
         self.conv = ConvBNLayer(ch_in * (1 + len(self.pool_sizes)), ch_out, 1, 1, act="leaky")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``x`` and its stride-1 max pools, then the 1x1 conv unit."""
         outs = [x] + [F.max_pool2d(x, k, 1, k // 2) for k in self.pool_sizes]
         return self.conv(torch.cat(outs, dim=1))
 
@@ -131,6 +133,7 @@ class DropBlock(nn.Module):
         return g
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Drop ``block_size`` squares of ``x`` and rescale the rest (training only; see the class docstring)."""
         if not self.training or not self.enabled or self.keep_prob == 1.0:
             return x
         seeds = (torch.rand_like(x) < self.gamma(x.shape[2], x.shape[3])).to(x.dtype)
@@ -138,6 +141,7 @@ class DropBlock(nn.Module):
         return x * keep * (keep.numel() / keep.sum().clamp(min=1.0))
 
     def extra_repr(self) -> str:
+        """Block size, keep probability and ``enabled``."""
         return f"block_size={self.block_size}, keep_prob={self.keep_prob}, enabled={self.enabled}"
 
 
@@ -155,6 +159,7 @@ class PPYOLODetBlock(nn.Module):
         self.tip = tip
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The body's output (the route, passed to the next level) and the tip conv's output on it."""
         route = self.body(x)
         return route, self.tip(route)
 
@@ -236,6 +241,12 @@ class PPYOLOFPN(nn.Module):
         return [m for m in self.modules() if isinstance(m, DropBlock)]
 
     def forward(self, feats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """From the deepest level up: each level's block on its features (concatenated with the upsampled
+        route of the level below it in depth); the tips, deepest first.
+
+        Raises:
+            ValueError: not one feature map per level.
+        """
         if len(feats) != len(self.blocks):
             raise ValueError(f"PPYOLOFPN was built for {len(self.blocks)} levels, got {len(feats)}")
         tips = []

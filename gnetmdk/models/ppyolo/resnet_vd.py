@@ -51,6 +51,7 @@ class BasicBlock(nn.Module):
         self.short = None if shortcut else _shortcut(ch_in, ch_out, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """ReLU of the two conv units' output plus the shortcut (identity or projection)."""
         out = self.branch2b(self.branch2a(x))
         return torch.relu(out + (x if self.short is None else self.short(x)))
 
@@ -70,6 +71,7 @@ class BottleneckBlock(nn.Module):
         self.short = None if shortcut else _shortcut(ch_in, ch_out * 4, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """ReLU of the three conv units' output plus the shortcut (identity or projection)."""
         out = self.branch2c(self.branch2b(self.branch2a(x)))
         return torch.relu(out + (x if self.short is None else self.short(x)))
 
@@ -155,6 +157,7 @@ class ResNetVd(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """Stem, 3x3 max pool, then the stages; the outputs of the stages in ``return_idx``, shallow to deep."""
         x = self.pool(self.stem(x))
         outs = []
         for i, stage in enumerate(self.stages):
