@@ -1,26 +1,34 @@
 """launch(): one entry for one process, several processes and several machines.
 
-Rank arithmetic lives here alone: with N processes per machine (``--gpus``), M machines
-(``--world-size``) and machine rank R (``--rank``), process ``local_rank`` has global rank
-``R * N + local_rank`` in a world of ``M * N`` processes. A world of one process runs the function
-directly in this process, without a process group: the same trainer, whose collectives are no-ops.
+Rank arithmetic: with N processes per machine (``--gpus``), M machines (``--world-size``, held as
+``DistSpec.num_machines``) and machine rank R (``--rank``, ``DistSpec.machine_rank``), process
+``local_rank`` has global rank ``R * N + local_rank`` in a world of ``M * N`` processes. A world of
+one process runs the function directly in this process, without a process group: the same trainer,
+whose collectives are no-ops.
 
 Backend: NCCL when CUDA is used (process group ``cpu:gloo,cuda:nccl``: CUDA tensors go through
 NCCL, the few small CPU tensors of logging through gloo), gloo otherwise, so ``--gpus 2`` without a
 GPU runs 2 CPU processes. ``CUDA_VISIBLE_DEVICES`` is respected: local rank i uses visible GPU i.
 Started by torchrun, the RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT variables win.
 
-Supervision (several processes on this machine): the launcher starts the workers with the spawn
-method and waits. When one worker fails, the others are stopped (SIGTERM, then SIGKILL) and
-:class:`WorkerFailed` carries the failed rank's error and exit code; Ctrl-C (SIGINT) or SIGTERM to the
-launcher stops every worker; workers die with the launcher (PR_SET_PDEATHSIG) if it is killed.
-Every failure a user can cause ends with one message that names the fix (docs/distributed.md,
-"Troubleshooting").
+Supervision (several processes): torch's elastic agent (``torch.distributed.launcher.api.elastic_launch``,
+what torchrun runs on) starts the workers with the spawn method, meets the other machines at a static
+rendezvous on ``--dist-url`` (machine 0 hosts its TCP store), gives every worker its ranks through the
+environment, stops the others when one fails, and stops every worker on Ctrl-C (SIGINT) or SIGTERM.
+No restarts (``max_restarts 0``): a failed run resumes from ``last.pth``. This module keeps what the
+agent does not: the refusals before anything starts (bad ranks, busy port, a rendezvous address that
+does not answer as a torch store), one line per failure that names the failed rank and the fix
+(:class:`WorkerFailed`, built from the record each failed worker writes), and workers that die with
+the launcher (PR_SET_PDEATHSIG) if it is killed. The agent's own log is silenced unless ``LOGLEVEL``
+is set (torchrun's variable). Every failure a user can cause ends with one message that names the
+fix (docs/distributed.md, "Troubleshooting").
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import math
 import os
 import shutil
 import signal
@@ -30,7 +38,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,9 +66,9 @@ class DistSpec:
     """Where this launch sits.
 
     Attributes:
-        gpus: processes on this machine (one per GPU; CPU processes without CUDA).
-        world_size: number of machines.
-        rank: this machine's rank, 0 .. world_size - 1.
+        gpus: processes on this machine (one per GPU; CPU processes without CUDA); ``--gpus``.
+        num_machines: number of machines; ``--world-size`` on the command line (the MDK's name).
+        machine_rank: this machine's rank, 0 .. num_machines - 1; ``--rank`` on the command line.
         dist_url: machine 0's ``host:port`` or ``tcp://host:port`` ("" on one machine: a free port
             on 127.0.0.1 is chosen).
         timeout: seconds to wait for peers to join, and for every collective.
@@ -68,8 +76,8 @@ class DistSpec:
         threads: intra-op threads of each process (torch.set_num_threads); 0 leaves torch's default.
     """
     gpus: int = 1
-    world_size: int = 1
-    rank: int = 0
+    num_machines: int = 1
+    machine_rank: int = 0
     dist_url: str = ""
     timeout: float = 300.0
     use_cuda: bool = False
@@ -78,11 +86,11 @@ class DistSpec:
     @property
     def total(self) -> int:
         """World size in processes: machines x processes per machine."""
-        return self.gpus * self.world_size
+        return self.gpus * self.num_machines
 
     def global_rank(self, local_rank: int) -> int:
         """The global rank of process ``local_rank`` on this machine: ``machine rank x gpus + local_rank``."""
-        return self.rank * self.gpus + local_rank
+        return self.machine_rank * self.gpus + local_rank
 
 
 def torchrun_env() -> bool:
@@ -219,25 +227,32 @@ def wait_for_rendezvous(host: str, port: int, timeout: float, poll: float = 0.25
             time.sleep(poll)
 
 
-def init_group(backend: str, url: str, world: int, rank: int, timeout: float) -> None:
-    """init_process_group with a time-out, translating failures to LaunchError (port in use, peers
-    that never join, machine 0 not reachable). A rank other than 0 first waits for machine 0's
-    rendezvous to accept connections (wait_for_rendezvous), at most ``timeout`` seconds. The wait
-    starts when this worker starts: a launcher that spawns workers adds their start-up before it."""
-    if rank != 0:
-        host, port = split_url(url)
-        if not wait_for_rendezvous(host, port, timeout):
-            raise _join_error(TimeoutError(f"connect to {host}:{port} timed out"), url, world, rank, timeout)
+def check_machine_zero(url: str, world: int, rank: int, timeout: float) -> None:
+    """On a machine other than 0, before any worker starts: machine 0's rendezvous at ``url`` accepts
+    connections within ``timeout`` seconds (:func:`wait_for_rendezvous`) and answers as a torch TCP
+    store (one ``check`` round trip, bounded by ``timeout``: torch's store client waits without end for
+    an answer from a listener that never speaks its protocol).
+
+    Raises:
+        LaunchError: machine 0 not reachable, or something else listening on its port.
+    """
+    host, port = split_url(url)
+    if not wait_for_rendezvous(host, port, timeout):
+        raise _join_error(TimeoutError(f"connect to {host}:{port} timed out"), url, world, rank, timeout)
+
+    def probe():
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        store.check(["gnetmdk/launch-probe"])     # a round trip; counts as no machine joining
+
     try:
-        _bounded(lambda: dist.init_process_group(backend, init_method=url, world_size=world, rank=rank,
-                                                 timeout=datetime.timedelta(seconds=timeout)), timeout + 10.0,
-                 lambda: LaunchError(
-                     f"rank {rank}: nothing answered as a torch rendezvous at {url} within {timeout:g}s, though the port "
-                     "accepts connections: another program (or another run) listens there. Check that --dist-url is "
-                     "machine 0's address and port and that machine 0 runs the same command (--rank 0)"))
+        _bounded(probe, timeout + 10.0, lambda: LaunchError(
+            f"rank {rank}: nothing answered as a torch rendezvous at {url} within {timeout:g}s, though the port "
+            "accepts connections: another program (or another run) listens there. Check that --dist-url is "
+            "machine 0's address and port and that machine 0 runs the same command (--rank 0)"))
     except LaunchError:
         raise
-    except Exception as exc:  # rendezvous time-out, refused connection, ...
+    except Exception as exc:  # refused or reset between the two checks
         raise _join_error(exc, url, world, rank, timeout) from None
 
 
@@ -316,21 +331,24 @@ def _classify(exc: BaseException, user_errors: tuple) -> Tuple[int, str, bool]:
     return 1, text.splitlines()[0] if text else type(exc).__name__, True
 
 
-def _worker(local_rank: int, fn: Callable, spec: DistSpec, url: str, args: tuple, err_dir: str,
-            user_errors: tuple) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the launcher's to handle
+def _worker(fn: Callable, spec: DistSpec, args: tuple, err_dir: str, user_errors: tuple) -> None:
+    """One process of the world, started by the elastic agent (its RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT in the environment): joins the process group through the agent's
+    store and runs ``fn(*args)``. A failure is classified (:func:`_classify`), written as a record to
+    ``err_dir`` for the launcher's one line, and ends the process with its exit code."""
+    # Ctrl-C reaches every process of the terminal's group; the launcher reports it, a worker just ends
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     _die_with_parent()
-    rank = spec.global_rank(local_rank)
-    world = spec.total
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(spec.gpus), GROUP_RANK=str(spec.rank))
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
     code = 0
     try:
         if spec.use_cuda:
             torch.cuda.set_device(local_rank)
         if spec.threads > 0:
             torch.set_num_threads(spec.threads)
-        init_group(backend_for(spec.use_cuda), url, world, rank, spec.timeout)
+        dist.init_process_group(backend_for(spec.use_cuda), init_method="env://",
+                                timeout=datetime.timedelta(seconds=spec.timeout))
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the launcher
         code, msg, show_tb = _classify(exc, user_errors)
@@ -338,7 +356,7 @@ def _worker(local_rank: int, fn: Callable, spec: DistSpec, url: str, args: tuple
             record = {"rank": rank, "local_rank": local_rank, "pid": os.getpid(), "code": code,
                       "message": msg, "type": type(exc).__name__, "time": time.time(),
                       "traceback": traceback.format_exc(), "printed": bool(show_tb)}
-            path = os.path.join(err_dir, f"rank{local_rank}.json")
+            path = os.path.join(err_dir, f"rank{rank}.json")
             try:
                 with open(path + ".tmp", "w", encoding="utf-8") as fh:
                     json.dump(record, fh)
@@ -348,38 +366,20 @@ def _worker(local_rank: int, fn: Callable, spec: DistSpec, url: str, args: tuple
             if show_tb:
                 print(f"rank {rank} failed:", file=sys.stderr)
                 traceback.print_exc()
-            sys.stderr.flush()
     finally:
         _destroy()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)   # no atexit handlers of half-torn-down libraries in a failed worker
+    if code != 0:
+        os._exit(code)   # no atexit handlers of half-torn-down libraries in a failed worker
 
 
 # ------------------------------------------------------------------------------------- launcher side
-def _stop(procs: Sequence, grace: float = 3.0) -> None:
-    """SIGTERM every live process, then SIGKILL what is left after ``grace`` seconds; reap all."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.time() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.time()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _failure(procs, err_dir: str, spec: DistSpec, first=None) -> WorkerFailed:
-    """The error of the worker that failed first: the earliest error record a worker wrote, else the
-    exit of ``first`` (the process the supervisor saw end first, before it stopped the others; a
-    worker killed from outside writes no record, and the others then die of the launcher's own
-    SIGTERM, which must not be reported as the cause), else the first non-zero exit code."""
+def _failure(failed: Sequence[Tuple[int, int, int]], err_dir: str, spec: DistSpec) -> WorkerFailed:
+    """The error of the worker that failed first: the earliest error record a worker wrote (a peer's
+    lost connection only when there is no other cause), else the exit the agent saw (``failed``:
+    (global rank, pid, exit code) of each failure it reports; a worker killed from outside writes no
+    record)."""
     records = []
     for name in os.listdir(err_dir):
         if name.endswith(".json"):
@@ -401,59 +401,91 @@ def _failure(procs, err_dir: str, spec: DistSpec, first=None) -> WorkerFailed:
             else ""
         return WorkerFailed(f"rank {r['rank']} (pid {r['pid']}) failed: {r['message']}{above}{stopped}",
                             r["code"] or 1, r["rank"])
-    order = list(enumerate(procs))
-    if first is not None and first in procs:
-        order.sort(key=lambda ip: ip[1] is not first)
-    for i, p in order:
-        if p.exitcode not in (0, None):
-            rank = spec.global_rank(i)
-            if p.exitcode < 0:
-                sig = signal.Signals(-p.exitcode).name
-                why = " (out of memory? check dmesg)" if sig == "SIGKILL" else ""
-                return WorkerFailed(f"rank {rank} (pid {p.pid}) was killed by {sig}{why}{stopped}", 1, rank)
-            return WorkerFailed(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}{stopped}",
-                                p.exitcode, rank)
+    for rank, pid, code in sorted(failed):
+        if code < 0:
+            sig = signal.Signals(-code).name
+            why = " (out of memory? check dmesg)" if sig == "SIGKILL" else ""
+            return WorkerFailed(f"rank {rank} (pid {pid}) was killed by {sig}{why}{stopped}", 1, rank)
+        if code != 0:
+            return WorkerFailed(f"rank {rank} (pid {pid}) exited with code {code}{stopped}", code, rank)
     return WorkerFailed("a worker failed without a report" + stopped, 1)
 
 
-def _spawn_and_supervise(fn: Callable, spec: DistSpec, url: str, args: tuple, user_errors: tuple) -> None:
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-    ctx = mp.get_context("spawn")
-    err_dir = tempfile.mkdtemp(prefix="gnetmdk-launch-")
-    procs: List = []
-    old_term = signal.getsignal(signal.SIGTERM)
+#: loggers of the elastic agent and of torch.multiprocessing, silenced while it runs (LOGLEVEL unset)
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
-    def on_term(signum, frame):
-        raise _Terminated()
 
-    signal.signal(signal.SIGTERM, on_term)
+@contextlib.contextmanager
+def _quiet_agent():
+    """Silence the agent's log (its rendezvous settings, a failed worker's traceback a second time,
+    each process it stops): the launcher reports in one line. torchrun's ``LOGLEVEL`` brings it back."""
+    if os.environ.get("LOGLEVEL"):
+        yield
+        return
+    import logging
+    saved = {}
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_AGENT_LOGGERS):
+            logger = logging.getLogger(name)
+            saved[name] = logger.level
+            logger.setLevel(logging.CRITICAL + 1)
     try:
-        for local in range(spec.gpus):
-            p = ctx.Process(target=_worker, args=(local, fn, spec, url, args, err_dir, user_errors),
-                            name=f"gnetmdk-rank{spec.global_rank(local)}", daemon=False)
-            p.start()
-            procs.append(p)
-        live = list(procs)
-        while live:
-            wait([p.sentinel for p in live], timeout=1.0)
-            for p in list(live):
-                if p.exitcode is None:
-                    continue
-                live.remove(p)
-                if p.exitcode != 0:
-                    _stop(procs)
-                    raise _failure(procs, err_dir, spec, first=p)
-    except (KeyboardInterrupt, _Terminated) as exc:
-        _stop(procs, grace=2.0)
-        print(f"interrupted: stopped {len(procs)} worker process(es)", file=sys.stderr, flush=True)
-        if isinstance(exc, _Terminated):
-            raise SystemExit(143) from None
-        raise KeyboardInterrupt from None
+        yield
     finally:
-        _stop(procs, grace=1.0)
-        signal.signal(signal.SIGTERM, old_term)
-        shutil.rmtree(err_dir, ignore_errors=True)
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _elastic_config(spec: DistSpec, url: str, log_dir: str):
+    """The agent's LaunchConfig: ``spec.num_machines`` machines of ``spec.gpus`` workers each, a static
+    rendezvous at machine 0's ``url`` with this machine's rank and ``spec.timeout`` (whole seconds, at
+    least 1) as the wait for the others, no restarts, spawned workers."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+    host, port = split_url(url)
+    return LaunchConfig(min_nodes=spec.num_machines, max_nodes=spec.num_machines, nproc_per_node=spec.gpus,
+                        run_id="gnetmdk", rdzv_backend="static", rdzv_endpoint=f"{host}:{port}",
+                        rdzv_configs={"rank": spec.machine_rank, "timeout": max(1, math.ceil(spec.timeout))},
+                        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                        logs_specs=DefaultLogsSpecs(log_dir=log_dir))
+
+
+def _run_elastic(fn: Callable, spec: DistSpec, url: str, args: tuple, user_errors: tuple) -> None:
+    """Run ``_worker(fn, ...)`` in ``spec.gpus`` processes under the elastic agent and turn what can end
+    it into this module's errors: a worker's failure -> :class:`WorkerFailed`; a rendezvous that times
+    out or cannot connect -> :class:`LaunchError`; SIGINT -> KeyboardInterrupt and SIGTERM (or another
+    signal) -> SystemExit(128 + signal), after every worker was stopped."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    tmp = tempfile.mkdtemp(prefix="gnetmdk-launch-")
+    err_dir = os.path.join(tmp, "errors")
+    os.makedirs(err_dir)
+    try:
+        with _quiet_agent():
+            elastic_launch(_elastic_config(spec, url, os.path.join(tmp, "agent")), _worker)(
+                fn, spec, args, err_dir, user_errors)
+    except ChildFailedError as exc:
+        failed = [(rank, f.pid, f.exitcode) for rank, f in exc.failures.items()]
+        if failed and all(code == 130 for _, _, code in failed) and not os.listdir(err_dir):
+            _interrupted(spec)        # the workers saw Ctrl-C before the agent did
+            raise KeyboardInterrupt from None
+        raise _failure(failed, err_dir, spec) from None
+    except SignalException as exc:
+        _interrupted(spec)
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise SystemExit(128 + int(exc.sigval)) from None
+    except (LaunchError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # the rendezvous: peers that never join, machine 0 gone, ...
+        raise _join_error(exc, url, spec.total, spec.machine_rank, spec.timeout) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _interrupted(spec: DistSpec) -> None:
+    print(f"interrupted: stopped {spec.gpus} worker process(es)", file=sys.stderr, flush=True)
 
 
 def _run_here(fn: Callable, args: tuple) -> None:
@@ -473,7 +505,7 @@ def describe(spec: DistSpec, url: str) -> str:
     world size, global ranks, rendezvous URL, time-out and threads per process."""
     kind = ("GPU process(es), NCCL backend" if spec.use_cuda else
             "CPU process(es), gloo backend (no GPU in use)")
-    return (f"launch: {spec.gpus} {kind} on this machine (machine {spec.rank} of {spec.world_size}), "
+    return (f"launch: {spec.gpus} {kind} on this machine (machine {spec.machine_rank} of {spec.num_machines}), "
             f"world size {spec.total}, global ranks {spec.global_rank(0)}..{spec.global_rank(spec.gpus - 1)}, "
             f"rendezvous {url}, time-out {spec.timeout:g}s"
             + (f", {spec.threads} thread(s) per process" if spec.threads else ""))
@@ -494,6 +526,7 @@ def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = 
         WorkerFailed: a worker failed; its message and exit code are that worker's, every other worker
             on this machine was stopped.
         KeyboardInterrupt: Ctrl-C; every worker was stopped.
+        SystemExit: 128 + the signal (143 for SIGTERM) that stopped the launcher; every worker was stopped.
     """
     if torchrun_env():
         world = int(os.environ["WORLD_SIZE"])
@@ -527,31 +560,33 @@ def launch(fn: Callable, spec: DistSpec, args: tuple = (), user_errors: tuple = 
             torch.cuda.set_device(0)
         _run_here(fn, args)
         return
-    if spec.world_size > 1 and not spec.dist_url:
+    if spec.num_machines > 1 and not spec.dist_url:
         raise LaunchError("--world-size > 1 needs --dist-url HOST:PORT, machine 0's address, on every machine")
     url = normalise_url(spec.dist_url) if spec.dist_url else f"tcp://127.0.0.1:{free_port()}"
-    if spec.rank == 0 and spec.dist_url:
+    if spec.machine_rank == 0 and spec.dist_url:
         check_port_free(url)
-    log(describe(spec, url))
     if not spec.use_cuda:
-        # c10d's C++ log repeats the rendezvous retries and time-outs with stack frames; the workers report
+        # c10d's C++ log repeats the rendezvous retries and time-outs with stack frames; the launcher reports
         # them as one line (LaunchError). TORCH_CPP_LOG_LEVEL=INFO brings the C++ log back.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    _spawn_and_supervise(fn, spec, url, args, tuple(user_errors))
+    if spec.machine_rank != 0:
+        check_machine_zero(url, spec.total, spec.global_rank(0), spec.timeout)
+    log(describe(spec, url))
+    _run_elastic(fn, spec, url, args, tuple(user_errors))
 
 
 # ------------------------------------------------------------------------------------- from the command line
-def check_batch_split(batch_size: int, spec: DistSpec) -> None:
+def check_global_batch(batch_size: int, spec: DistSpec) -> None:
     """Refuse a global batch that does not split evenly over the processes of ``spec`` (or torchrun's).
 
     Raises:
         LaunchError: with the batch, the process count and how it is made up, and valid choices
-            (gnetmdk.dist.sampler.check_batch_split's message).
+            (gnetmdk.config.overrides.check_batch_split's message).
     """
     from gnetmdk.config.base import ConfigError
-    from .sampler import check_batch_split as check
+    from gnetmdk.config.overrides import check_batch_split as check
     world = int(os.environ["WORLD_SIZE"]) if torchrun_env() else spec.total
-    how = "torchrun" if torchrun_env() else f"{spec.world_size} machine(s) x {spec.gpus} per machine"
+    how = "torchrun" if torchrun_env() else f"{spec.num_machines} machine(s) x {spec.gpus} per machine"
     try:
         check(batch_size, world, 1, how)
     except ConfigError as exc:
@@ -568,12 +603,12 @@ def spec_from_args(args, cfg) -> DistSpec:
     from gnetmdk.config.base import cuda_wanted
     use_cuda = cuda_wanted(cfg.device)
     timeout = getattr(args, "dist_timeout", None)
-    spec = DistSpec(gpus=getattr(args, "gpus", 1), world_size=getattr(args, "world_size", 1),
-                    rank=getattr(args, "rank", 0), dist_url=getattr(args, "dist_url", "") or "",
+    spec = DistSpec(gpus=getattr(args, "gpus", 1), num_machines=getattr(args, "world_size", 1),
+                    machine_rank=getattr(args, "rank", 0), dist_url=getattr(args, "dist_url", "") or "",
                     timeout=float(cfg.dist_timeout if timeout is None else timeout), use_cuda=use_cuda)
     spec.threads = threads_per_process(cfg.threads, spec.gpus, use_cuda)
     check_spec(spec)
-    check_batch_split(cfg.batch_size, spec)
+    check_global_batch(cfg.batch_size, spec)
     return spec
 
 
@@ -599,11 +634,11 @@ def check_spec(spec: DistSpec) -> None:
     Raises:
         LaunchError: naming the option, its value and the valid range.
     """
-    if spec.gpus < 1 or spec.world_size < 1:
-        raise LaunchError(f"--gpus ({spec.gpus}) and --world-size ({spec.world_size}) must be at least 1 "
+    if spec.gpus < 1 or spec.num_machines < 1:
+        raise LaunchError(f"--gpus ({spec.gpus}) and --world-size ({spec.num_machines}) must be at least 1 "
                           "(--gpus: processes on this machine; --world-size: the number of machines)")
-    if not 0 <= spec.rank < spec.world_size:
-        raise LaunchError(f"--rank {spec.rank} must be in 0..{spec.world_size - 1} (this machine's index, from 0; "
+    if not 0 <= spec.machine_rank < spec.num_machines:
+        raise LaunchError(f"--rank {spec.machine_rank} must be in 0..{spec.num_machines - 1} (this machine's index, from 0; "
                           f"--world-size is the number of machines)")
     if not (spec.timeout > 0 and spec.timeout < float("inf")):
         raise LaunchError(f"--dist-timeout {spec.timeout:g} must be a positive, finite number of seconds (every wait for "

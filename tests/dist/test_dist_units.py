@@ -11,7 +11,7 @@ from gnetmdk.layers.observers import batch_percentile
 
 from dist_helpers import ROOT, free_port, run
 from gnetmdk.dist.comm import global_percentile, kth_smallest
-from gnetmdk.dist.launch import (DistSpec, LaunchError, _classify, check_batch_split, explain_error,
+from gnetmdk.dist.launch import (DistSpec, LaunchError, _classify, check_global_batch, explain_error,
                                  normalise_url)
 from gnetmdk.dist.sampler import GlobalBatchSampler, ShardSampler
 from gnetmdk.dist.syncbn import DistBatchNorm2d, _SyncBNFunction, convert_sync_batchnorm
@@ -267,12 +267,12 @@ def test_urls_batch_split_and_messages():
     for bad in ("host", "host:port", ":80", "host:70000"):
         with pytest.raises(LaunchError, match="host:port"):
             normalise_url(bad)
-    check_batch_split(16, DistSpec(gpus=2, world_size=2))
+    check_global_batch(16, DistSpec(gpus=2, num_machines=2))
     with pytest.raises(LaunchError, match=r"batch_size 6 does not split evenly over 4 processes "
                                           r"\(2 machine\(s\) x 2 per machine\).*multiple of 4 \(e.g. 4 or 8\)"):
-        check_batch_split(6, DistSpec(gpus=2, world_size=2))
-    assert DistSpec(gpus=2, world_size=3, rank=2).global_rank(1) == 5
-    assert DistSpec(gpus=2, world_size=3).total == 6
+        check_global_batch(6, DistSpec(gpus=2, num_machines=2))
+    assert DistSpec(gpus=2, num_machines=3, machine_rank=2).global_rank(1) == 5
+    assert DistSpec(gpus=2, num_machines=3).total == 6
 
 
 def test_shared_memory_errors_point_to_num_workers():
@@ -289,3 +289,41 @@ def test_shared_memory_errors_point_to_num_workers():
     code, msg, tb = _classify(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
                                            "Connection closed by peer [127.0.0.1]:1234"), ())
     assert code == 1 and not tb and "another machine" in msg
+
+
+def test_failure_line_prefers_a_root_cause_and_reads_signals_device_cpu(tmp_path):
+    """The launcher's one line after the elastic agent reports failed workers: the earliest record that
+    is not a lost connection wins (a user error as 'rank R: ...', exit 2); without records, the exit the
+    agent saw (a signal by name, SIGKILL with the out-of-memory hint)."""
+    import json
+    from gnetmdk.dist.launch import _failure
+    spec = DistSpec(gpus=2)
+    rec = lambda rank, code, msg, t: json.dump({"rank": rank, "pid": 100 + rank, "code": code, "message": msg,
+                                                "time": t, "printed": code == 1},
+                                               open(tmp_path / f"rank{rank}.json", "w"))
+    rec(0, 1, "lost the connection to another process (x)", 1.0)
+    rec(1, 1, "RuntimeError: boom", 2.0)
+    f = _failure([(0, 100, 1)], str(tmp_path), spec)
+    assert (f.rank, f.exit_code) == (1, 1)
+    assert str(f) == ("rank 1 (pid 101) failed: RuntimeError: boom (traceback above); stopped the other 1 "
+                      "worker(s) on this machine")
+    rec(1, 2, "config field 'x' is bad", 0.5)
+    f = _failure([], str(tmp_path), spec)
+    assert (f.exit_code, str(f)) == (2, "rank 1: config field 'x' is bad; stopped the other 1 worker(s) on this machine")
+    empty = tmp_path / "none"
+    empty.mkdir()
+    f = _failure([(3, 7, -9)], str(empty), DistSpec(gpus=1))
+    assert (f.rank, f.exit_code, str(f)) == (3, 1, "rank 3 (pid 7) was killed by SIGKILL (out of memory? check dmesg)")
+    f = _failure([(2, 8, 3)], str(empty), spec)
+    assert (f.exit_code, str(f)) == (3, "rank 2 (pid 8) exited with code 3; stopped the other 1 worker(s) on this machine")
+
+
+def test_elastic_config_is_a_static_rendezvous_without_restarts_device_cpu(tmp_path):
+    """Machines, processes per machine, machine rank and the wait go to the agent's LaunchConfig as a
+    static rendezvous at machine 0's address, with no restarts and spawned workers."""
+    from gnetmdk.dist.launch import _elastic_config
+    c = _elastic_config(DistSpec(gpus=3, num_machines=2, machine_rank=1, timeout=2.5), "tcp://10.0.0.1:8888",
+                        str(tmp_path))
+    assert (c.min_nodes, c.max_nodes, c.nproc_per_node) == (2, 2, 3)
+    assert (c.rdzv_backend, c.rdzv_endpoint, c.rdzv_configs) == ("static", "10.0.0.1:8888", {"rank": 1, "timeout": 3})
+    assert (c.max_restarts, c.start_method) == (0, "spawn")
