@@ -378,8 +378,9 @@ def _worker(fn: Callable, spec: DistSpec, args: tuple, err_dir: str, user_errors
 def _failure(failed: Sequence[Tuple[int, int, int]], err_dir: str, spec: DistSpec) -> WorkerFailed:
     """The error of the worker that failed first: the earliest error record a worker wrote (a peer's
     lost connection only when there is no other cause), else the exit the agent saw (``failed``:
-    (global rank, pid, exit code) of each failure it reports; a worker killed from outside writes no
-    record)."""
+    (global rank, pid, exit code) of each failure it reports). A worker killed from outside writes no
+    record: when the agent reports such a worker and every record is a lost connection, its exit is
+    the cause."""
     records = []
     for name in os.listdir(err_dir):
         if name.endswith(".json"):
@@ -390,6 +391,13 @@ def _failure(failed: Sequence[Tuple[int, int, int]], err_dir: str, spec: DistSpe
                 pass
     others = spec.gpus - 1
     stopped = f"; stopped the other {others} worker(s) on this machine" if others else ""
+    recorded = {r["rank"] for r in records}
+    unrecorded = [f for f in failed if f[0] not in recorded]
+    if unrecorded and all("lost the connection" in r["message"] for r in records):
+        # the records are the peers' lost connections; the cause is a worker that ended without one
+        # (killed from outside), as the agent saw it
+        records = []
+        failed = unrecorded
     if records:
         # a peer's lost connection is a consequence; prefer a root cause when there is one
         records.sort(key=lambda r: ("lost the connection" in r["message"], r["time"]))

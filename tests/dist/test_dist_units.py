@@ -310,6 +310,13 @@ def test_failure_line_prefers_a_root_cause_and_reads_signals_device_cpu(tmp_path
     rec(1, 2, "config field 'x' is bad", 0.5)
     f = _failure([], str(tmp_path), spec)
     assert (f.exit_code, str(f)) == (2, "rank 1: config field 'x' is bad; stopped the other 1 worker(s) on this machine")
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    json.dump({"rank": 0, "pid": 100, "code": 1, "message": "lost the connection to another process (x)", "time": 1.0},
+              open(killed / "rank0.json", "w"))
+    f = _failure([(1, 101, -9)], str(killed), spec)                # rank 1 killed; rank 0 lost it
+    assert (f.rank, str(f)) == (1, "rank 1 (pid 101) was killed by SIGKILL (out of memory? check dmesg); stopped "
+                                   "the other 1 worker(s) on this machine")
     empty = tmp_path / "none"
     empty.mkdir()
     f = _failure([(3, 7, -9)], str(empty), DistSpec(gpus=1))
