@@ -61,7 +61,8 @@ def build_models(args, images):
     from gnetmdk.models.gnetdet.model import GNetDet
     if args.checkpoint:
         chip, step4 = convert_checkpoint(args.checkpoint)
-        from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+        from gnetmdk.checkpoint.io import load_checkpoint
+        from gnetmdk.models.rebuild import build_model_from_checkpoint
         flt = build_model_from_checkpoint(load_checkpoint(args.checkpoint))
     else:
         torch.manual_seed(0)

@@ -71,7 +71,8 @@ def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 2 user error)."""
     args, overrides = parse_args(argv)
     import torch
-    from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint
+    from gnetmdk.checkpoint.io import CheckpointError, load_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
     from gnetmdk.config import load_config
     from gnetmdk.dataset.dataset import build_dataset
     from gnetmdk.gti.sensitivity import format_sensitivity, measure_sensitivity, suggest_mask_bits

@@ -13,7 +13,6 @@ import ast
 import difflib
 import importlib.util
 import os
-import sys
 import typing
 from typing import Any, Dict, List, Sequence, Tuple, Type
 
@@ -585,9 +584,3 @@ def config_value(cfg: BaseConfig, name: str) -> Any:
         return getattr(cfg.section(), name, None)
     except ConfigError:
         return None
-
-
-def die(msg: str, code: int = 2) -> "typing.NoReturn":
-    """Print ``error: msg`` to stderr and exit with ``code`` (no traceback)."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(code)

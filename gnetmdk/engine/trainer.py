@@ -24,8 +24,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
-from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, check_compatible,
-                                   load_checkpoint, load_matching)
+from gnetmdk.checkpoint.io import CheckpointError, load_checkpoint, load_matching
 from gnetmdk.checkpoint.lock import OutputLock
 from gnetmdk.checkpoint.outputs import StageOutputs, check_writable, file_sha256, manifest_source
 from gnetmdk.dataset.dataset import build_dataset, collate, seed_worker
@@ -41,6 +40,7 @@ from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler,
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.models import get_family, model_from_config
+from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
 from .resume import RESUME_CHECKED, RESUME_FIXED, same as _same
 from .schedule import build_optimizer, build_scheduler
 from . import runtime as R

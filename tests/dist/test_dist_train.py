@@ -40,7 +40,8 @@ def _out(root, name):
 
 def _fold(src, dst):
     """The step-2 starting point made in-process (what 'train.py --step 2 num_epochs 0' writes): BN folded."""
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint, save_checkpoint
+    from gnetmdk.checkpoint.io import load_checkpoint, save_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.gti.transforms import fold_bn
     ck = load_checkpoint(src)
     model = build_model_from_checkpoint(ck)
@@ -333,7 +334,8 @@ def test_merged_replay_is_a_comparison(ws, s1):
 def test_output_error_search_lowers_the_output_error_device_cpu(ws):
     """refine_caps_for_output on synthetic batches: the output error of the chosen caps, computed here
     independently, is at most that of the starting caps, and the search moved some cap."""
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+    from gnetmdk.checkpoint.io import load_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.engine.calibration import refine_caps_for_output
     from gnetmdk.engine.stages import STAGES, apply_stage
     model = build_model_from_checkpoint(load_checkpoint(ws["cal_pth"]))

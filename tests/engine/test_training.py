@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from gnetmdk.checkpoint.io import (CheckpointError, build_model_from_checkpoint, load_checkpoint,
-                                   save_checkpoint)
+from gnetmdk.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
+from gnetmdk.models.rebuild import build_model_from_checkpoint
 from gnetmdk.config import ConfigError, build_config, load_config_class
 from gnetmdk.dist.sampler import GlobalBatchSampler
 from gnetmdk.engine import runtime as R
@@ -262,7 +262,7 @@ def test_disk_estimate_is_checked_before_training(workdir, tmp_path, monkeypatch
 
 
 def test_checkpoint_of_another_model_is_refused_with_the_difference(workdir):
-    from gnetmdk.checkpoint.io import check_compatible
+    from gnetmdk.models.rebuild import check_compatible
     _, path = workdir
     cfg = build_config(load_config_class(path), [])
     meta = _tiny_model(path).meta()

@@ -568,7 +568,7 @@ def test_config_switch_converts_and_trains_like_batchnorm_device_cpu(tmp_path_fa
     in the gradient, so the two runs differ by lr x (gradient rounding, <= 64 u relative per layer,
     above) carried through 2 iterations: below 1e-5 relative to each value, against weights that moved
     by more than 1e-3 (Adam would turn round-off in near-zero gradients into steps of ~lr)."""
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.config import build_config, load_config_class
     from gnetmdk.models import model_from_config
     ckpts, logs, path = two_short_sgd_runs(tmp_path_factory, capsys, "abn", "inplace_abn")

@@ -78,7 +78,7 @@ def test_decode_of_encoded_targets_recovers_boxes():
 
 def test_weight_scale_config_decides_for_step1_checkpoint_kept_for_quantized(capsys):
     """device cpu"""
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.config import BaseConfig, build_config
     m = GNetDet(num_classes=3, image_size=224, width_mult=0.0625)
     ckpt = {"model_meta": m.meta(), "model": m.state_dict(), "stage": "step1"}
@@ -120,7 +120,7 @@ def test_logit_head_meta_roundtrip():
 def test_box_slots_reaches_the_loss_from_config_and_checkpoint():
     # box_slots is a training setting: the config decides it for a new model and for a loaded
     # checkpoint alike, and it leaves the model's structure and meta (what a checkpoint stores) alone
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.config import BaseConfig, build_config
     from gnetmdk.models import model_from_config
     cfg = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625", "box_slots", "1"])

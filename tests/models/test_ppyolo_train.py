@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dist_helpers import DIFF_WEIGHTS, ROOT, TRAIN, TRAIN_DIST, assert_bit_identical, diff_weights, run
-from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+from gnetmdk.checkpoint.io import load_checkpoint
+from gnetmdk.models.rebuild import build_model_from_checkpoint
 from gnetmdk.config import build_config, load_config_class
 
 torch.set_num_threads(1)
@@ -354,7 +355,8 @@ def test_coord_range_reaches_the_model_and_the_checkpoint_check(ws):
     """ppyolo.coord_range from the config builds CoordConvs with that range, is stored in the model's
     meta, and a checkpoint with the other range is refused by name (the same weights compute another
     function); a value out of the two is refused at start-up."""
-    from gnetmdk.checkpoint.io import CheckpointError, check_compatible
+    from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.models.rebuild import check_compatible
     from gnetmdk.config import ConfigError
     from gnetmdk.models import model_from_config
     from gnetmdk.models.ppyolo.neck import CoordConv

@@ -127,7 +127,7 @@ def test_size_head_settings_refused_device_cpu(kwargs, needle):
 
 
 def test_size_head_from_config_to_checkpoint_meta_device_cpu(capsys):
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.models import model_from_config
     cfg = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625", "size_head", "log",
                                     "size_min", "0.02"])

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint, save_checkpoint
+from gnetmdk.checkpoint.io import load_checkpoint, save_checkpoint
+from gnetmdk.models.rebuild import build_model_from_checkpoint
 from gnetmdk.config import build_config, load_config_class
 from gnetmdk.dataset.voc import convert_voc_to_meta
 from gnetmdk.engine import trainer as trainer_mod

@@ -74,7 +74,8 @@ def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory
     assert tool.main(["--config", path, "--plots", plots, *out]) == 0
     text = capsys.readouterr().out
     cfg = build_config(klass, out, step=1)
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+    from gnetmdk.checkpoint.io import load_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.dataset.dataset import build_dataset
     from gnetmdk.gti.transforms import fold_bn
     model = build_model_from_checkpoint(load_checkpoint(os.path.join(root, "ck", "step1", "best.pth")), cfg).eval()

@@ -54,7 +54,8 @@ def load_eval_model(path: str, cfg=None, require_stage: Optional[str] = None, ch
     Raises:
         CheckpointError: missing/unreadable, wrong stage, does not fit the config.
     """
-    from gnetmdk.checkpoint.io import CheckpointError, build_model_from_checkpoint, check_compatible, load_checkpoint
+    from gnetmdk.checkpoint.io import CheckpointError, load_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
     from gnetmdk.models.stages import apply_stage
     ckpt = load_checkpoint(path)
     if require_stage and ckpt.get("stage") != require_stage:

@@ -237,7 +237,8 @@ def convert_checkpoint(path: str, class_names: Optional[Sequence[str]] = None, c
         CheckpointError: missing or unreadable checkpoint.
         ConversionError: see check_checkpoint_for_chip / chip_model_from_gnetdet.
     """
-    from gnetmdk.checkpoint.io import build_model_from_checkpoint, load_checkpoint
+    from gnetmdk.checkpoint.io import load_checkpoint
+    from gnetmdk.models.rebuild import build_model_from_checkpoint
     from gnetmdk.models.stages import STAGES, apply_stage
     ckpt = load_checkpoint(path, "train step 4 first: python3 train.py --step 4")
     check_checkpoint_for_chip(ckpt, path)
