@@ -13,8 +13,12 @@ The trainer (gnetmdk.engine.trainer.Trainer) calls, in the order the hooks are l
     after_epoch(epoch, result)        result = {"train": the epoch's mean loss terms, seconds,
                                       images_per_s}; hooks add to it ("eval", "best", ...)
     after_train()                     the run finished (not after a failure)
-    checkpoint_state(full)            entries a hook adds to every checkpoint the trainer writes
     should_stop()                     whether training stops early (max_iters, a replay's end)
+
+A hook owns its state as torch modules and optimizers do: ``state_dict()`` gives the entries it adds
+to every checkpoint the trainer writes (the EMA's ``ema``, the curves' ``curves``), and on ``--resume``
+the trainer hands the resumed checkpoint to every hook's ``load_state_dict(checkpoint)`` before
+``before_train``; a hook reads its own entries there and never reaches into the trainer's resume state.
 """
 from __future__ import annotations
 
@@ -66,9 +70,15 @@ class HookBase:
         """Called when the run finished (not after a failure); does nothing here."""
         pass
 
-    def checkpoint_state(self, full: bool) -> Dict[str, object]:
-        """Entries this hook adds to every checkpoint (``full``: a resumable last.pth); none here."""
+    def state_dict(self) -> Dict[str, object]:
+        """Entries this hook adds to every checkpoint (best.pth and last.pth), plain data and tensors;
+        none here."""
         return {}
+
+    def load_state_dict(self, checkpoint: Dict[str, object]) -> None:
+        """Take this hook's entries from a resumed ``checkpoint`` (the whole dict the trainer loaded),
+        before ``before_train``; nothing here."""
+        pass
 
     def should_stop(self) -> bool:
         """Whether training stops early after this iteration; never here."""
@@ -82,16 +92,25 @@ class EMAHook(HookBase):
 
     def __init__(self):
         self.ema: Optional[ModelEMA] = None
+        #: set by load_state_dict: the resumed checkpoint's ``ema`` entry (None: it had none), applied
+        #: by before_train, when the model exists
+        self._resumed: Optional[Dict[str, object]] = None
+        self._resuming = False
+
+    def load_state_dict(self, checkpoint: Dict[str, object]) -> None:
+        """Keep the resumed checkpoint's ``ema`` entry for before_train (the average needs the model)."""
+        self._resuming = True
+        ema = checkpoint.get("ema")
+        self._resumed = ema if isinstance(ema, dict) else None
 
     def before_train(self) -> None:
         """Start the EMA from the model's weights (or the resumed checkpoint's EMA); copy the layer switches."""
         t, cfg = self.trainer, self.trainer.cfg
         self.ema = ModelEMA(t.model, cfg.ema_decay, cfg.ema_ramp)
         self.ema.sync_switches(t.model)
-        st = t.resume_state
-        if st is not None:
-            if isinstance(st.get("ema"), dict):
-                self.ema.load_state_dict(st["ema"])
+        if self._resuming:
+            if self._resumed is not None:
+                self.ema.load_state_dict(self._resumed)
             else:
                 t.log(f"[{t.stage.name}] the resumed checkpoint has no EMA: starting one from its weights")
         t.log(f"[{t.stage.name}] EMA of the weights (decay {cfg.ema_decay}, ramp {cfg.ema_ramp:g} steps): "
@@ -101,7 +120,7 @@ class EMAHook(HookBase):
         """Fold the model's new weights into the EMA."""
         self.ema.update(self.trainer.model)
 
-    def checkpoint_state(self, full: bool) -> Dict[str, object]:
+    def state_dict(self) -> Dict[str, object]:
         """The EMA's state as the checkpoint's ``ema`` entry (nothing before the EMA exists)."""
         return {"ema": self.ema.state_dict()} if self.ema is not None else {}
 
@@ -125,7 +144,8 @@ def _quiet_writer_threads() -> None:
 
 
 class TensorboardHook(HookBase):
-    """Loss terms and learning rate per iteration, val mAP and loss per evaluation, into
+    """The scalars of the trainer's event storage (gnetmdk.engine.events: loss terms and learning rate
+    per iteration, val mAP and loss per evaluation) and the prediction images, into
     ``<log_root>/<stage>`` (rank 0 only; the folder was checked writable before any work). When the log
     cannot be written later (a full or read-only disk), the curves stop with one warning and training
     goes on: checkpoints have their own checks, and the log is not worth a run."""
@@ -153,6 +173,13 @@ class TensorboardHook(HookBase):
                 except Exception:  # noqa: BLE001 - the log is already given up
                     pass
 
+    def _open(self) -> None:
+        """Open the writer on ``<log_dir>`` (rank 0) if it is not open yet."""
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            _quiet_writer_threads()
+            self.writer = SummaryWriter(self.trainer.cfg.log_dir)
+
     def scalar(self, tag: str, value: float, step: int) -> None:
         """Write one scalar ``tag`` = ``value`` at ``step`` (rank 0; the writer opens on the first call;
         nothing once the log has failed)."""
@@ -161,29 +188,30 @@ class TensorboardHook(HookBase):
             return
 
         def write():
-            if self.writer is None:
-                from torch.utils.tensorboard import SummaryWriter
-                _quiet_writer_threads()
-                self.writer = SummaryWriter(t.cfg.log_dir)
+            self._open()
             self.writer.add_scalar(tag, value, step)
         self._guard(write)
 
+    def write_events(self) -> None:
+        """Write the scalars put into the trainer's event storage since the last call (every rank takes
+        them, so that none piles up; rank 0 writes them)."""
+        for tag, value, step in self.trainer.storage.take_unwritten():
+            self.scalar(tag, value, step)
+
+    def before_train(self) -> None:
+        """Write what was reported before training (the entry evaluation's mAP at step 0)."""
+        self.write_events()
+
     def after_iteration(self, it: Dict[str, object]) -> None:
-        """Log the iteration's loss terms (mean over ranks) and learning rate."""
-        name = self.trainer.stage.name
-        for k, v in it["values"].items():
-            self.scalar(f"{name}/loss_{k}", v, it["iteration"])
-        self.scalar(f"{name}/lr", it["lr"], it["iteration"])
+        """Write the iteration's loss terms (mean over ranks) and learning rate, put by the trainer."""
+        self.write_events()
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
-        """After an evaluation: log val mAP (and COCO mAP), val loss and prediction images at step ``epoch + 1``."""
+        """Write what the epoch reported (after an evaluation: val mAP, COCO mAP, val loss at step
+        ``epoch + 1``) and, after an evaluation, the prediction images."""
+        self.write_events()
         res = result.get("eval")
         if res is not None:
-            name = self.trainer.stage.name
-            self.scalar(f"{name}/mAP", res["map"], epoch + 1)
-            if "coco" in res:
-                self.scalar(f"{name}/COCO_mAP", res["coco"]["map"], epoch + 1)
-            self.scalar(f"{name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
             self.predictions(res, epoch + 1)
 
     def predictions(self, res: Dict[str, object], step: int) -> None:
@@ -197,7 +225,7 @@ class TensorboardHook(HookBase):
         import cv2
         from gnetmdk.dataset.dataset import decode_image
         from gnetmdk.gti.chip.predictor import draw_detections
-        self.scalar(f"{t.stage.name}/mAP", res["map"], step)          # opens the writer if needed
+        self._guard(self._open)
         for i in range(n):
             det, gt = res["detections"][i], res["truths"][i]
             keep = det["scores"] >= t.cfg.predict_thresh
@@ -229,20 +257,21 @@ class TensorboardHook(HookBase):
 class EvalHook(HookBase):
     """Evaluation (VOC mAP on the val split) before training (``eval_before``: the entry model is the
     stage's first candidate for best.pth) and after every ``eval_interval`` epochs and the last; the
-    best is written as best.pth (Trainer.save_best)."""
+    best is written as best.pth (Trainer.save_best). Each evaluation's mAP (COCO mAP, val loss) goes
+    into the trainer's event storage (gnetmdk.engine.events)."""
 
     def before_train(self) -> None:
         """With ``eval_before`` (and not resuming): evaluate the entry model, take its mAP as the best so
         far and write it as best.pth."""
         t, cfg = self.trainer, self.trainer.cfg
-        if t.resume_state is not None or not cfg.eval_before:
+        if cfg.resume or not cfg.eval_before:
             return
         res = t.evaluate("entry")
         t.summary["entry_map"] = res["map"]
         t.last_map = res["map"]
         coco = f", COCO mAP {res['coco']['map']:.4f}" if "coco" in res else ""
         t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f}{coco} (before training, {res['seconds']:.1f}s)")
-        t.tensorboard.scalar(f"{t.stage.name}/mAP", res["map"], 0)
+        t.storage.put_scalar(f"{t.stage.name}/mAP", res["map"], 0)
         # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
         t.best_map = res["map"]
         if "coco" in res:
@@ -258,6 +287,11 @@ class EvalHook(HookBase):
         res = t.evaluate(f"epoch{epoch + 1}")
         result["eval"] = res
         t.last_map = res["map"]
+        name = t.stage.name
+        t.storage.put_scalar(f"{name}/mAP", res["map"], epoch + 1)
+        if "coco" in res:
+            t.storage.put_scalar(f"{name}/COCO_mAP", res["coco"]["map"], epoch + 1)
+        t.storage.put_scalar(f"{name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
         if res["map"] > t.best_map:
             if "coco" in res:
                 t.summary["best_coco_map"] = res["coco"]["map"]     # of the model best.pth holds
@@ -295,11 +329,10 @@ class CurvesHook(HookBase):
         self.history: List[Dict[str, object]] = []
         self.warned = False
 
-    def before_train(self) -> None:
-        """Take over a resumed checkpoint's epoch history."""
-        st = self.trainer.resume_state
-        if st is not None and isinstance(st.get("curves"), list):
-            self.history = [dict(h) for h in st["curves"]]
+    def load_state_dict(self, checkpoint: Dict[str, object]) -> None:
+        """Take over a resumed checkpoint's epoch history (its ``curves`` entry)."""
+        if isinstance(checkpoint.get("curves"), list):
+            self.history = [dict(h) for h in checkpoint["curves"]]
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
         """Append the epoch's entry (epoch, iteration, lr, mean training loss terms, val mAP / COCO mAP
@@ -343,7 +376,7 @@ class CurvesHook(HookBase):
                 t.log(f"[{t.stage.name}] note: training curves not drawn ({exc})")
                 self.warned = True
 
-    def checkpoint_state(self, full: bool) -> Dict[str, object]:
+    def state_dict(self) -> Dict[str, object]:
         """The epoch history as the checkpoint's ``curves`` entry."""
         return {"curves": [dict(h) for h in self.history]}
 

@@ -32,6 +32,7 @@ from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is
                                rows_over_ranks)
 from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
 from .align_hook import AlignmentHook
+from .events import EventStorage
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import wrap_ddp
 from gnetmdk.layers.prepare import prepare_model
@@ -151,6 +152,8 @@ class Trainer:
         self._bar = None
         self._sums: Dict[str, object] = {}
         self._count = 0
+        #: the stage's scalars (loss terms, learning rate, evaluations), read by the tensorboard hook
+        self.storage = EventStorage()
         self.tensorboard = TensorboardHook()
         self.ema_hook = EMAHook() if cfg.ema else None
         # in call order: the EMA is updated before anything reads it; the evaluation writes best.pth
@@ -370,7 +373,7 @@ class Trainer:
             st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
         st["eval_weights"] = "ema" if self.ema is not None else "model"
         for hook in self.hooks:                     # the EMA beside the raw weights, never in their place
-            st.update(hook.checkpoint_state(full))
+            st.update(hook.state_dict())
         if full:
             st["optimizer"] = self.optimizer.state_dict()
             st["scheduler"] = self.scheduler.state_dict()
@@ -679,6 +682,10 @@ class Trainer:
         self._count += 1
         it = {"epoch": epoch, "iteration": iteration, "values": values, "rank_values": rank_values,
               "rank_terms": step["rank_terms"], "batch": step["batch"], "lr": step["lr"], "lr_step": step["lr_step"]}
+        name = self.stage.name
+        for k, v in values.items():
+            self.storage.put_scalar(f"{name}/loss_{k}", v, iteration)
+        self.storage.put_scalar(f"{name}/lr", step["lr"], iteration)
         for hook in self.hooks:                     # record / replay, tensorboard
             hook.after_iteration(it)
         if self.main and hasattr(self._bar, "set_postfix"):
@@ -903,6 +910,8 @@ class Trainer:
             # the stage's clock goes on from where the interrupted run's last checkpoint left it
             t_start = self.t_start = t_start - float(st.get("elapsed") or 0.0)
             self.summary["entry_map"] = st.get("entry_map")
+            for hook in self.hooks:      # each hook takes its own entries of the resumed checkpoint
+                hook.load_state_dict(st)
         for hook in self.hooks:          # the EMA, the recording / replay, the entry evaluation
             hook.before_train()
         if cfg.num_epochs == 0 and self.resume_state is None:

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from gnetmdk.engine.ema import ModelEMA
-from gnetmdk.engine.hooks import EarlyStopHook, EMAHook
+from gnetmdk.engine.events import EventStorage
+from gnetmdk.engine.hooks import CurvesHook, EarlyStopHook, EMAHook, TensorboardHook
 from gnetmdk.intq.graph import Node, check_graph, tensor_quantizers
 
 
@@ -102,29 +103,101 @@ def _trainer(**cfg):
 
 
 def test_ema_hook_starts_from_the_model_and_resumes_its_average_device_cpu():
-    """before_train starts the average from the model (or the resumed checkpoint's EMA, with a notice
-    when it has none); after_step updates it; checkpoint_state carries it."""
+    """before_train starts the average from the model (or from the resumed checkpoint's EMA handed to
+    load_state_dict, with a notice when it has none); after_step updates it; state_dict carries it."""
     t, logs = _trainer(ema_decay=0.9, ema_ramp=2.0)
     hook = EMAHook()
-    assert hook.checkpoint_state(True) == {}
+    assert hook.state_dict() == {}
     hook.trainer = t
     hook.before_train()
     assert "EMA of the weights (decay 0.9, ramp 2 steps)" in logs[-1]
     hook.after_step()
-    state = hook.checkpoint_state(True)["ema"]
+    state = hook.state_dict()["ema"]
     assert state["updates"] == 1
     t2, logs2 = _trainer(ema_decay=0.9, ema_ramp=2.0)
-    t2.resume_state = {"ema": state}
     h2 = EMAHook()
     h2.trainer = t2
+    h2.load_state_dict({"ema": state, "curves": []})
     h2.before_train()
     assert h2.ema.updates == 1
+    for k, v in h2.ema.state_dict()["model"].items():
+        assert torch.equal(v, state["model"][k]), k
+    assert not any("has no EMA" in line for line in logs2)
     t3, logs3 = _trainer(ema_decay=0.9, ema_ramp=2.0)
-    t3.resume_state = {}
     h3 = EMAHook()
     h3.trainer = t3
+    h3.load_state_dict({})
     h3.before_train()
     assert h3.ema.updates == 0 and any("has no EMA" in line for line in logs3)
+
+
+def test_curves_hook_owns_its_history_device_cpu():
+    """The epoch history goes out through state_dict and comes back through load_state_dict (a copy:
+    the checkpoint's list is not shared); a checkpoint without curves leaves the history empty."""
+    hook = CurvesHook()
+    assert hook.state_dict() == {"curves": []}
+    saved = [{"epoch": 1, "iteration": 4, "val_map": 0.5}, {"epoch": 2, "iteration": 8}]
+    hook.load_state_dict({"curves": saved, "ema": {}})
+    out = hook.state_dict()["curves"]
+    assert out == saved and out[0] is not saved[0]
+    saved[0]["val_map"] = 0.0
+    assert hook.state_dict()["curves"][0]["val_map"] == 0.5
+    other = CurvesHook()
+    other.load_state_dict({"model": {}})
+    assert other.state_dict() == {"curves": []}
+
+
+def test_event_storage_keeps_the_latest_and_hands_out_each_event_once():
+    """put_scalar converts to (str, float, int); latest gives the last per name; take_unwritten gives
+    the events since the last call, oldest first, once; past max_unwritten the oldest are dropped."""
+    st = EventStorage(max_unwritten=3)
+    assert st.latest("a") is None and st.take_unwritten() == []
+    st.put_scalar("a", torch.tensor(0.5), 1)
+    st.put_scalar("b", 2, 1.0)
+    st.put_scalar("a", 0.25, 2)
+    assert st.latest("a") == (0.25, 2) and st.latest("b") == (2.0, 1)
+    events = st.take_unwritten()
+    assert events == [("a", 0.5, 1), ("b", 2.0, 1), ("a", 0.25, 2)]
+    assert all(type(v) is float and type(k) is int for _, v, k in events)
+    assert st.take_unwritten() == []
+    for i in range(5):
+        st.put_scalar("c", i, i)
+    assert st.take_unwritten() == [("c", 2.0, 2), ("c", 3.0, 3), ("c", 4.0, 4)]
+    assert st.latest("a") == (0.25, 2)
+    with pytest.raises(ValueError):
+        st.put_scalar("a", "not a number", 0)
+
+
+def test_tensorboard_hook_writes_the_event_storage_device_cpu(tmp_path):
+    """The tensorboard hook writes every scalar put into the trainer's storage, at its step, on the main
+    process; on another rank it takes them too (nothing piles up) and writes nothing."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    t, _ = _trainer(log_dir=str(tmp_path / "log"))
+    t.main, t.storage = True, EventStorage()
+    hook = TensorboardHook()
+    hook.trainer = t
+    t.storage.put_scalar("step1/mAP", 0.5, 0)
+    hook.before_train()
+    for it in (1, 2):
+        t.storage.put_scalar("step1/loss_total", 3.0 / it, it)
+        t.storage.put_scalar("step1/lr", 1e-3 * it, it)
+        hook.after_iteration({})
+    t.storage.put_scalar("step1/mAP", 0.75, 1)
+    hook.after_epoch(0, {"train": {}})
+    hook.after_train()
+    assert t.storage.take_unwritten() == []
+    acc = EventAccumulator(str(tmp_path / "log"))
+    acc.Reload()
+    read = {tag: [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert read == {"step1/mAP": [(0, 0.5), (1, 0.75)], "step1/loss_total": [(1, 3.0), (2, 1.5)],
+                    "step1/lr": [(1, 0.001), (2, 0.002)]}
+    other, _ = _trainer(log_dir=str(tmp_path / "log-rank1"))
+    other.main, other.storage = False, EventStorage()
+    h1 = TensorboardHook()
+    h1.trainer = other
+    other.storage.put_scalar("step1/lr", 1e-3, 1)
+    h1.after_iteration({})
+    assert other.storage.take_unwritten() == [] and h1.writer is None and not (tmp_path / "log-rank1").exists()
 
 
 @pytest.mark.parametrize("epoch,best_epoch,stops", [(4, 2, True), (3, 2, False), (9, 2, False), (2, None, True)])
