@@ -84,9 +84,12 @@ class ModelEMA:
         """Copy layer switches (quantization on/off, caps mode) from the trained model."""
         for a, b in zip(self.module.modules(), model.modules()):
             for attr in ("quant_weight", "use_cap", "quant_act", "integer", "calibrating", "exact_eval", "q_weights",
-                         "q_integer", "qmode"):
+                         "q_integer"):
                 if hasattr(b, attr):
                     setattr(a, attr, getattr(b, attr))
+            if hasattr(b, "fake_quant_enabled") and hasattr(a, "enable_fake_quant"):   # intq's fake quantizers
+                a.enable_fake_quant(bool(b.fake_quant_enabled))
+                a.enable_observer(bool(b.observer_enabled))
 
     def state_dict(self) -> Dict[str, object]:
         """The averaged weights (on CPU), ``updates``, ``decay`` and ``ramp``, for the checkpoint."""

@@ -13,7 +13,8 @@ Two passes over the training data, the weights fake-quantized and the activation
      outward), ``p`` = ``percentile``;
    * "minmax": ``[min, max]``.
 
-Every range then holds 0 (``lo <= 0 <= hi``). The bin of a value depends on that value alone and the
+Every range then holds 0 (``min_val <= 0 <= max_val``). Each pass attaches one observer per quantizer
+(:class:`MinMaxObserver`, :class:`HistogramObserver`: ``forward`` / ``calculate_qparams``, torch.ao's names). The bin of a value depends on that value alone and the
 counts are integers, so N processes find the ranges one process finds, bit for bit.
 """
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch.nn as nn
 
 from gnetmdk.dist.comm import all_reduce
 from gnetmdk.dist.virtual import forward_batch
-from .fake import ACT_QMAX, round_half_up
+from .fake import ACT_QMAX, act_qparams, round_half_up
 
-__all__ = ["METHODS", "RANGE_HIST_BINS", "RANGE_SHRINK_RATIOS", "calibrate_ranges", "range_from_histogram"]
+__all__ = ["METHODS", "RANGE_HIST_BINS", "RANGE_SHRINK_RATIOS", "HistogramObserver", "MinMaxObserver",
+           "calibrate_ranges", "range_from_histogram"]
 
 METHODS = ("mse", "percentile", "minmax")
 #: bins of each quantization point's histogram (GNetDet's caps use gnetmdk.engine.calibration.CAP_HIST_BINS)
@@ -83,10 +85,11 @@ def range_from_histogram(counts: torch.Tensor, lo: float, hi: float, method: str
 def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[], Iterable[torch.Tensor]],
                      method: str = "mse", percentile: float = 99.99, device: Optional[torch.device] = None,
                      progress: Callable = lambda it, desc: it) -> Dict[str, Tuple[float, float]]:
-    """Measure every quantizer's range over ``batches`` and set it (``lo``, ``hi`` buffers).
+    """Measure every quantizer's range over ``batches`` and set it (``min_val``, ``max_val`` buffers).
 
-    The caller sets the model's mode (weights fake-quantized, eval mode); this function switches the
-    quantizers to "observe" for the passes and leaves them "off".
+    The caller sets the model's mode (weights fake-quantized, eval mode); this function attaches an
+    observer to every quantizer and enables it for the passes, and leaves observers and fake
+    quantization disabled.
 
     Args:
         model: called on each batch (its forward must run the quantizers).
@@ -97,7 +100,7 @@ def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[
         progress: wraps each pass's iterable, ``progress(iterable, description)``.
 
     Returns:
-        {key: (lo, hi)} as set (float32 values).
+        {key: (min_val, max_val)} as set (float32 values).
 
     Raises:
         ValueError: unknown method; RuntimeError: a quantizer that saw no value.
@@ -114,14 +117,10 @@ def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[
         for images in progress(batches(), desc):
             forward_batch(model, images.to(device, non_blocking=True).float())
 
-    def min_max(i):
-        def obs(x):
-            mins[i] = torch.minimum(mins[i], x.min().float())
-            maxs[i] = torch.maximum(maxs[i], x.max().float())
-        return obs
-
-    for i, k in enumerate(keys):
-        quant[k].qmode, quant[k].observer = "observe", min_max(i)
+    observers = [MinMaxObserver(mins, maxs, i) for i in range(len(keys))]
+    for k, obs in zip(keys, observers):
+        quant[k].activation_post_process = obs
+        quant[k].enable_observer().disable_fake_quant()
     try:
         run("cal (range)")
         neg = -mins
@@ -131,27 +130,83 @@ def calibrate_ranges(model: nn.Module, quant: nn.ModuleDict, batches: Callable[[
         if bool((maxs < mins).any()):
             raise RuntimeError("calibration saw no activations (empty training set?)")
         counts = torch.zeros((len(keys), RANGE_HIST_BINS), dtype=torch.float64, device=device)
+        observers = [HistogramObserver(counts, i, float(mins[i]), float(maxs[i]), method, percentile)
+                     for i in range(len(keys))]
         if method != "minmax":
-            def hist(i):
-                lo, hi = float(mins[i]), float(maxs[i])
-                scale = RANGE_HIST_BINS / (hi - lo) if hi > lo else 0.0
-
-                def obs(x):
-                    idx = torch.clamp(((x.float() - lo) * scale).floor(), 0, RANGE_HIST_BINS - 1).long().flatten()
-                    counts[i] += torch.bincount(idx, minlength=RANGE_HIST_BINS).double()
-                return obs
-
-            for i, k in enumerate(keys):
-                quant[k].observer = hist(i)
+            for k, obs in zip(keys, observers):
+                quant[k].activation_post_process = obs
             run("cal (histogram)")
             all_reduce(counts, "sum")
     finally:
         for k in keys:
-            quant[k].qmode, quant[k].observer = "off", None
+            quant[k].activation_post_process = None
+            quant[k].disable_observer()
     out: Dict[str, Tuple[float, float]] = {}
-    for i, k in enumerate(keys):
-        lo, hi = range_from_histogram(counts[i].cpu(), float(mins[i]), float(maxs[i]), method, percentile)
-        quant[k].lo.fill_(lo)
-        quant[k].hi.fill_(hi)
-        out[k] = (float(quant[k].lo), float(quant[k].hi))
+    for k, obs in zip(keys, observers):
+        lo, hi = obs.range()
+        quant[k].min_val.fill_(lo)
+        quant[k].max_val.fill_(hi)
+        out[k] = (float(quant[k].min_val), float(quant[k].max_val))
     return out
+
+
+class MinMaxObserver:
+    """The range pass's observer of quantizer ``i``: folds each input's minimum and maximum into
+    ``mins[i]`` / ``maxs[i]`` (float32 rows shared by every quantizer, so that one all-reduce serves
+    them all; min and max are exact in any order).
+
+    Args:
+        mins, maxs: ``(quantizers,)`` float32 tensors on the model's device.
+        i: this quantizer's row.
+    """
+
+    def __init__(self, mins: torch.Tensor, maxs: torch.Tensor, i: int):
+        self.mins, self.maxs, self.i = mins, maxs, int(i)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        """Observe ``x`` (any shape, float)."""
+        i = self.i
+        self.mins[i] = torch.minimum(self.mins[i], x.min().float())
+        self.maxs[i] = torch.maximum(self.maxs[i], x.max().float())
+
+    forward = __call__
+
+    def range(self) -> Tuple[float, float]:
+        """``(min, max)`` observed so far, widened to hold 0."""
+        return min(float(self.mins[self.i]), 0.0), max(float(self.maxs[self.i]), 0.0)
+
+    def calculate_qparams(self) -> Tuple[float, int]:
+        """(scale, zero point) of :meth:`range` (gnetmdk.intq.fake.act_qparams)."""
+        return act_qparams(*self.range())
+
+
+class HistogramObserver:
+    """The histogram pass's observer of quantizer ``i``: counts each input's values into row ``i`` of
+    ``counts`` over ``[lo, hi]`` (:data:`RANGE_HIST_BINS` equal bins, values outside into the end
+    bins); :meth:`range` is :func:`range_from_histogram` of the row with ``method`` / ``percentile``.
+
+    Args:
+        counts: ``(quantizers, RANGE_HIST_BINS)`` float64 (integer counts: exact when all-reduced).
+        i: this quantizer's row; lo, hi: the range pass's minimum and maximum.
+    """
+
+    def __init__(self, counts: torch.Tensor, i: int, lo: float, hi: float, method: str = "mse",
+                 percentile: float = 99.99):
+        self.counts, self.i, self.lo, self.hi = counts, int(i), float(lo), float(hi)
+        self.method, self.percentile = method, float(percentile)
+        self.scale = RANGE_HIST_BINS / (self.hi - self.lo) if self.hi > self.lo else 0.0
+
+    def __call__(self, x: torch.Tensor) -> None:
+        """Observe ``x`` (any shape, float)."""
+        idx = torch.clamp(((x.float() - self.lo) * self.scale).floor(), 0, RANGE_HIST_BINS - 1).long().flatten()
+        self.counts[self.i] += torch.bincount(idx, minlength=RANGE_HIST_BINS).double()
+
+    forward = __call__
+
+    def range(self) -> Tuple[float, float]:
+        """The range the counts ask for (:func:`range_from_histogram`), ``lo' <= 0 <= hi'``."""
+        return range_from_histogram(self.counts[self.i].cpu(), self.lo, self.hi, self.method, self.percentile)
+
+    def calculate_qparams(self) -> Tuple[float, int]:
+        """(scale, zero point) of :meth:`range` (gnetmdk.intq.fake.act_qparams)."""
+        return act_qparams(*self.range())

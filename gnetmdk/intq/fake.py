@@ -104,42 +104,88 @@ def act_qparams(lo: float, hi: float) -> Tuple[float, int]:
 
 
 class ActQuant(nn.Module):
-    """A per-tensor uint8 activation quantizer with its calibrated range.
+    """A per-tensor uint8 fake quantizer of activations, in torch.ao's FakeQuantize vocabulary.
 
-    Buffers ``lo``, ``hi`` (0-d float32; ``lo <= 0 <= hi`` once calibrated; both 0 before). ``qmode``:
-    "off" (identity), "observe" (identity; each input is passed to ``observer``), "fake" (quantize
-    and dequantize: ``s (clamp(floor(x / s + 1/2) + z, 0, 255) - z)``, gradient 1 where the input
-    lies inside ``[s (0 - z), s (255 - z)]`` and 0 outside).
+    State (buffers, so that they move with the model and DistributedDataParallel broadcasts them from
+    rank 0 with the other buffers):
+
+    * ``min_val``, ``max_val``: the calibrated range (0-d float32; ``min_val <= 0 <= max_val`` once
+      calibrated, both 0 before); saved in checkpoints. Checkpoints that name them ``lo`` / ``hi``
+      (earlier versions) load too.
+    * ``fake_quant_enabled``, ``observer_enabled``: 0-d uint8 switches, 0 by default; not saved (the
+      stage sets them: ``PPYOLO.set_quant_mode``). Set them with the ``enable_*`` / ``disable_*``
+      methods: these also keep a host copy that the forward reads, so that no forward waits for the
+      device to read a switch.
+
+    ``activation_post_process``: the observer the calibration attaches (an object with
+    ``forward(x)`` / ``__call__(x)`` that records ``x``, and ``calculate_qparams()``), or None. With
+    ``observer_enabled`` each input is passed to it (detached). With ``fake_quant_enabled`` the input
+    is quantized and dequantized with :meth:`calculate_qparams`: ``s (clamp(floor(x / s + 1/2) + z, 0,
+    255) - z)``, gradient 1 where the input lies inside ``[s (0 - z), s (255 - z)]`` and 0 outside
+    (straight-through estimator); else it passes unchanged.
 
     Input and output: any shape, float32 (computed in float32 also under autocast).
     """
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("lo", torch.zeros((), dtype=torch.float32))
-        self.register_buffer("hi", torch.zeros((), dtype=torch.float32))
-        self.qmode = "off"
-        self.observer = None
+        self.register_buffer("min_val", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("max_val", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("fake_quant_enabled", torch.zeros((), dtype=torch.uint8), persistent=False)
+        self.register_buffer("observer_enabled", torch.zeros((), dtype=torch.uint8), persistent=False)
+        self.activation_post_process = None
+        self._switches = {"fake_quant": False, "observer": False}     # host copies of the two buffers
+
+    def enable_fake_quant(self, enabled: bool = True) -> "ActQuant":
+        """Switch fake quantization on (or off with ``enabled=False``); returns self."""
+        self.fake_quant_enabled.fill_(1 if enabled else 0)
+        self._switches["fake_quant"] = bool(enabled)
+        return self
+
+    def disable_fake_quant(self) -> "ActQuant":
+        """Switch fake quantization off (the input passes unchanged); returns self."""
+        return self.enable_fake_quant(False)
+
+    def enable_observer(self, enabled: bool = True) -> "ActQuant":
+        """Pass every input to ``activation_post_process`` (or stop with ``enabled=False``); returns self."""
+        self.observer_enabled.fill_(1 if enabled else 0)
+        self._switches["observer"] = bool(enabled)
+        return self
+
+    def disable_observer(self) -> "ActQuant":
+        """Stop passing inputs to the observer; returns self."""
+        return self.enable_observer(False)
 
     @property
     def calibrated(self) -> bool:
-        """Whether calibration has set a non-empty range (``hi > lo``)."""
-        return bool(self.hi > self.lo)
+        """Whether calibration has set a non-empty range (``max_val > min_val``)."""
+        return bool(self.max_val > self.min_val)
+
+    def calculate_qparams(self) -> Tuple[float, int]:
+        """(scale, zero point) of the current range (:func:`act_qparams`)."""
+        return act_qparams(float(self.min_val), float(self.max_val))
 
     def qparams(self) -> Tuple[float, int]:
-        """(scale, zero point) of the current range (:func:`act_qparams`)."""
-        return act_qparams(float(self.lo), float(self.hi))
+        """The same as :meth:`calculate_qparams` (the integer program's name for it)."""
+        return self.calculate_qparams()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # checkpoints of earlier versions name the range lo / hi
+        for old, new in (("lo", "min_val"), ("hi", "max_val")):
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply ``qmode``: pass ``x`` through ("off"), feed it to the observer and pass it through
-        ("observe"), or fake-quantize it with the calibrated (scale, zero point) ("fake"); same shape and dtype."""
-        if self.qmode == "observe":
-            if self.observer is not None:
-                self.observer(x.detach())
+        """Observe ``x`` (with ``observer_enabled``) and fake-quantize it (with ``fake_quant_enabled``);
+        same shape and dtype."""
+        if self._switches["observer"] and self.activation_post_process is not None:
+            self.activation_post_process(x.detach())
+        if not self._switches["fake_quant"]:
             return x
-        if self.qmode != "fake":
-            return x
-        s, z = self.qparams()
+        s, z = self.calculate_qparams()
         with torch.autocast(x.device.type, enabled=False):
             xf = x.float()
             q = torch.clamp(round_half_up(xf / s) + z, 0, ACT_QMAX)
@@ -148,5 +194,6 @@ class ActQuant(nn.Module):
             return (inside + (y - inside).detach()).to(x.dtype)
 
     def extra_repr(self) -> str:
-        """``qmode`` and the calibrated range ``lo``, ``hi``."""
-        return f"qmode={self.qmode}, lo={float(self.lo):.4g}, hi={float(self.hi):.4g}"
+        """The switches and the calibrated range."""
+        return (f"fake_quant_enabled={int(self.fake_quant_enabled)}, observer_enabled={int(self.observer_enabled)}, "
+                f"min_val={float(self.min_val):.4g}, max_val={float(self.max_val):.4g}")

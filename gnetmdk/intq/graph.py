@@ -116,7 +116,7 @@ def run_graph(model: nn.Module, nodes: Sequence[Node], image: torch.Tensor, quan
         model: the module whose submodules the nodes name.
         nodes: the graph, in execution order.
         image: ``(N, 3, H, W)`` float pixels 0..255.
-        quant: the quantizers (each one's ``qmode`` decides: off, observe, fake).
+        quant: the quantizers (each one's ``observer_enabled`` / ``fake_quant_enabled`` decide).
         weight_bits: fake-quantize conv weights to this many bits (per output channel), or None.
         weight_scale: "max" or "mse" (gnetmdk.intq.fake.weight_scales).
         normalize: ``image -> x`` of the input node (the model's normalisation).

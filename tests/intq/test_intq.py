@@ -71,11 +71,11 @@ def test_weight_scales_and_codes_device_cpu():
 
 def test_act_quant_codes_and_clipped_straight_through_device_cpu():
     q = ActQuant()
-    q.lo.fill_(-1.0)
-    q.hi.fill_(3.0)
+    q.min_val.fill_(-1.0)
+    q.max_val.fill_(3.0)
     s, z = q.qparams()
     assert s == pytest.approx(4 / 255) and z == 64 and act_qparams(0.0, 0.0) == (1.0, 0)
-    q.qmode = "fake"
+    q.enable_fake_quant()
     x = torch.tensor([-2.0, -1.0, 0.0, 0.5, 2.9, 5.0], requires_grad=True)
     y = q(x)
     codes = torch.round(y / s + z)
@@ -84,6 +84,49 @@ def test_act_quant_codes_and_clipped_straight_through_device_cpu():
     assert y[2] == 0.0                                             # zero is exact
     y.sum().backward()
     assert torch.equal(x.grad, torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 0.0]))
+
+
+def test_act_quant_switches_observers_and_checkpoint_names_device_cpu():
+    """torch.ao's contract: the switches are buffers (moved and broadcast with the model, not saved),
+    set with enable_/disable_; an enabled observer sees each input and leaves it unchanged; a state
+    dict that names the range lo / hi (earlier checkpoints) loads into min_val / max_val."""
+    import copy
+    from gnetmdk.intq.calibrate import HistogramObserver, MinMaxObserver
+    q = ActQuant()
+    assert set(q.state_dict()) == {"min_val", "max_val"}
+    assert {n for n, _ in q.named_buffers()} == {"min_val", "max_val", "fake_quant_enabled", "observer_enabled"}
+    x = torch.tensor([-0.5, 0.25, 2.0])
+    assert torch.equal(q(x), x)                                    # both off: identity
+    mins, maxs = torch.full((2,), 9.0), torch.full((2,), -9.0)
+    q.activation_post_process = MinMaxObserver(mins, maxs, 1)
+    assert q.enable_observer() is q and int(q.observer_enabled) == 1
+    assert torch.equal(q(x), x) and (float(mins[1]), float(maxs[1])) == (-0.5, 2.0) and float(mins[0]) == 9.0
+    assert q.activation_post_process.calculate_qparams() == act_qparams(-0.5, 2.0)
+    q.disable_observer()
+    q(torch.tensor([50.0]))
+    assert float(maxs[1]) == 2.0                                   # not observed once disabled
+    q.load_state_dict({"lo": torch.tensor(-0.5), "hi": torch.tensor(2.0)})
+    assert q.calculate_qparams() == act_qparams(-0.5, 2.0) and q.calibrated
+    q.enable_fake_quant()
+    y = q(x)
+    s, z = q.calculate_qparams()
+    assert torch.equal(y, (torch.clamp(torch.floor(x / s + 0.5) + z, 0, 255) - z) * s)
+    twin = copy.deepcopy(q)                                        # the EMA's copy keeps the switches
+    assert torch.equal(twin(x), y) and int(twin.fake_quant_enabled) == 1
+    q.disable_fake_quant()
+    assert torch.equal(q(x), x) and torch.equal(twin(x), y)
+    counts = torch.zeros((1, 2048), dtype=torch.float64)
+    h = HistogramObserver(counts, 0, -1.0, 3.0, "minmax")
+    h(torch.tensor([-1.0, 0.0, 3.0, 7.0]))
+    assert float(counts.sum()) == 4 and float(counts[0, 0]) == 1 and float(counts[0, -1]) == 2
+    assert h.range() == (-1.0, 3.0) and h.calculate_qparams() == act_qparams(-1.0, 3.0)
+    from gnetmdk.engine.ema import ModelEMA
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1), ActQuant())
+    ema = ModelEMA(net, 0.9, 1.0)
+    net[1].enable_fake_quant()
+    ema.sync_switches(net)                                         # the stage's switches reach the average
+    assert int(ema.module[1].fake_quant_enabled) == 1 and int(ema.module[1].observer_enabled) == 0
+    assert ema.module[1].fake_quant_enabled is not net[1].fake_quant_enabled
 
 
 def test_range_from_histogram_device_cpu():
@@ -181,8 +224,8 @@ def test_uncalibrated_program_and_unsupported_models_are_refused_device_cpu():
     with pytest.raises(ValueError, match="bits"):
         _model().prepare_quant(9, "max")
     m.set_quant_mode(True, "fake", True)
-    m.quant["input"].lo.fill_(-3.0)
-    m.quant["input"].hi.fill_(3.0)
+    m.quant["input"].min_val.fill_(-3.0)
+    m.quant["input"].max_val.fill_(3.0)
     with pytest.raises(ProgramError, match="backbone_stem_0"):
         m(_images())
 

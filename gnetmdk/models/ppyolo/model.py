@@ -223,9 +223,12 @@ class PPYOLO(nn.Module):
         """
         if self.qgraph is None:
             raise RuntimeError("PPYOLO.set_quant_mode before prepare_quant (the float model has no quantizers)")
+        if acts not in ("off", "observe", "fake"):
+            raise ValueError(f"acts must be 'off', 'observe' or 'fake', got {acts!r}")
         self.q_weights, self.q_integer = bool(weights), bool(integer)
         for q in self.quant.values():
-            q.qmode = acts
+            q.enable_observer(acts == "observe")
+            q.enable_fake_quant(acts == "fake")
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """``(x / 255 - mean) / std`` (float32): the model's input normalisation."""
