@@ -99,6 +99,13 @@ class DetectorFamily:
         has no such notion."""
         return []
 
+    def prepare_stage(self, model: nn.Module, stage, calibrating: bool = False) -> None:
+        """Set the switches of ``model``'s quantizers for ``stage`` (a gnetmdk.models.stages.Stage: its
+        ``quant_weight``, ``use_cap``, ``quant_act``, ``integer`` columns), keeping its train / eval
+        mode. ``calibrating``: the cal stage's measuring pass. By default a family without quantizers
+        (float stages only): nothing to set."""
+        model.train(model.training)
+
     def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
         """The stage's entry edits on a model loaded from an earlier stage's checkpoint (not on
         resume): by default the stage table's hooks (gnetmdk.models.stages: BatchNorm folding, the

@@ -99,30 +99,17 @@ def get_stage(cfg) -> Stage:
 
 
 def apply_stage(model, stage: Stage, calibrating: bool = False) -> None:
-    """Set every layer switch of ``model`` for ``stage``.
+    """Set every layer switch of ``model`` for ``stage``: its family does it
+    (``DetectorFamily.prepare_stage``, the family named by ``model.meta()["name"]``).
 
-    ``calibrating`` puts the ReLUs in measuring mode (cal pass); afterwards call again with False and
-    the step-3 switches (see Trainer.calibrate).
+    ``calibrating`` puts the chip's ReLUs in measuring mode (cal pass); afterwards call again with False
+    and the step-3 switches (see Trainer.calibrate).
+
+    Raises:
+        ConfigError: the model's family is not registered.
     """
-    if getattr(model, "qgraph", None) is not None:     # a gnetmdk.intq model (PP-YOLO from step 2)
-        # calibration observes through gnetmdk.intq.calibrate, which switches the quantizers itself
-        model.set_quant_mode(stage.quant_weight, "fake" if stage.quant_act else "off", stage.integer)
-        model.train(model.training)
-        return
-    if not hasattr(model, "convs"):      # a family without the chip's quantized layers (float stages only)
-        model.train(model.training)
-        return
-    for conv in model.convs():
-        conv.quant_weight = stage.quant_weight
-    for relu in model.relus():
-        relu.calibrating = calibrating
-        relu.use_cap = stage.use_cap
-        relu.quant_act = stage.quant_act
-        relu.integer = stage.integer
-    model.exact_eval = stage.integer
-    if hasattr(model, "set_gains"):
-        model.set_gains()         # no conv keeps a previous stage's gain until the next forward
-    model.train(model.training)
+    from gnetmdk.config.registry import get_family
+    get_family(model.meta()["name"]).prepare_stage(model, stage, calibrating)
 
 
 def source_path(cfg, stage: Stage) -> Optional[str]:

@@ -198,3 +198,33 @@ def test_weights_quantized_per_conv_on_a_cpu_by_default(monkeypatch):
     m.batch_weight_quant = True
     m(torch.zeros(1, 3, 224, 224))
     assert calls == [len(m.convs())]
+
+
+def test_a_stage_is_set_by_the_models_family_device_cpu(monkeypatch):
+    """apply_stage hands the model to its family's prepare_stage (named by the model's meta), which sets
+    the chip's switches for GNetDet; PP-YOLO's float model and a family without quantizers keep their
+    mode and nothing else."""
+    from gnetmdk.config.registry import get_family
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.models.base import DetectorFamily
+    from gnetmdk.models.gnetdet.model import GNetDet
+    from gnetmdk.models.ppyolo.model import ppyolo_r18vd
+    m = GNetDet(image_size=224, num_classes=2, width_mult=0.25)
+    seen = []
+    fam = type(get_family("gnetdet"))
+    real = fam.prepare_stage
+    monkeypatch.setattr(fam, "prepare_stage", lambda self, model, stage, calibrating=False:
+                        (seen.append((model, stage.name, calibrating)), real(self, model, stage, calibrating)))
+    apply_stage(m, STAGES["cal"], calibrating=True)
+    assert seen == [(m, "cal", True)]
+    assert all(c.quant_weight for c in m.convs()) and all(r.calibrating and not r.quant_act for r in m.relus())
+    m.eval()
+    apply_stage(m, STAGES["step4"])
+    assert not m.training and m.exact_eval and all(r.integer and r.use_cap and not r.calibrating for r in m.relus())
+    p = ppyolo_r18vd(num_classes=2)
+    p.eval()
+    apply_stage(p, STAGES["step3"])                    # the float model: no quantizers yet
+    assert p.qgraph is None and not p.training
+    plain = torch.nn.Linear(2, 2).train()
+    DetectorFamily.prepare_stage(None, plain, STAGES["step3"])
+    assert plain.training

@@ -115,6 +115,21 @@ class GNetDetFamily(DetectorFamily):
         except Exception:
             return None
 
+    def prepare_stage(self, model: nn.Module, stage, calibrating: bool = False) -> None:
+        """The chip's switches: every QConv2d's ``quant_weight``, every QReLU's ``calibrating``,
+        ``use_cap``, ``quant_act`` and ``integer``, the model's exact step-4 evaluation; the convs'
+        gains are set again (``GNetDet.set_gains``) so that none keeps a previous stage's."""
+        for conv in model.convs():
+            conv.quant_weight = stage.quant_weight
+        for relu in model.relus():
+            relu.calibrating = calibrating
+            relu.use_cap = stage.use_cap
+            relu.quant_act = stage.quant_act
+            relu.integer = stage.integer
+        model.exact_eval = stage.integer
+        model.set_gains()         # no conv keeps a previous stage's gain until the next forward
+        model.train(model.training)
+
     def configure(self, model: nn.Module, cfg) -> List[str]:
         """The chip-memory note (gnetmdk.models.gnetdet.config.gnetdet_memory_note) when the model lies in
         the band docs/chip.md leaves open, else nothing."""

@@ -98,6 +98,15 @@ class PPYOLOFamily(DetectorFamily):
             return ["deterministic mode: DropBlock off (the identity)"]
         return []
 
+    def prepare_stage(self, model: nn.Module, stage, calibrating: bool = False) -> None:
+        """From step 2 (a model with its quantizers, ``qgraph``): weights fake-quantized per the stage,
+        activations fake-quantized in steps 3 and 4, the integer program in step 4's evaluation
+        (``PPYOLO.set_quant_mode``); calibration enables the observers itself
+        (gnetmdk.intq.calibrate). The float model (step 1) has no switches."""
+        if model.qgraph is not None:
+            model.set_quant_mode(stage.quant_weight, "fake" if stage.quant_act else "off", stage.integer)
+        model.train(model.training)
+
     def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
         """Step 2 and later from a float checkpoint: fold BatchNorm and add the quantizers
         (PPYOLO.prepare_quant with ``ppyolo.weight_bits`` / ``weight_scale``); step 3 and 4 need
