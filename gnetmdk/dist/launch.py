@@ -461,10 +461,12 @@ def _elastic_config(spec: DistSpec, url: str, log_dir: str):
 def _run_elastic(fn: Callable, spec: DistSpec, url: str, args: tuple, user_errors: tuple) -> None:
     """Run ``_worker(fn, ...)`` in ``spec.gpus`` processes under the elastic agent and turn what can end
     it into this module's errors: a worker's failure -> :class:`WorkerFailed`; a rendezvous that times
-    out or cannot connect -> :class:`LaunchError`; SIGINT -> KeyboardInterrupt and SIGTERM (or another
+    out or cannot connect (torch's DistError, the agent's RendezvousError, an OSError) -> :class:`LaunchError`
+    (any other exception is a defect and keeps its traceback); SIGINT -> KeyboardInterrupt and SIGTERM (or another
     signal) -> SystemExit(128 + signal), after every worker was stopped."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
     tmp = tempfile.mkdtemp(prefix="gnetmdk-launch-")
     err_dir = os.path.join(tmp, "errors")
@@ -486,7 +488,7 @@ def _run_elastic(fn: Callable, spec: DistSpec, url: str, args: tuple, user_error
         raise SystemExit(128 + int(exc.sigval)) from None
     except (LaunchError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as exc:  # the rendezvous: peers that never join, machine 0 gone, ...
+    except (dist.DistError, RendezvousError, OSError) as exc:   # peers that never join, machine 0 gone, ...
         raise _join_error(exc, url, spec.total, spec.machine_rank, spec.timeout) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
