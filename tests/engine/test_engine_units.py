@@ -147,7 +147,7 @@ def test_curves_hook_owns_its_history_device_cpu():
     assert other.state_dict() == {"curves": []}
 
 
-def test_event_storage_keeps_the_latest_and_hands_out_each_event_once():
+def test_event_storage_keeps_the_latest_and_hands_out_each_event_once_device_cpu():
     """put_scalar converts to (str, float, int); latest gives the last per name; take_unwritten gives
     the events since the last call, oldest first, once; past max_unwritten the oldest are dropped."""
     st = EventStorage(max_unwritten=3)
