@@ -56,6 +56,8 @@ STEP_TIME_GPU = {
 }
 STEP_TIME_CPU = {"cards": ["--config", "examples/cards.py", "--device", "cpu", "--trainer", "--iters", "4",
                            "--rounds", "2", "num_workers", "0"]}
+#: what the timed parts need first: the cards dataset's annotation files (README: run tools/xml_2_txt.py)
+PREPARE = [PY, "tools/xml_2_txt.py", "--config", "examples/cards.py"]
 #: the pipeline's settings on a GPU machine beside the cards config's (which are a 2-core CPU's)
 PIPELINE_GPU = ["num_workers", "6", "threads", "4"]
 RATIO_GOALS = {  # printed label in bench_step_time -> (name, comparison, goal)
@@ -228,11 +230,23 @@ class Check:
             return [[PY, "benchmarks/bench_memory.py", "--gpu-only"]]
         if part == "pipeline":
             ck = os.path.join(os.path.abspath(a.out), "pipeline")
-            return [[PY, "tools/xml_2_txt.py", "--config", "examples/cards.py"],   # the meta files, as a user would
+            return [PREPARE,                                                 # the meta files, as a user would
                     [PY, "tools/run_pipeline.py", "--config", "examples/cards.py", "device", "cuda", *PIPELINE_GPU,
                      "checkpoint_root", os.path.join(ck, "checkpoint"), "log_root", os.path.join(ck, "log"),
                      "model_root", os.path.join(ck, "model")]]
         raise ValueError(part)
+
+    def prepare(self) -> bool:
+        """Make the cards dataset's annotation files (:data:`PREPARE`), which bench_step_time reads as
+        training does, before the timed parts; the pipeline part makes them again inside its timing, as
+        a user would. Returns whether it succeeded; a failure is printed (step_time then fails on its
+        own one-line message)."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        r = subprocess.run(PREPARE, cwd=ROOT, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"[gpu_check] {' '.join(PREPARE[1:])} failed (exit {r.returncode}):\n"
+                  + (r.stdout + r.stderr)[-2000:], flush=True)
+        return r.returncode == 0
 
     def step_time_runs(self) -> Dict[str, List[str]]:
         """bench_step_time's runs, {label: arguments}: two settings on a GPU, a short one on a CPU."""
@@ -393,6 +407,8 @@ def main(argv=None) -> int:
         os.replace(path + ".tmp", path)
 
     todo = [x for x in PARTS if x in parts]
+    if "step_time" in todo and not check.skipped_without_gpu("step_time"):
+        check.prepare()
     for part in todo:
         if part in check.results:
             continue

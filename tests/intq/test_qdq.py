@@ -122,16 +122,20 @@ def test_runtime_layers_equal_float_requant_step4_device_cpu(bits, weights, seed
 def test_fixed_requant_differs_from_the_runtime_by_its_rounding_device_cpu():
     """Step 4's default fixed-point requantization rounds ties up and uses a 31-bit multiplier, the
     runtime rounds ties to even with a float32 one: a fused conv given equal inputs then differs by at
-    most one code, and ``requant float`` removes those differences."""
+    most one code, and ``requant float`` removes those differences. What stays, given equal inputs, is
+    one code on the ops the runtime computes in float32 (leaky-ReLU convs, adds, concatenations; module
+    docstring). No share of equal codes over the whole graph is asserted: a one-code difference early
+    on reaches every later layer, and where it falls depends on the calibrated scales, which follow the
+    float model's summation order (kernels, threads)."""
     x = _images(2, 96, seed=5)
     _, fixed = _program(8, 0, "fixed")
     own, _ = _layer_by_layer(fixed, x, "uint8")
     assert any(op == "conv" and act != "leaky" for _, op, act, _ in own), own   # the rounding shows
     assert all(d == 1 for *_, d in own), own
     _, flt = _program(8, 0, "float")
-    own_f, share = _layer_by_layer(flt, x, "uint8")
-    assert not [o for o in own_f if o[1] == "conv" and o[2] != "leaky"]
-    assert share >= 0.999
+    own_f, _ = _layer_by_layer(flt, x, "uint8")
+    assert not [o for o in own_f if o[1] == "conv" and o[2] != "leaky"], own_f
+    assert all(d == 1 and (op != "conv" or act == "leaky") for _, op, act, d in own_f), own_f
 
 
 def test_float_requant_program_equals_its_integer_export_device_cpu():

@@ -141,7 +141,7 @@ def _step(model, x, batched):
     for r in model.relus():         # the caps are buffers: zero_grad does not reach them
         r.cap.grad = None
     y = model(x)
-    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)).sum().backward()
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     caps = [None if r.cap.grad is None else r.cap.grad.clone() for r in model.relus()]
     return y.detach(), grads, caps

@@ -389,7 +389,7 @@ class GNetDet(nn.Module):
         one_pass = self.batch_weight_quant
         if one_pass is None:
             one_pass = x.device.type != "cpu"
-        batched = one_pass and any(c.quant_weight for c in convs)
+        batched = one_pass and any(getattr(c, "quant_weight", False) for c in convs)  # a plain Conv2d (the torch.ao peer) has none
         if batched:     # every conv's quantized weights in one pass (bit-equal to each conv's own)
             for conv, params in zip(convs, quantize_convs(convs)):
                 conv.batched_params = params
