@@ -83,13 +83,14 @@ class ModelEMA:
     def sync_switches(self, model: torch.nn.Module) -> None:
         """Copy layer switches (quantization on/off, caps mode) from the trained model."""
         for a, b in zip(self.module.modules(), model.modules()):
-            for attr in ("quant_weight", "use_cap", "quant_act", "integer", "calibrating", "exact_eval", "q_weights",
-                         "q_integer"):
+            # fake quantizers of both families (QConv2d, QReLU, intq's ActQuant), through their methods
+            if hasattr(b, "enable_fake_quant") and hasattr(a, "enable_fake_quant"):
+                a.enable_fake_quant(bool(b.fake_quant_enabled))
+            if hasattr(b, "enable_observer") and hasattr(a, "enable_observer"):
+                a.enable_observer(bool(b.observer_enabled))
+            for attr in ("integer", "exact_eval", "q_weights", "q_integer"):
                 if hasattr(b, attr):
                     setattr(a, attr, getattr(b, attr))
-            if hasattr(b, "fake_quant_enabled") and hasattr(a, "enable_fake_quant"):   # intq's fake quantizers
-                a.enable_fake_quant(bool(b.fake_quant_enabled))
-                a.enable_observer(bool(b.observer_enabled))
 
     def state_dict(self) -> Dict[str, object]:
         """The averaged weights (on CPU), ``updates``, ``decay`` and ``ramp``, for the checkpoint."""

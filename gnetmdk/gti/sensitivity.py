@@ -112,9 +112,10 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
 
     def nothing_quantized():
         for c in convs:
-            c.quant_weight = False
+            c.disable_fake_quant()
         for r in relus:
-            r.use_cap = r.quant_act = r.integer = r.calibrating = False
+            r.disable_fake_quant().disable_observer()
+            r.integer = False
         model.exact_eval = False
         model.set_gains()
 
@@ -133,9 +134,9 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
     majors = [s.major for s in specs]
     weights = []
     for i in progress(list(range(len(convs))), "weights per sublayer"):
-        convs[i].quant_weight = True
+        convs[i].enable_fake_quant()
         weights.append(run())
-        convs[i].quant_weight = False
+        convs[i].disable_fake_quant()
     schemes: Dict[int, Dict[int, Tuple[float, float]]] = {}
     spec = get_chip_spec(chip)
     cases = [(m, s) for m in sorted(set(majors)) for s in sorted(spec.schemes)]
@@ -145,11 +146,11 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
         bw, bb = register_bits(chip, scheme)
         for i in idx:
             convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits = scheme, bw, bb
-            convs[i].quant_weight = True
+            convs[i].enable_fake_quant()
         schemes.setdefault(m, {})[scheme] = run()
         for i, (s0, w0, b0) in zip(idx, saved):
             convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits = s0, w0, b0
-            convs[i].quant_weight = False
+            convs[i].disable_fake_quant()
     acts = []
     if caps is not None:
         if len(caps) != len(relus):
@@ -157,9 +158,9 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
         for r, c in zip(relus, caps):
             r.cap.fill_(float(c))
         for i in progress(list(range(len(relus))), "activations per layer"):
-            relus[i].use_cap = relus[i].quant_act = True
+            relus[i].enable_fake_quant()
             acts.append(run())
-            relus[i].use_cap = relus[i].quant_act = False
+            relus[i].disable_fake_quant()
     outputs: Dict[str, Tuple[float, float]] = {}
     if caps is not None:
         for name, chans in progress(list(output_group_channels(model.num_classes).items()), "output groups"):

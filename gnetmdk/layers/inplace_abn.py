@@ -521,8 +521,8 @@ class _ReluAfterABN:
 
     def __call__(self, relu, inputs, output):
         bn = self.sublayer.bn
-        if (isinstance(bn, BatchNormAct2d) and bn.activation == "relu" and not relu.use_cap
-                and not relu.quant_act and not relu.calibrating and not relu.revive):
+        if (isinstance(bn, BatchNormAct2d) and bn.activation == "relu" and not relu.fake_quant_enabled
+                and not relu.observer_enabled and not relu.revive):
             return inputs[0]
         return None
 

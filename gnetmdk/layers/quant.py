@@ -1,7 +1,11 @@
 """Quantized conv and capped-ReLU layers whose quantizers switch on per step.
 
-Both layers keep their state (scheme, cap) as attributes/buffers and expose switches that the stage
-table (gnetmdk.engine.stages) sets; the math itself is in gnetmdk.gti.quantize.
+Both layers keep their state (scheme, cap) as attributes/buffers and are fake quantizers in torch.ao's
+terms: ``fake_quant_enabled`` (and, for the ReLU, ``observer_enabled``) with ``enable_*`` / ``disable_*``
+methods, as intq's ActQuant and torch.ao's FakeQuantize have. The family's ``prepare_stage`` sets them
+from the stage table (gnetmdk.models.stages) on every process alike, so they agree across DDP ranks;
+they are host booleans, read in every forward without a device sync. The math itself is in
+gnetmdk.gti.quantize.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ class QConv2d(nn.Conv2d):
         method: "gti" or "mse" per-kernel scale (see gnetmdk.gti.quantize.quantize_weight_value).
 
     Switches:
-        quant_weight: use w_q, b_q (steps 2..4).
+        fake_quant_enabled: compute with the fake-quantized w_q, b_q (steps 2..4; the chip's
+            power-of-two shift and per-kernel scale, gnetmdk.gti.quantize); set with
+            :meth:`enable_fake_quant` / :meth:`disable_fake_quant`.
         gain: None, or (cap_in, cap_out) in step 3 when the model quantizes "gain-aware": the layer
             then computes in the code domain of step 4. The weights and bias are quantized as gain
             editing will leave them, W cap_in / cap_out and b 31 / cap_out (docs/quantization.md,
@@ -52,7 +58,7 @@ class QConv2d(nn.Conv2d):
         self.weight_bits = int(weight_bits)
         self.bias_bits = int(bias_bits)
         self.method = method
-        self.quant_weight = False
+        self.fake_quant_enabled = False
         self.gain: Optional[tuple] = None
         self.gain_tensors: Optional[tuple] = None
         self.exact = False
@@ -68,7 +74,7 @@ class QConv2d(nn.Conv2d):
         gain (d w_q / d W = cap_in / cap_out, d b_q / d b = 31 / cap_out); integer_params ignores the
         gain (it describes the parameters as they are now).
         """
-        if not self.quant_weight:
+        if not self.fake_quant_enabled:
             return self.weight, self.bias, None
         if self.gain is not None:
             cap_in, cap_out = (float(g) for g in self.gain)
@@ -94,7 +100,7 @@ class QConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Convolve with the weights of the current mode (float, or fake-quantized; with ``exact``, in a
         precision equal to the chip's integer accumulation); a quantized layer turns autocast off."""
-        if self.quant_weight and torch.is_autocast_enabled(x.device.type):
+        if self.fake_quant_enabled and torch.is_autocast_enabled(x.device.type):
             # mixed precision: quantized layers always compute in float32, so their codes do not
             # change under amp (docs/training.md); only step-1 float convs run in bf16 / fp16
             with torch.autocast(x.device.type, enabled=False):
@@ -109,6 +115,15 @@ class QConv2d(nn.Conv2d):
                 return F.conv2d(x.float(), w.float(), b.float(), 1, 1)
             return F.conv2d(x.double(), w.double(), b.double(), 1, 1)
         return F.conv2d(x, w, b, 1, 1)
+
+    def enable_fake_quant(self, enabled: bool = True) -> "QConv2d":
+        """Switch the weights' fake quantization on (or off with ``enabled`` False); returns self."""
+        self.fake_quant_enabled = bool(enabled)
+        return self
+
+    def disable_fake_quant(self) -> "QConv2d":
+        """Switch the weights' fake quantization off (float weights); returns self."""
+        return self.enable_fake_quant(False)
 
     @staticmethod
     def float32_exact(w: torch.Tensor, b: torch.Tensor, shift: int, max_code: int = 31) -> bool:
@@ -138,14 +153,15 @@ class QReLU(nn.Module):
     Buffers:
         cap: 0-d float32, the clip value (0 until calibrated; 31 in step 4).
 
-    Switches:
-        use_cap: clip at ``cap`` (steps 3, 4).
-        quant_act: quantize to 5-bit codes (steps 3, 4).
+    Switches (torch.ao's names; set with ``enable_*`` / ``disable_*``):
+        fake_quant_enabled: clip at ``cap`` and round to the 5-bit codes, scale ``cap / 31`` and zero
+            point 0 (:meth:`calculate_qparams`; steps 3, 4), with the straight-through estimator.
+        observer_enabled: the calibration pass: a plain ReLU while observers watch the input
+            (gnetmdk.layers.observers); it overrides ``fake_quant_enabled``.
         integer: step 4, cap = 31: outputs are the integer codes.
         code_domain: gain-aware step 3 (set by GNetDet.set_gains with the convs' gains): the input is
             the pre-activation in codes (QConv2d.gain) and the output is the codes 0..31, as with
             ``integer`` in step 4, while ``cap`` keeps the calibrated value.
-        calibrating: the calibration pass: a plain ReLU while observers watch the input.
 
     Input and output: any shape, float.
     """
@@ -154,24 +170,23 @@ class QReLU(nn.Module):
         super().__init__()
         self.register_buffer("cap", torch.zeros((), dtype=torch.float32))
         self.percentile = float(percentile)
-        self.use_cap = False
-        self.quant_act = False
+        self.fake_quant_enabled = False
+        self.observer_enabled = False
         self.integer = False
         self.code_domain = False
-        self.calibrating = False
         #: output layer only: let gradients revive units stuck outside (0, cap) (capped_relu's ``revive``)
         self.revive = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the ReLU of the current switches: plain while calibrating or without the cap, else the capped
-        (and, with ``quant_act``, 5-bit quantized) ReLU, computed in float32 under autocast.
+        """Apply the ReLU of the current switches: plain while observing or without fake quantization,
+        else the ReLU clipped at the cap and rounded to 5-bit codes, computed in float32 under autocast.
 
         Raises:
-            RuntimeError: the cap is used but is still 0 (no calibration before step 3).
+            RuntimeError: fake quantization is on but the cap is still 0 (no calibration before step 3).
         """
-        if self.calibrating:
+        if self.observer_enabled:
             return F.relu(x)
-        if not self.use_cap:
+        if not self.fake_quant_enabled:
             if self.revive and torch.is_grad_enabled():
                 return Q.capped_relu(x, Q.scalar(float("inf"), x.dtype, x.device), quantize=False, revive=True)
             return F.relu(x)
@@ -183,15 +198,40 @@ class QReLU(nn.Module):
             cap, integer = self.cap, self.integer
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):   # amp: the activation quantizer in float32
-                return Q.capped_relu(x.float(), cap, quantize=self.quant_act, integer=integer,
+                return Q.capped_relu(x.float(), cap, quantize=True, integer=integer,
                                      revive=self.revive and torch.is_grad_enabled())
-        return Q.capped_relu(x, cap, quantize=self.quant_act, integer=integer,
-                             revive=self.revive and torch.is_grad_enabled())
+        return Q.capped_relu(x, cap, quantize=True, integer=integer, revive=self.revive and torch.is_grad_enabled())
+
+    def enable_fake_quant(self, enabled: bool = True) -> "QReLU":
+        """Switch the 5-bit fake quantization on (or off with ``enabled`` False); returns self."""
+        self.fake_quant_enabled = bool(enabled)
+        return self
+
+    def disable_fake_quant(self) -> "QReLU":
+        """Switch the fake quantization off (a plain ReLU); returns self."""
+        return self.enable_fake_quant(False)
+
+    def enable_observer(self, enabled: bool = True) -> "QReLU":
+        """Put the layer in the calibration pass (a plain ReLU while observers watch its input), or
+        out of it with ``enabled`` False; returns self."""
+        self.observer_enabled = bool(enabled)
+        return self
+
+    def disable_observer(self) -> "QReLU":
+        """Leave the calibration pass; returns self."""
+        return self.enable_observer(False)
+
+    def calculate_qparams(self):
+        """(scale, zero_point) of the 5-bit activation codes, as torch.ao's fake quantizers give them:
+        scale = cap / 31 (0-d float32, on the cap's device; 0 before calibration), zero point 0 (0-d
+        int32): a code q stands for q * scale (docs/quantization.md, "Activations")."""
+        return (self.cap.detach() / Q.ACT_MAX).to(torch.float32), torch.zeros((), dtype=torch.int32,
+                                                                              device=self.cap.device)
 
     def extra_repr(self) -> str:
         """The cap and the switches."""
-        return (f"cap={float(self.cap):.4g}, use_cap={self.use_cap}, quant_act={self.quant_act}, integer={self.integer}, "
-                f"code_domain={self.code_domain}")
+        return (f"cap={float(self.cap):.4g}, fake_quant_enabled={self.fake_quant_enabled}, "
+                f"observer_enabled={self.observer_enabled}, integer={self.integer}, code_domain={self.code_domain}")
 
 
 def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
@@ -201,7 +241,7 @@ def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
     convs it has (on an accelerator, kernel launches).
 
     Convs are grouped by (scheme, registers, method, dtype, device, kernel size, bias or not, gain or
-    not); a conv without ``quant_weight`` gets (weight, bias, None) as quantized_params gives it. The
+    not); a conv without ``fake_quant_enabled`` gets (weight, bias, None) as quantized_params gives it. The
     straight-through gradients are the per-conv ones: identity to weight and bias, times the gain where
     there is one (QConv2d.quantized_params). Runs with autocast off, as QConv2d.forward runs them.
 
@@ -211,7 +251,7 @@ def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
     out: List[Optional[tuple]] = [None] * len(convs)
     groups: dict = {}
     for i, c in enumerate(convs):
-        if not c.quant_weight:
+        if not c.fake_quant_enabled:
             out[i] = (c.weight, c.bias, None)
             continue
         key = (c.scheme, c.weight_bits, c.bias_bits, c.method, c.weight.dtype, c.weight.device,

@@ -101,7 +101,7 @@ class DetectorFamily:
 
     def prepare_stage(self, model: nn.Module, stage, calibrating: bool = False) -> None:
         """Set the switches of ``model``'s quantizers for ``stage`` (a gnetmdk.models.stages.Stage: its
-        ``quant_weight``, ``use_cap``, ``quant_act``, ``integer`` columns), keeping its train / eval
+        ``weight_fake_quant``, ``act_fake_quant``, ``integer`` columns), keeping its train / eval
         mode. ``calibrating``: the cal stage's measuring pass. By default a family without quantizers
         (float stages only): nothing to set."""
         model.train(model.training)

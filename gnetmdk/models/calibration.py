@@ -46,7 +46,7 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
                  device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
     """Run the calibration observers over ``batches`` and return the caps they give (floats rounded to
     float32, one per capped ReLU); the model's mode is the caller's (its ReLUs must be plain ReLUs:
-    ``calibrating`` or ``use_cap`` off), nothing is set.
+    ``observer_enabled`` on or ``fake_quant_enabled`` off), nothing is set.
 
     Args:
         model: a model with ``relus()`` (QReLU modules; each one's ``percentile`` is its observer's).

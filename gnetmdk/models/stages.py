@@ -28,7 +28,11 @@ class Stage:
     Attributes:
         name: "step1".."step4" or "cal".
         step: the step number (cal is 2).
-        quant_weight / use_cap / quant_act / integer: layer switches.
+        weight_fake_quant: the conv weights are fake-quantized (steps 2-4).
+        act_fake_quant: the activations are fake-quantized: clipped at the calibrated cap and rounded
+            to 5-bit codes for GNetDet, to uint8 with a scale and zero point for PP-YOLO (steps 3, 4).
+        integer: step 4: the layers output integer codes (GNetDet), the integer program evaluates
+            (PP-YOLO).
         source: (folder step, file) of the default starting checkpoint; None = fresh model.
         source_required: refuse to start without it.
         output_step: checkpoint/step<N> this stage writes into.
@@ -43,9 +47,8 @@ class Stage:
     """
     name: str
     step: int
-    quant_weight: bool
-    use_cap: bool
-    quant_act: bool
+    weight_fake_quant: bool
+    act_fake_quant: bool
     integer: bool
     source: Optional[tuple]
     source_required: bool
@@ -80,15 +83,15 @@ def _gain(model, source_stage: str) -> str:
 
 
 STAGES: Dict[str, Stage] = {
-    "step1": Stage("step1", 1, False, False, False, False, (0, "best.pth"), False, 1,
+    "step1": Stage("step1", 1, False, False, False, (0, "best.pth"), False, 1,
                    fresh_hint="(optional pretrained model)", partial_source=True),
-    "step2": Stage("step2", 2, True, False, False, False, (1, "best.pth"), True, 2, (_fold,),
+    "step2": Stage("step2", 2, True, False, False, (1, "best.pth"), True, 2, (_fold,),
                    "run step 1 first: python3 train.py --step 1"),
-    "cal": Stage("cal", 2, True, False, False, False, (2, "best.pth"), True, 2, (_fold,),
+    "cal": Stage("cal", 2, True, False, False, (2, "best.pth"), True, 2, (_fold,),
                  "run step 2 first: python3 train.py --step 2", calibration=True),
-    "step3": Stage("step3", 3, True, True, True, False, (2, "cal.pth"), True, 3, (_fold, _require_caps),
+    "step3": Stage("step3", 3, True, True, False, (2, "cal.pth"), True, 3, (_fold, _require_caps),
                    "run calibration first: python3 train.py --cal", trainable_caps=True),
-    "step4": Stage("step4", 4, True, True, True, True, (3, "best.pth"), True, 4, (_fold, _gain),
+    "step4": Stage("step4", 4, True, True, True, (3, "best.pth"), True, 4, (_fold, _gain),
                    "run step 3 first: python3 train.py --step 3"),
 }
 

@@ -163,10 +163,11 @@ def test_large_fan_in_exact_where_float32_rounds():
     with torch.no_grad():
         conv.weight.copy_(w.double() / 4096)
         conv.bias.copy_(b.double() / 4096)
-    conv.quant_weight = True
+    conv.enable_fake_quant()
     relu = QReLU()
     relu.cap.fill_(31.0)
-    relu.use_cap = relu.quant_act = relu.integer = True
+    relu.enable_fake_quant()
+    relu.integer = True
     w_int, b_int, shift = conv.integer_params()
     assert shift == 12 and torch.equal(w_int, w) and torch.equal(b_int, b)
     layer = ChipLayer(0, 0, i_ch, o_ch, 12, bw, bb, shift, False, size, w_int.numpy(), b_int.numpy())

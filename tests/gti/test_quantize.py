@@ -663,7 +663,7 @@ def test_calibration_observers_statistics():
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(2, 3, 5, 5, generator=g) * 2 for _ in range(3)]
     r = QReLU()
-    r.calibrating = True
+    r.enable_observer()
     obs = [MaxObserver(), PercentileObserver(99.0)]
     with observe_inputs([r, r], obs):
         for b in batches:

@@ -217,10 +217,10 @@ def test_a_stage_is_set_by_the_models_family_device_cpu(monkeypatch):
                         (seen.append((model, stage.name, calibrating)), real(self, model, stage, calibrating)))
     apply_stage(m, STAGES["cal"], calibrating=True)
     assert seen == [(m, "cal", True)]
-    assert all(c.quant_weight for c in m.convs()) and all(r.calibrating and not r.quant_act for r in m.relus())
+    assert all(c.fake_quant_enabled for c in m.convs()) and all(r.observer_enabled and not r.fake_quant_enabled for r in m.relus())
     m.eval()
     apply_stage(m, STAGES["step4"])
-    assert not m.training and m.exact_eval and all(r.integer and r.use_cap and not r.calibrating for r in m.relus())
+    assert not m.training and m.exact_eval and all(r.integer and r.fake_quant_enabled and not r.observer_enabled for r in m.relus())
     p = ppyolo_r18vd(num_classes=2)
     p.eval()
     apply_stage(p, STAGES["step3"])                    # the float model: no quantizers yet

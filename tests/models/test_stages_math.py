@@ -114,7 +114,7 @@ def calibrated():
     model.eval()
     apply_stage(model, STAGES["cal"], calibrating=True)
     for conv in model.convs():
-        conv.quant_weight = False
+        conv.disable_fake_quant()
     from gnetmdk.engine.calibration import measure_caps
     for relu, c in zip(model.relus(), measure_caps(model, lambda: [_codes_input(1, 20)])):
         relu.cap.fill_(c)
@@ -130,8 +130,8 @@ def _step3_model(calibrated, dtype=torch.float32):
     caps = [float(r.cap) for r in model.relus()]
     apply_stage(model, STAGES["step3"])
     for conv in model.convs():
-        conv.quant_weight = False                           # exact math, no weight rounding
-    assert all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in model.relus())
+        conv.disable_fake_quant()                           # exact math, no weight rounding
+    assert all(r.fake_quant_enabled and not r.integer and not r.observer_enabled for r in model.relus())
     return model, caps
 
 
@@ -151,9 +151,9 @@ def _to_step4(model, caps):
         prev = c
     apply_stage(model, STAGES["step4"])
     for conv in model.convs():
-        conv.quant_weight = False
+        conv.disable_fake_quant()
     model.eval()
-    assert all(r.integer and r.use_cap and r.quant_act for r in model.relus())
+    assert all(r.integer and r.fake_quant_enabled for r in model.relus())
     assert all(conv.exact for conv in model.convs())        # step-4 evaluation runs in float64
 
 
@@ -218,7 +218,7 @@ def _quantized_step3(calibrated, gain_aware):
     model, caps = _step3_model(calibrated)
     model.gain_aware = gain_aware
     for conv in model.convs():
-        conv.quant_weight = True
+        conv.enable_fake_quant()
     return model, caps
 
 

@@ -87,7 +87,7 @@ def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory
     ds.augment = False
     evaluate = tool.make_evaluator(ds, cfg, 16)
     base, _ = evaluate(model)
-    model.convs()[1].quant_weight = True
+    model.convs()[1].enable_fake_quant()
     m1, _ = evaluate(model)
     assert data["base_map"] == pytest.approx(base, abs=1e-12)
     assert data["layers"][1]["weights_map"] == pytest.approx(m1, abs=1e-12)
@@ -96,7 +96,7 @@ def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory
     assert "activations quantized in one layer only" in text and os.path.isfile(os.path.join(plots, "sensitivity.png"))
     # the output groups: each row is the model evaluated with only that group on the output layer's code grid
     from gnetmdk.gti.sensitivity import OUTPUT_GROUPS, output_group_channels, quantize_output_channels
-    model.convs()[1].quant_weight = False
+    model.convs()[1].disable_fake_quant()
     cap = data["output_cap"]
     assert cap == pytest.approx(float(load_checkpoint(os.path.join(root, "ck", "step2", "cal.pth"))["caps"][-1]))
     assert list(data["outputs"]) == list(OUTPUT_GROUPS) and "output layer's 5-bit code grid" in text

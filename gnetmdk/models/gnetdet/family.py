@@ -116,15 +116,16 @@ class GNetDetFamily(DetectorFamily):
             return None
 
     def prepare_stage(self, model: nn.Module, stage, calibrating: bool = False) -> None:
-        """The chip's switches: every QConv2d's ``quant_weight``, every QReLU's ``calibrating``,
-        ``use_cap``, ``quant_act`` and ``integer``, the model's exact step-4 evaluation; the convs'
-        gains are set again (``GNetDet.set_gains``) so that none keeps a previous stage's."""
+        """The chip's switches, in torch.ao's terms: every QConv2d's weight fake quantization
+        (``fake_quant_enabled``), every QReLU's observer (``observer_enabled``, the cal pass) and 5-bit
+        fake quantization (``fake_quant_enabled``) and step 4's ``integer`` codes, the model's exact
+        step-4 evaluation; the convs' gains are set again (``GNetDet.set_gains``) so that none keeps a
+        previous stage's."""
         for conv in model.convs():
-            conv.quant_weight = stage.quant_weight
+            conv.enable_fake_quant(stage.weight_fake_quant)
         for relu in model.relus():
-            relu.calibrating = calibrating
-            relu.use_cap = stage.use_cap
-            relu.quant_act = stage.quant_act
+            relu.enable_observer(calibrating)
+            relu.enable_fake_quant(stage.act_fake_quant)
             relu.integer = stage.integer
         model.exact_eval = stage.integer
         model.set_gains()         # no conv keeps a previous stage's gain until the next forward

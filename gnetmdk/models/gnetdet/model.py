@@ -193,8 +193,8 @@ class Sublayer(ConvBNQReLU):
         return (self.recompute_stem and self.bn is not None and torch.is_grad_enabled()
                 and (x.requires_grad or conv.weight.requires_grad or self.bn.weight is None
                      or self.bn.weight.requires_grad)
-                and not conv.quant_weight and not conv.exact and conv.gain is None
-                and not relu.use_cap and not relu.quant_act and not relu.calibrating and not relu.revive)
+                and not conv.fake_quant_enabled and not conv.exact and conv.gain is None
+                and not relu.fake_quant_enabled and not relu.observer_enabled and not relu.revive)
 
     def forward(self, x):
         """conv -> BatchNorm (if any) -> QReLU -> 2x2 max pool (if ``pool_after``); through the
@@ -344,8 +344,8 @@ class GNetDet(nn.Module):
         the host scale; the forward values do not change.
         Returns whether gains are set."""
         convs, relus = self.convs(), self.relus()
-        on = (self.gain_aware and all(c.quant_weight for c in convs)
-              and all(r.use_cap and r.quant_act and not r.integer and not r.calibrating for r in relus))
+        on = (self.gain_aware and all(c.fake_quant_enabled for c in convs)
+              and all(r.fake_quant_enabled and not r.integer and not r.observer_enabled for r in relus))
         caps = self._cap_values(relus) if on else []
         on = on and all(c > 0 for c in caps)
         learn = on and any(r.cap.requires_grad for r in relus)
@@ -389,7 +389,7 @@ class GNetDet(nn.Module):
         one_pass = self.batch_weight_quant
         if one_pass is None:
             one_pass = x.device.type != "cpu"
-        batched = one_pass and any(getattr(c, "quant_weight", False) for c in convs)  # a plain Conv2d (the torch.ao peer) has none
+        batched = one_pass and any(getattr(c, "fake_quant_enabled", False) for c in convs)  # a plain Conv2d (the torch.ao peer) has none
         if batched:     # every conv's quantized weights in one pass (bit-equal to each conv's own)
             for conv, params in zip(convs, quantize_convs(convs)):
                 conv.batched_params = params

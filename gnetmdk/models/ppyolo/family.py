@@ -104,7 +104,7 @@ class PPYOLOFamily(DetectorFamily):
         (``PPYOLO.set_quant_mode``); calibration enables the observers itself
         (gnetmdk.intq.calibrate). The float model (step 1) has no switches."""
         if model.qgraph is not None:
-            model.set_quant_mode(stage.quant_weight, "fake" if stage.quant_act else "off", stage.integer)
+            model.set_quant_mode(stage.weight_fake_quant, "fake" if stage.act_fake_quant else "off", stage.integer)
         model.train(model.training)
 
     def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
@@ -117,14 +117,14 @@ class PPYOLOFamily(DetectorFamily):
         """
         from gnetmdk.checkpoint.io import CheckpointError
         out = []
-        if not stage.quant_weight:           # the float stage: nothing to prepare
+        if not stage.weight_fake_quant:      # the float stage: nothing to prepare
             return out
         p = cfg.ppyolo
         if model.qgraph is None:
             n = model.prepare_quant(p.weight_bits, p.weight_scale)
             out.append(f"folded {n} BatchNorm layers into their convs; conv weights quantized to {p.weight_bits} bits "
                        f"per output channel ({p.weight_scale} scales), {len(model.quant)} activation quantizers")
-        if stage.quant_act:
+        if stage.act_fake_quant:
             missing = [k for k, q in model.quant.items() if not q.calibrated]
             if missing:
                 raise CheckpointError(f"{stage.name} needs calibrated activation ranges, and {len(missing)} of "
