@@ -656,6 +656,32 @@ def value_histogram(x: torch.Tensor, bins: int, vmax: float) -> torch.Tensor:
     return counts[:bins]
 
 
+def histogram_mse_argmin(counts: torch.Tensor, centres: torch.Tensor, dequantized: torch.Tensor) -> int:
+    """MSE calibration's choice, shared by both targets: the candidate fake quantizer whose output is
+    nearest the histogram's values in squared error.
+
+    err_j = sum_k counts_k (centres_k - dequantized_jk)^2; the smallest wins, the lowest j on a tie.
+    The chip's 5-bit caps (:func:`mse_cap_from_histogram`) and the int8 ranges
+    (gnetmdk.intq.calibrate.range_from_histogram) both call it, each with its own grid of candidates and
+    its own rounding (docs/quantization.md, "Calibration").
+
+    Args:
+        counts: (K,) float64 bin counts.
+        centres: (K,) float64, the value each bin stands for (its centre).
+        dequantized: (J, K) float64, candidate j's fake-quantized (quantized, then dequantized) centres.
+    Returns:
+        j, a Python int.
+    Raises:
+        ValueError: shapes that do not fit (K differs, or ``dequantized`` is not 2-d).
+    """
+    if counts.dim() != 1 or centres.shape != counts.shape or dequantized.dim() != 2 \
+            or dequantized.shape[1] != counts.numel():
+        raise ValueError(f"histogram_mse_argmin: counts (K,), centres (K,) and dequantized (J, K), got "
+                         f"{tuple(counts.shape)}, {tuple(centres.shape)}, {tuple(dequantized.shape)}")
+    err = ((centres.unsqueeze(0) - dequantized) ** 2 * counts.unsqueeze(0)).sum(1)      # (J,)
+    return int(torch.argmin(err))
+
+
 def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 400) -> float:
     """The activation cap that minimises the squared error of the 5-bit capped ReLU over a histogram.
 
@@ -685,7 +711,5 @@ def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 
     centers = (torch.arange(k, dtype=torch.float64) + 0.5) * (vmax / k)
     caps = torch.arange(1, candidates + 1, dtype=torch.float64) * (vmax / candidates)     # (J,)
     c = caps.unsqueeze(1)                                                                  # (J, 1)
-    v = centers.unsqueeze(0)                                                               # (1, K)
-    y = chip_round(torch.clamp(v, max=c) * ACT_MAX / c) * c / ACT_MAX
-    err = ((v - y) ** 2 * counts.double().unsqueeze(0)).sum(1)                             # (J,)
-    return float(caps[int(torch.argmin(err))])
+    y = chip_round(torch.clamp(centers.unsqueeze(0), max=c) * ACT_MAX / c) * c / ACT_MAX  # (J, K)
+    return float(caps[histogram_mse_argmin(counts, centers, y)])

@@ -26,6 +26,8 @@ import torch.nn as nn
 
 from gnetmdk.dist.comm import all_reduce
 from gnetmdk.dist.virtual import forward_batch
+from gnetmdk.gti.quantize import histogram_mse_argmin
+
 from .fake import ACT_QMAX, act_qparams, round_half_up
 
 __all__ = ["METHODS", "RANGE_HIST_BINS", "RANGE_SHRINK_RATIOS", "HistogramObserver", "MinMaxObserver",
@@ -69,16 +71,17 @@ def range_from_histogram(counts: torch.Tensor, lo: float, hi: float, method: str
         bottom = int(torch.searchsorted(cum, torch.tensor(1.0 - percentile / 100.0, dtype=torch.float64)))
         return min(float(edges[min(bottom, bins - 1)]), 0.0), max(float(edges[min(top + 1, bins)]), 0.0)
     centres = (edges[:-1] + edges[1:]) / 2
-    best, best_err = (lo, hi), None
-    for a in RANGE_SHRINK_RATIOS:
+    ranges, scales, zps = [], [], []
+    for a in RANGE_SHRINK_RATIOS:              # the candidates: [lo, hi] shrunk by a, uint8 with a zero point
         l, h = lo * a, hi * a
         s = (h - l) / ACT_QMAX
-        z = min(max(float(round_half_up(torch.tensor(-l / s))), 0.0), float(ACT_QMAX))
-        q = torch.clamp(round_half_up(centres / s) + z, 0, ACT_QMAX)
-        err = float((counts.double() * ((q - z) * s - centres) ** 2).sum())
-        if best_err is None or err < best_err:
-            best, best_err = (l, h), err
-    return best
+        ranges.append((l, h))
+        scales.append(s)
+        zps.append(min(max(float(round_half_up(torch.tensor(-l / s))), 0.0), float(ACT_QMAX)))
+    s = torch.tensor(scales, dtype=torch.float64).unsqueeze(1)                              # (J, 1)
+    z = torch.tensor(zps, dtype=torch.float64).unsqueeze(1)
+    q = torch.clamp(round_half_up(centres.unsqueeze(0) / s) + z, 0, ACT_QMAX)                # (J, K) codes
+    return ranges[histogram_mse_argmin(counts.double(), centres, (q - z) * s)]
 
 
 @torch.no_grad()

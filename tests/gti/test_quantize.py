@@ -647,6 +647,21 @@ def test_mse_cap_matches_the_definition(seed, bins, candidates):
     assert 0 < got <= vmax * (1 + 1e-12)
 
 
+def test_histogram_mse_argmin_is_the_least_weighted_squared_error():
+    """The shared MSE choice: the candidate whose dequantized centres are nearest in counts-weighted
+    squared error, the first on a tie; shapes that do not fit are refused."""
+    counts = torch.tensor([3.0, 1.0, 0.0, 2.0], dtype=torch.float64)
+    centres = torch.tensor([0.5, 1.5, 2.5, 3.5], dtype=torch.float64)
+    deq = torch.tensor([[0.0, 1.0, 2.0, 3.0],          # 3*.25 + .25 + 2*.25 = 1.5
+                        [0.5, 1.5, 9.0, 3.5],          # 0: the empty bin costs nothing
+                        [0.5, 1.5, 2.5, 3.5]], dtype=torch.float64)   # 0 as well: the first wins
+    assert Q.histogram_mse_argmin(counts, centres, deq) == 1
+    assert Q.histogram_mse_argmin(counts, centres, deq[[0, 0]]) == 0
+    for bad in ((counts, centres, deq[:, :3]), (counts, centres[:3], deq), (counts, centres, deq[0])):
+        with pytest.raises(ValueError, match="dequantized"):
+            Q.histogram_mse_argmin(*bad)
+
+
 def test_mse_cap_refusals():
     with pytest.raises(ValueError, match="vmax must be positive"):
         Q.mse_cap_from_histogram(torch.ones(4, dtype=torch.float64), 0.0)

@@ -145,6 +145,29 @@ def test_range_from_histogram_device_cpu():
         range_from_histogram(counts, 0.0, 1.0, "percentile", 20.0)
 
 
+def test_mse_range_is_the_candidate_of_least_error_device_cpu():
+    """The int8 "mse" range is the shrunk range whose uint8 fake quantizer (scale, zero point, ties up)
+    has the least counts-weighted squared error over the bin centres, computed here candidate by
+    candidate in plain Python."""
+    from gnetmdk.intq.calibrate import RANGE_SHRINK_RATIOS
+    g = torch.Generator().manual_seed(4)
+    for lo, hi in ((-3.0, 7.0), (0.0, 2.5), (-0.2, 40.0)):
+        counts = (torch.randint(0, 1000, (64,), generator=g) * (torch.rand(64, generator=g) < 0.6)).double()
+        counts[5] += 1
+        got = range_from_histogram(counts, lo, hi, "mse")
+        w = (hi - lo) / 64
+        centres = [lo + (k + 0.5) * w for k in range(64)]
+
+        def error(l, h):
+            s = (h - l) / 255
+            z = min(max(math.floor(-l / s + 0.5), 0), 255)
+            return sum(c * ((min(max(math.floor(v / s + 0.5) + z, 0), 255) - z) * s - v) ** 2
+                       for c, v in zip(counts.tolist(), centres))
+        errors = [error(lo * a, hi * a) for a in RANGE_SHRINK_RATIOS]
+        assert any(got == pytest.approx((lo * a, hi * a), abs=1e-12) for a in RANGE_SHRINK_RATIOS)
+        assert error(*got) <= min(errors) * (1 + 1e-9) + 1e-12
+
+
 def test_requantization_is_the_exact_rounded_quotient_device_cpu():
     """floor((acc M + 2^(n-1)) / 2^n), compared with Python's exact integers, negatives included."""
     g = np.random.default_rng(0)
