@@ -5,6 +5,7 @@ this hook is the engine's side of them.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -31,9 +32,12 @@ class AlignmentHook(HookBase):
     the replay report.
 
     Args:
-        cfg: the resolved config. A replay sets ``cfg.virtual_ranks`` (the recorded ranks over this run's
-            processes, unless ``replay_merged`` or they do not divide) and ``cfg.threads`` (the recorded
-            threads per rank) before the trainer reads them, and ``cfg.load`` to the recorded start.
+        cfg: the resolved config. It is never changed: a replay's settings go into a copy,
+            :attr:`cfg`, which the trainer takes as its config before it reads any of them:
+            ``virtual_ranks`` (the recorded ranks over this run's processes, unless ``replay_merged`` or
+            they do not divide), ``threads`` (the recorded threads per rank) and ``load`` (the recorded
+            start). The replay's batches are :attr:`replay`, which the trainer draws from in place of
+            its own loader.
         processes: this run's process count.
     Raises:
         AlignmentError: a replay that cannot run (check_alignment_config, virtual ranks asked for that
@@ -41,6 +45,8 @@ class AlignmentHook(HookBase):
     """
 
     def __init__(self, cfg, processes: int = 1):
+        if getattr(cfg, "replay_npz", ""):
+            cfg = copy.copy(cfg)           # the replay's settings, in the run's own config (above)
         self.cfg = cfg
         self.save_dir = getattr(cfg, "save_npz", "") or ""
         self.replay_dir = getattr(cfg, "replay_npz", "") or ""
@@ -117,7 +123,7 @@ class AlignmentHook(HookBase):
 
     # ---------------------------------------------------------------- start
     def before_train(self) -> None:
-        """Start the replay (load and check the recording, swap in its loader) and/or the recording."""
+        """Start the replay (load and check the recording, make its loader) and/or the recording."""
         if self.replay_dir:
             self._start_replay(self.trainer)
         if self.save_dir:
@@ -185,8 +191,7 @@ class AlignmentHook(HookBase):
             trainer.log(f"[replay] warning: config differs from the recording ({d})")
         # the recorded learning rate of each step is compared as the replay goes (a schedule that differs)
         self.check_lr = int(meta.get("version", 1)) >= 2 or "reference" in meta
-        trainer.train_loader = loader
-        self.replay = loader
+        self.replay = loader               # the trainer draws its batches from here (Trainer._epoch_batches)
         how = (f"{trainer.ranks} rank(s) ({trainer.ranks // get_world_size()} per process, "
                f"{trainer.threads} thread(s) per rank): exact, every value should be equal"
                if self.exact else

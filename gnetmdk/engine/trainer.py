@@ -32,6 +32,8 @@ from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is
                                rows_over_ranks)
 from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
 from .align_hook import AlignmentHook
+from .distill import Distillation
+from .learned_caps import LearnedCaps
 from .events import EventStorage
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
 from gnetmdk.dist.parallel import wrap_ddp
@@ -46,10 +48,6 @@ from .resume import RESUME_CHECKED, RESUME_FIXED, same as _same
 from .schedule import build_optimizer, build_scheduler
 from . import runtime as R
 from .stages import Stage, apply_stage, get_stage, source_path
-
-#: learned caps (step 3, cap_lr) are kept at least this large after every optimizer step (value units;
-#: a cap divides the gains, so it must stay positive)
-CAP_FLOOR = 1e-3
 
 
 #: the named spans of one training iteration (torch.profiler.record_function), in the order they run:
@@ -106,6 +104,7 @@ class Trainer:
         # record / replay / max_iters (gnetmdk.align); a replay takes its recording's ranks per process
         # (virtual_ranks) and threads per rank
         self.align = AlignmentHook(cfg, self.world_size)
+        self.cfg = cfg = self.align.cfg                    # a replay's settings (AlignmentHook), read from here on
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.threads = torch.get_num_threads()
@@ -123,7 +122,7 @@ class Trainer:
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.outputs = StageOutputs(self.out_dir, self.stage.name, self.main)   # run/ until the run finishes
         self.summary: Dict[str, object] = {"stage": self.stage.name}
-        self.teacher = None                                 # the float model when distill > 0 (load_teacher)
+        self.distill: Optional[Distillation] = None         # distill > 0 in steps 2-4 (gnetmdk.engine.distill)
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
         # set by the setup steps (build_data, build_model, setup_optimizer) and the loop; every attribute
         # the trainer has exists from here on
@@ -136,7 +135,7 @@ class Trainer:
         self.iters_per_epoch = 0
         self._chain = None                      # the loader's iteration over the epochs (_epoch_batches)
         self._chain_next: Optional[tuple] = None
-        self.learned_caps: List[torch.Tensor] = []          # caps trained in step 3 (cap_lr > 0)
+        self.learned_caps = LearnedCaps([])                 # caps trained in step 3 (cap_lr > 0; learned_caps.py)
         self.finetune_frozen: List[torch.nn.Parameter] = []
         self.frozen_at: List[torch.nn.Parameter] = []
         self.best_map: Optional[float] = None
@@ -277,7 +276,9 @@ class Trainer:
         self.parallel_notes += self.family.configure(self.model, cfg)
         apply_stage(self.model, stage)
         self.model.train()
-        self.teacher = self.load_teacher()
+        self.distill = Distillation.from_config(cfg, stage, self.family, self.device)
+        if self.distill is not None:
+            self.log(f"[{stage.name}] {self.distill.describe()}")
         self.setup_parallel()
 
     def check_provenance(self, path: str) -> None:
@@ -300,33 +301,6 @@ class Trainer:
                 f"'{path}' was made from an earlier '{src['path']}', which has been replaced since (its SHA-256 "
                 f"differs from the one recorded in {path}'s manifest): run {again} again, or set 'load {path}' to "
                 "start from it anyway")
-
-    def load_teacher(self):
-        """``distill`` > 0 in steps 2-4: the float model (``distill_from``, default step1/best.pth, its
-        evaluated weights), in eval mode without gradients, on the device; else None.
-
-        Raises:
-            CheckpointError: the teacher is missing or does not fit the config.
-        """
-        cfg, stage = self.cfg, self.stage
-        if not cfg.distill or stage.step < 2 or stage.calibration:
-            return None
-        path = cfg.distill_from or os.path.join(cfg.checkpoint_dir(1), "best.pth")
-        ckpt = load_checkpoint(path, f"distill {cfg.distill:g} needs the float model: train step 1 first, or set "
-                                     "distill_from to a step-1 checkpoint (or distill 0)")
-        if ckpt.get("stage") != "step1":
-            raise CheckpointError(f"distill_from '{path}' is a {ckpt.get('stage')} checkpoint: the teacher is the "
-                                  "float (step-1) model")
-        check_compatible(ckpt, cfg, path)
-        teacher = build_model_from_checkpoint(ckpt, cfg, path)
-        from .stages import STAGES
-        apply_stage(teacher, STAGES["step1"])
-        teacher.to(self.device).eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-        self.log(f"[{stage.name}] distillation from {path} (weight {cfg.distill:g}: squared difference of the "
-                 "outputs, per image)")
-        return teacher
 
     def setup_parallel(self) -> None:
         """World size > 1: synchronised BatchNorm and global-batch calibration percentiles
@@ -474,7 +448,7 @@ class Trainer:
         carries its epoch and the sampler's order depends only on (seed, epoch). A new iteration is
         started at the first epoch, after a resume, and after an epoch left early.
         """
-        loader = self.train_loader
+        loader = self.align.replay if self.align.replay is not None else self.train_loader
         n = len(loader)
         chained = (isinstance(loader, DataLoader) and loader.num_workers > 0
                    and isinstance(loader.batch_sampler, EpochBatches))
@@ -566,16 +540,11 @@ class Trainer:
                 if reps is not None:                    # virtual ranks: the mean of every rank's gradients
                     combine_gradients(model, reps)
                     reps = None
-                elif self.learned_caps and is_dist():   # DDP averages parameters' gradients; caps are buffers
-                    g = torch.stack([c.grad if c.grad is not None else torch.zeros_like(c) for c in self.learned_caps])
-                    all_reduce(g, "mean")
-                    for c, gi in zip(self.learned_caps, g):
-                        c.grad = gi.clone()
-                norm = self.precision.step(self.optimizer, list(model.parameters()) + self.learned_caps, cfg.grad_clip)
-                if self.learned_caps:
-                    with torch.no_grad():
-                        for c in self.learned_caps:
-                            c.clamp_(min=CAP_FLOOR)
+                else:                                   # DDP averages parameters' gradients; caps are buffers
+                    self.learned_caps.average_gradients()
+                norm = self.precision.step(self.optimizer, list(model.parameters()) + self.learned_caps.caps,
+                                           cfg.grad_clip)
+                self.learned_caps.clamp_()
                 self.optimizer.zero_grad(set_to_none=True)
                 lr_step = self.optimizer.param_groups[0]["lr"]        # the rate of this step (recorded)
                 self.scheduler.step()
@@ -626,11 +595,8 @@ class Trainer:
         with self.precision.autocast():
             pred = net(images)
             terms = model.loss(pred, targets)
-            if self.teacher is not None:
-                with torch.no_grad():
-                    soft = self.teacher(images)
-                terms["distill"] = self.cfg.distill * self.family.distill_loss(pred, soft)
-                terms["total"] = terms["total"] + terms["distill"]
+            if self.distill is not None:
+                self.distill.add_term(images, pred, terms)
         return terms
 
     def _virtual_micro_batch(self, reps, images: torch.Tensor, targets: torch.Tensor,
@@ -742,7 +708,7 @@ class Trainer:
         ``iteration``, so the learning rate is the new schedule's at that point."""
         import warnings
         cfg = self.cfg
-        fresh = build_optimizer(self.model, cfg, self.learned_caps, getattr(cfg.section(), "cap_lr", 0.0))
+        fresh = build_optimizer(self.model, cfg, self.learned_caps.caps, getattr(cfg.section(), "cap_lr", 0.0))
         for group, new in zip(self.optimizer.param_groups, fresh.param_groups):
             for key in ("lr", "weight_decay", "momentum", "nesterov"):
                 if key in new:
@@ -781,15 +747,10 @@ class Trainer:
                      f"{freeze_at} sublayers frozen (not optimized)")
         self.finetune_frozen = []
         # step 3 with cap_lr > 0: the calibrated caps train too (LSQ-like gradients through the gains)
-        self.learned_caps = []
-        cap_lr = getattr(sec, "cap_lr", 0.0)
-        if self.stage.trainable_caps and cap_lr > 0:
-            self.learned_caps = [r.cap for r in self.model.relus()]
-            for c in self.learned_caps:
-                c.requires_grad_(True)
-            self.log(f"[{self.stage.name}] learning the {len(self.learned_caps)} activation caps (cap_lr "
-                     f"{cap_lr:g}, no weight decay, at least {CAP_FLOOR:g}); model/relu_cap.txt follows best.pth")
-        self.optimizer = build_optimizer(self.model, cfg, self.learned_caps, cap_lr)
+        self.learned_caps = LearnedCaps.for_stage(self.model, self.stage, sec)
+        if self.learned_caps:
+            self.log(f"[{self.stage.name}] {self.learned_caps.describe()}")
+        self.optimizer = build_optimizer(self.model, cfg, self.learned_caps.caps, self.learned_caps.lr)
         self.iters_per_epoch = len(self.train_set) // cfg.batch_size
         self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
         self.precision = R.Precision(cfg, self.device)

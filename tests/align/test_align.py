@@ -130,30 +130,31 @@ def test_replay_plan_virtual_ranks_threads_and_comparisons(tmp_path):
     """How a replay runs a recording of W ranks on P processes: W / P virtual ranks with the recorded
     threads per rank (exact) when P divides W; otherwise, with replay_merged, with a memory option that
     virtual ranks do not run, or for another implementation's recording, merged batches (a comparison,
-    said so in one note)."""
+    said so in one note). The settings go into the hook's copy of the config; the given one is unchanged."""
     from gnetmdk.engine.align_hook import AlignmentHook
     folder = str(tmp_path / "rec")
     _fake_recording(folder, 4, 2)
     _meta(folder, threads=3, config={"deterministic": True, "sync_bn": True})
     cfg = _replay_cfg(folder)
     hook = AlignmentHook(cfg, 2)
-    assert hook.exact and cfg.virtual_ranks == 2 and cfg.threads == 3
+    assert hook.exact and hook.cfg.virtual_ranks == 2 and hook.cfg.threads == 3
+    assert hook.cfg is not cfg and cfg.virtual_ranks == 1 and cfg.threads == 0
     cfg = _replay_cfg(folder, threads=1)
     hook = AlignmentHook(cfg, 1)
-    assert hook.exact and cfg.virtual_ranks == 4 and cfg.threads == 3
+    assert hook.exact and hook.cfg.virtual_ranks == 4 and hook.cfg.threads == 3 and cfg.threads == 1
     assert any("threads 1 -> 3" in n for n in hook.notes)
     for cfg, processes, why in ((_replay_cfg(folder), 3, "3 processes do not divide the recording's 4 ranks"),
                                 (_replay_cfg(folder, replay_merged=True), 1, "replay_merged"),
                                 (_replay_cfg(folder, inplace_abn=True), 1, "inplace_abn")):
         hook = AlignmentHook(cfg, processes)
-        assert not hook.exact and cfg.virtual_ranks == 1
+        assert not hook.exact and hook.cfg.virtual_ranks == 1
         assert [n for n in hook.notes if "round-off expected" in n and why in n], hook.notes
     with pytest.raises(AlignmentError, match="virtual_ranks 3"):
         AlignmentHook(_replay_cfg(folder, virtual_ranks=3), 1)
     _meta(folder, config={}, reference={"model": "ppdet ppyolo_r18vd"})
     cfg = _replay_cfg(folder)
     hook = AlignmentHook(cfg, 1)
-    assert not hook.exact and cfg.virtual_ranks == 1
+    assert not hook.exact and hook.cfg.virtual_ranks == 1
     assert any("another implementation (ppdet ppyolo_r18vd)" in n for n in hook.notes)
 
 

@@ -314,3 +314,63 @@ def test_detector_family_base_defaults():
         fam.create()
     assert fam.loss_line({"total": 1.5, "cls": 0.25, "loc": 0.5}) == "loss 1.5000 (cls 0.250 loc 0.500)"
     assert default_loss_order({"b": 1, "total": 2, "a": 3, "loc": 4}, ("total", "loc")) == ["total", "loc", "a", "b"]
+
+
+def test_distillation_adds_its_weighted_term_and_refuses_a_wrong_teacher_device_cpu(tmp_path):
+    """gnetmdk.engine.distill: no distillation with distill 0, in step 1 or in the calibration pass; the
+    term is weight x the family's distill_loss(student, teacher) on the teacher's no-grad outputs, added
+    to the total; a missing teacher or one that is not a step-1 checkpoint is one CheckpointError."""
+    from gnetmdk.checkpoint.io import CheckpointError, save_checkpoint
+    from gnetmdk.config import BaseConfig, build_config
+    from gnetmdk.engine.distill import Distillation
+    from gnetmdk.engine.stages import STAGES
+    base = ["checkpoint_root", str(tmp_path / "ck"), "device", "cpu"]
+    cfg = build_config(BaseConfig, base + ["distill", "0.5"], step=2)
+    fam = SimpleNamespace(distill_loss=lambda s, t: ((s - t) ** 2).sum())
+    assert Distillation.from_config(build_config(BaseConfig, base, step=2), STAGES["step2"], fam, "cpu") is None
+    assert Distillation.from_config(cfg, STAGES["step1"], fam, "cpu") is None
+    assert Distillation.from_config(cfg, STAGES["cal"], fam, "cpu") is None
+    with pytest.raises(CheckpointError, match="train step 1 first"):
+        Distillation.from_config(cfg, STAGES["step2"], fam, "cpu")
+    (tmp_path / "ck" / "step1").mkdir(parents=True)
+    save_checkpoint(str(tmp_path / "ck" / "step1" / "best.pth"), {"stage": "step2", "model": {}})
+    with pytest.raises(CheckpointError, match="the teacher is the float"):
+        Distillation.from_config(cfg, STAGES["step2"], fam, "cpu")
+    teacher = nn.Linear(2, 2)
+    d = Distillation(teacher, 0.5, fam, "t.pth")
+    x = torch.tensor([[1.0, -2.0]])
+    student = nn.Linear(2, 2)
+    pred = student(x)
+    terms = {"total": torch.tensor(3.0)}
+    d.add_term(x, pred, terms)
+    want = 0.5 * ((pred - teacher(x)) ** 2).sum()
+    assert torch.equal(terms["distill"], want) and torch.equal(terms["total"], 3.0 + want)
+    terms["total"].backward()
+    assert student.weight.grad is not None and teacher.weight.grad is None
+    assert "t.pth" in d.describe() and "weight 0.5" in d.describe()
+
+
+def test_learned_caps_part_of_step_3_device_cpu():
+    """gnetmdk.engine.learned_caps: step 3 with cap_lr > 0 learns every ReLU's cap (they require
+    gradients, in the model's order); other stages, or cap_lr 0, learn none; after a step each cap is
+    kept at least CAP_FLOOR; without a process group the gradients are left as they are."""
+    from gnetmdk.engine.learned_caps import CAP_FLOOR, LearnedCaps
+    from gnetmdk.engine.stages import STAGES
+    from gnetmdk.models.gnetdet.model import GNetDet
+    m = GNetDet(3, 224, 0.0625, use_bn=False)
+    on = SimpleNamespace(cap_lr=0.01)
+    assert not LearnedCaps.for_stage(m, STAGES["step2"], on) and not LearnedCaps.for_stage(m, STAGES["step3"],
+                                                                                            SimpleNamespace(cap_lr=0.0))
+    assert not LearnedCaps.for_stage(m, STAGES["step3"], SimpleNamespace())     # a family without cap_lr
+    assert not any(r.cap.requires_grad for r in m.relus())
+    caps = LearnedCaps.for_stage(m, STAGES["step3"], on)
+    assert len(caps) == len(m.relus()) and all(c is r.cap and c.requires_grad for c, r in zip(caps.caps, m.relus()))
+    assert caps.lr == 0.01 and "cap_lr 0.01" in caps.describe()
+    with torch.no_grad():
+        caps.caps[0].fill_(-1.0)
+        caps.caps[1].fill_(2.5)
+    caps.caps[1].grad = torch.tensor(0.25)
+    caps.average_gradients()
+    caps.clamp_()
+    assert float(caps.caps[0]) == pytest.approx(CAP_FLOOR) and float(caps.caps[1]) == 2.5
+    assert float(caps.caps[1].grad) == 0.25 and caps.caps[0].grad is None
