@@ -57,7 +57,7 @@ def build_models(args, images):
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.gti.chip import chip_model_from_gnetdet, convert_checkpoint
     from gnetmdk.gti.quantize import image_to_codes
-    from gnetmdk.gti.transforms import gain_edit
+    from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
     if args.checkpoint:
         chip, step4 = convert_checkpoint(args.checkpoint)
@@ -80,7 +80,7 @@ def build_models(args, images):
         flt = GNetDet(num_classes=len(CARD_CLASSES), image_size=args.size, width_mult=args.width, use_bn=False,
                       chip="5801")
         flt.load_state_dict(step4.state_dict())
-        gain_edit(step4)
+        fold_requant_multipliers(step4)
         apply_stage(step4, STAGES["step4"])
         chip = chip_model_from_gnetdet(step4, CARD_CLASSES)
     apply_stage(flt, STAGES["step1"])

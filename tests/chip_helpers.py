@@ -86,7 +86,7 @@ def build_step4_model(num_classes: int, calib_images: np.ndarray, seed: int = 0,
     from gnetmdk.engine.calibration import calibrate_caps
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.gti.quantize import image_to_codes
-    from gnetmdk.gti.transforms import gain_edit
+    from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
     torch.manual_seed(seed)
     model = GNetDet(num_classes=num_classes, image_size=224, width_mult=width_mult, use_bn=False, chip=chip,
@@ -94,7 +94,7 @@ def build_step4_model(num_classes: int, calib_images: np.ndarray, seed: int = 0,
     _init(model, seed)
     x = image_to_codes(torch.from_numpy(calib_images)).permute(0, 3, 1, 2).float()
     calibrate_caps(model, lambda: [x])                    # the cal stage on one batch (percentile 99)
-    caps = gain_edit(model)
+    caps = fold_requant_multipliers(model)
     apply_stage(model, STAGES["step4"])
     model.eval()
     return model, caps

@@ -457,7 +457,7 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
         channels = [b.shape[0] for b in biases]
         cidx = _row_index(channels, dev)
         b_all = torch.cat([b.detach() for b in biases]) if n_layers > 1 else biases[0].detach()   # (C,)
-    if gains is not None:       # gain editing's values (gnetmdk.gti.transforms.gain_edit, float64)
+    if gains is not None:       # gain editing's values (gnetmdk.gti.transforms.fold_requant_multipliers, float64)
         cin, cout = _gain_tensors(gains, dev)
         w_all = (w_all.double() * cin.index_select(0, kidx).unsqueeze(1)
                  / cout.index_select(0, kidx).unsqueeze(1)).to(dtype)

@@ -41,8 +41,10 @@ def fold_bn(model) -> int:
 
 
 @torch.no_grad()
-def gain_edit(model, input_cap: float = 31.0) -> List[float]:
-    """Rescale weights so every activation becomes its integer code (step 4), in place.
+def fold_requant_multipliers(model, input_cap: float = 31.0) -> List[float]:
+    """Fold each layer's requantization multiplier into its weights so every activation becomes its
+    integer code (step 4), in place: GTI's "gain editing" (docs/quantization.md, "Requantization and
+    gain editing").
 
     With cap_{-1} = 31 for the input (the image already holds codes 0..31):
         W_i <- W_i * cap_{i-1} / cap_i,   b_i <- b_i * 31 / cap_i,   cap_i <- 31

@@ -34,7 +34,7 @@ class QConv2d(nn.Conv2d):
         gain: None, or (cap_in, cap_out) in step 3 when the model quantizes "gain-aware": the layer
             then computes in the code domain of step 4. The weights and bias are quantized as gain
             editing will leave them, W cap_in / cap_out and b 31 / cap_out (docs/quantization.md,
-            "Requantization and gain editing"; gnetmdk.gti.transforms.gain_edit, the same float64
+            "Requantization and gain editing"; gnetmdk.gti.transforms.fold_requant_multipliers, the same float64
             formula), the input is the previous layer's codes 0..31 (the image's for the first conv),
             and the output is the pre-activation in codes (the value divided by cap_out / 31). Gradients reach the
             unedited weights through the gain (straight-through on the rounding). So step 3 computes
@@ -83,7 +83,7 @@ class QConv2d(nn.Conv2d):
                 gw, gb = ci / co, Q.ACT_MAX / co
             else:
                 gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
-            # the values gain_edit will write (float64 product, then the parameter dtype) ...
+            # the values fold_requant_multipliers will write (float64 product, then the parameter dtype) ...
             w_val = (self.weight.detach().double() * cap_in / cap_out).to(self.weight.dtype)
             b_val = (self.bias.detach().double() * Q.ACT_MAX / cap_out).to(self.bias.dtype)
             # ... quantized as in step 4 (the gradient reaches weight and bias through the gain)

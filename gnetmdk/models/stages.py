@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from gnetmdk.gti.transforms import fold_bn, gain_edit
+from gnetmdk.gti.transforms import fold_bn, fold_requant_multipliers
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _gain(model, source_stage: str) -> str:
     if source_stage == "step4":
         return ""
     _require_caps(model, source_stage)
-    caps = gain_edit(model)
+    caps = fold_requant_multipliers(model)
     model.calibrated_caps = list(caps)   # saved in every step-4 checkpoint (the chip files' relu_cap.txt)
     return f"gain-edited {len(caps)} convs; host output scale cap_last/31 = {caps[-1] / 31:.5g}"
 

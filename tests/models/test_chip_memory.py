@@ -142,7 +142,7 @@ def test_converter_refuses_before_writing_device_cpu():
     import torch
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.gti.chip import ConversionError, check_checkpoint_for_chip, chip_model_from_gnetdet
-    from gnetmdk.gti.transforms import gain_edit
+    from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
     meta = {"name": "gnetdet", "use_bn": False, "chip": "5801", "image_size": 448, "num_classes": 20,
             "width_mult": 1.0, "mask_bits": OVER_BITS}
@@ -163,7 +163,7 @@ def test_converter_refuses_before_writing_device_cpu():
         with torch.no_grad():
             for r in model.relus():
                 r.cap.fill_(4.0)
-            gain_edit(model)
+            fold_requant_multipliers(model)
         apply_stage(model, STAGES["step4"])
         return model.eval()
 
@@ -183,7 +183,7 @@ def test_converted_layers_count_as_configured_device_cpu():
     import torch
     from gnetmdk.engine.stages import STAGES, apply_stage
     from gnetmdk.gti.chip import chip_model_from_gnetdet
-    from gnetmdk.gti.transforms import gain_edit
+    from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
     for size, width, classes, bits in ((224, 0.0625, 3, [8, 3, 3, 3, 3, 8]), (448, 0.125, 6, [])):
         torch.manual_seed(0)
@@ -192,7 +192,7 @@ def test_converted_layers_count_as_configured_device_cpu():
         with torch.no_grad():
             for r in model.relus():
                 r.cap.fill_(4.0)
-            gain_edit(model)
+            fold_requant_multipliers(model)
         apply_stage(model, STAGES["step4"])
         model.eval()
         cm = chip_model_from_gnetdet(model, [f"c{i}" for i in range(classes)])

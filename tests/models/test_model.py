@@ -164,8 +164,8 @@ def test_weights_quantized_in_one_pass_equal_each_conv_alone(weight_scale, stage
         for k, r in enumerate(m.relus()):
             r.cap.fill_(2.0 + 0.37 * k)
         if stage == "step4":
-            from gnetmdk.gti.transforms import gain_edit
-            gain_edit(m)
+            from gnetmdk.gti.transforms import fold_requant_multipliers
+            fold_requant_multipliers(m)
     for r in m.relus():
         r.cap.requires_grad_(learn_caps)
     apply_stage(m, STAGES[stage])

@@ -12,7 +12,7 @@ import torch
 from gnetmdk.dataset.dataset import encode_targets
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.gti.quantize import activation_codes
-from gnetmdk.gti.transforms import fold_bn, gain_edit
+from gnetmdk.gti.transforms import fold_bn, fold_requant_multipliers
 from gnetmdk.models.gnetdet.model import GNetDet
 from gnetmdk.models.gnetdet.loss import gnetdet_loss, safe_sqrt
 
@@ -139,7 +139,7 @@ def _to_step4(model, caps):
     """Gain-edit a step-3 model, check the edit itself, and switch it to step 4 (float weights)."""
     w_before = [conv.weight.detach().clone() for conv in model.convs()]
     b_before = [conv.bias.detach().clone() for conv in model.convs()]
-    returned = gain_edit(model)
+    returned = fold_requant_multipliers(model)
     assert returned == caps
     assert all(float(r.cap) == 31.0 for r in model.relus())
     assert float(model.output_scale) == pytest.approx(caps[-1] / 31, rel=1e-6)
@@ -246,9 +246,9 @@ def test_gain_aware_step3_is_step4_bit_for_bit(calibrated):
     gb3 = [conv.bias.grad.clone() for conv in model.convs()]
 
     model.zero_grad()
-    gain_edit(model)
+    fold_requant_multipliers(model)
     apply_stage(model, STAGES["step4"])
-    assert all(conv.gain is None for conv in model.convs())      # cleared by gain_edit / apply_stage
+    assert all(conv.gain is None for conv in model.convs())      # cleared by fold_requant_multipliers / apply_stage
     assert not model.set_gains() and not any(r.code_domain for r in model.relus())   # off in step 4
     for conv, (w3, b3, s3) in zip(model.convs(), step3_params):
         w4, b4, s4 = conv.integer_params()                         # what the chip will store
@@ -308,7 +308,7 @@ def test_learned_caps_get_gradients_and_step4_stays_exact(calibrated):
     y3, f3 = _run(model, x)
     for r in model.relus():
         r.cap.requires_grad_(False)
-    assert gain_edit(model) == new_caps
+    assert fold_requant_multipliers(model) == new_caps
     apply_stage(model, STAGES["step4"])
     model.eval()
     y4, f4 = _run(model, x)
@@ -327,7 +327,7 @@ def test_gti_flow_step4_changes_the_step3_codes(calibrated):
     assert not any(r.code_domain for r in model.relus())
     codes3 = [activation_codes(f, c) for f, c in zip(feats3, caps)]      # step 3 holds values
     step3_params = [conv.quantized_params() for conv in model.convs()]
-    gain_edit(model)
+    fold_requant_multipliers(model)
     apply_stage(model, STAGES["step4"])
     model.eval()
     prev, same_ints = 31.0, []
@@ -349,7 +349,7 @@ def test_gti_flow_step4_changes_the_step3_codes(calibrated):
 def test_gain_edit_through_stage_hook_matches_direct_call(calibrated):
     model_a, caps = _step3_model(calibrated)
     model_b, _ = _step3_model(calibrated)
-    gain_edit(model_a)
+    fold_requant_multipliers(model_a)
     for hook in STAGES["step4"].enter:                       # fold (no-op) then gain edit
         hook(model_b, "step3")
     for ca, cb in zip(model_a.convs(), model_b.convs()):
@@ -361,13 +361,13 @@ def test_gain_edit_refuses_uncalibrated_model():
     model = GNetDet(use_bn=False, **TINY)
     w0 = model.layers[0].conv.weight.detach().clone()
     with pytest.raises(RuntimeError, match="cap"):
-        gain_edit(model)
+        fold_requant_multipliers(model)
     # one missing cap is enough
     for r in model.relus():
         r.cap.fill_(5.0)
     model.relus()[3].cap.fill_(0.0)
     with pytest.raises(RuntimeError, match="cap"):
-        gain_edit(model)
+        fold_requant_multipliers(model)
     assert torch.equal(model.layers[0].conv.weight, w0)     # refused before editing anything
     assert float(model.relus()[0].cap) == 5.0
 
@@ -378,7 +378,7 @@ def test_gain_edit_refuses_model_with_bn():
         r.cap.fill_(5.0)
     w0 = model.layers[0].conv.weight.detach().clone()
     with pytest.raises(RuntimeError, match="BatchNorm"):
-        gain_edit(model)
+        fold_requant_multipliers(model)
     assert torch.equal(model.layers[0].conv.weight, w0)
     assert all(float(r.cap) == 5.0 for r in model.relus())
 

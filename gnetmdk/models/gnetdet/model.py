@@ -356,7 +356,7 @@ class GNetDet(nn.Module):
             relus[i].code_domain = on
             prev = caps[i] if on else prev
             prev_t = relus[i].cap
-        # the value gain_edit writes into output_scale (a float64 quotient rounded to float32)
+        # the value fold_requant_multipliers writes into output_scale (a float64 quotient rounded to float32)
         self._code_output_scale = self._cached_scale(caps[-1] / 31.0, relus[-1].cap.device) if on else None
         self._code_scale_learned = learn     # forward passes the last cap's gradient through that value
         return on
