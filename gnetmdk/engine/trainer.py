@@ -33,6 +33,7 @@ from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is
 from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
 from .align_hook import AlignmentHook
 from .distill import Distillation
+from .freezing import Finetune, freeze_leading
 from .learned_caps import LearnedCaps
 from .events import EventStorage
 from .hooks import CheckpointHook, CurvesHook, EarlyStopHook, EMAHook, EvalHook, LoggerHook, TensorboardHook
@@ -136,7 +137,7 @@ class Trainer:
         self._chain = None                      # the loader's iteration over the epochs (_epoch_batches)
         self._chain_next: Optional[tuple] = None
         self.learned_caps = LearnedCaps([])                 # caps trained in step 3 (cap_lr > 0; learned_caps.py)
-        self.finetune_frozen: List[torch.nn.Parameter] = []
+        self.finetune = Finetune(self.family, cfg.section())  # finetune N (gnetmdk.engine.freezing)
         self.frozen_at: List[torch.nn.Parameter] = []
         self.best_map: Optional[float] = None
         self.last_map: Optional[float] = None
@@ -730,22 +731,11 @@ class Trainer:
         """
         cfg = self.cfg
         sec = cfg.section()
-        n_layers = len(getattr(self.model, "layers", []))
-        finetune, freeze_at = getattr(sec, "finetune", 0), getattr(sec, "freeze_at", 0)
-        if self.family.leading_parameters(self.model, 1):      # a family with leading units to freeze
-            for name in ("freeze_at",) + (("freeze_convs",) if finetune else ()):
-                if getattr(sec, name) > n_layers:
-                    from gnetmdk.config import ConfigError
-                    raise ConfigError(f"config field '{self.family.name}.{name}' = {getattr(sec, name)}: the model "
-                                      f"has {n_layers} sublayers")
-            # freeze_at: leading sublayers frozen for the whole run, left out of the optimizer entirely
-            self.frozen_at = R.freeze(self.family.leading_parameters(self.model, freeze_at))
-        else:
-            self.frozen_at = []
+        self.frozen_at = freeze_leading(self.model, self.family, sec)
         if self.frozen_at:
-            self.log(f"[{self.stage.name}] freeze_at {freeze_at}: {len(self.frozen_at)} parameters of the first "
-                     f"{freeze_at} sublayers frozen (not optimized)")
-        self.finetune_frozen = []
+            self.log(f"[{self.stage.name}] freeze_at {sec.freeze_at}: {len(self.frozen_at)} parameters of the first "
+                     f"{sec.freeze_at} sublayers frozen (not optimized)")
+        self.finetune = Finetune(self.family, sec)
         # step 3 with cap_lr > 0: the calibrated caps train too (LSQ-like gradients through the gains)
         self.learned_caps = LearnedCaps.for_stage(self.model, self.stage, sec)
         if self.learned_caps:
@@ -762,24 +752,12 @@ class Trainer:
         self.ddp_model = self.wrap_model(self.model)
 
     def apply_finetune(self, epoch: int) -> None:
-        """``finetune N``: the first ``freeze_convs`` sublayers are frozen during epochs 0..N-1 (their
-        parameters get no gradient, so the optimizer keeps no state for them), trainable after."""
-        sec = self.cfg.section()
-        finetune = getattr(sec, "finetune", 0)
-        want = epoch < finetune
-        if want == bool(self.finetune_frozen):
-            return
-        if want:
-            self.finetune_frozen = R.freeze(self.family.leading_parameters(self.model, sec.freeze_convs))
-            self.log(f"[{self.stage.name}] finetune: first {sec.freeze_convs} sublayers frozen until epoch "
-                     f"{finetune}")
-            if not self.finetune_frozen:
-                return
-        else:
-            R.unfreeze(self.finetune_frozen)
-            self.finetune_frozen = []
-            self.log(f"[{self.stage.name}] finetune: sublayers unfrozen from epoch {epoch + 1}")
-        if is_dist():
+        """``finetune N`` (gnetmdk.engine.freezing.Finetune): freeze or unfreeze the leading sublayers for
+        ``epoch``, and wrap the model for DDP again when what is trainable changed."""
+        msg, changed = self.finetune.apply(self.model, epoch)
+        if msg:
+            self.log(f"[{self.stage.name}] {msg}")
+        if changed and is_dist():
             self.ddp_model = self.wrap_model(self.model)   # DDP registers the trainable parameters at wrap time
 
     def last_good_checkpoint(self) -> str:

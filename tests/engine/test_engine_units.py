@@ -374,3 +374,32 @@ def test_learned_caps_part_of_step_3_device_cpu():
     caps.clamp_()
     assert float(caps.caps[0]) == pytest.approx(CAP_FLOOR) and float(caps.caps[1]) == 2.5
     assert float(caps.caps[1].grad) == 0.25 and caps.caps[0].grad is None
+
+
+def test_freezing_parts_freeze_at_and_finetune_device_cpu():
+    """gnetmdk.engine.freezing: freeze_at N freezes the first N sublayers' parameters for good (and is
+    refused past the model's sublayers, as freeze_convs is with finetune); finetune N freezes the first
+    freeze_convs sublayers for epochs 0..N-1, says so once per change, and unfreezes them after."""
+    from gnetmdk.config import ConfigError
+    from gnetmdk.engine.freezing import Finetune, freeze_leading
+    from gnetmdk.models import get_family
+    from gnetmdk.models.gnetdet.model import GNetDet
+    fam = get_family("gnetdet")
+    m = GNetDet(3, 224, 0.0625, use_bn=False)
+    n = len(m.layers)
+    frozen = freeze_leading(m, fam, SimpleNamespace(freeze_at=2, finetune=0, freeze_convs=0))
+    first_two = list(m.layers[0].parameters()) + list(m.layers[1].parameters())
+    assert len(frozen) == len(first_two) and all(not p.requires_grad for p in first_two)
+    assert all(p.requires_grad for p in m.layers[2].parameters())
+    for sec in (SimpleNamespace(freeze_at=n + 1, finetune=0, freeze_convs=0),
+                SimpleNamespace(freeze_at=0, finetune=1, freeze_convs=n + 1)):
+        with pytest.raises(ConfigError, match="sublayers"):
+            freeze_leading(GNetDet(3, 224, 0.0625, use_bn=False), fam, sec)
+    m = GNetDet(3, 224, 0.0625, use_bn=False)
+    ft = Finetune(fam, SimpleNamespace(finetune=2, freeze_convs=1))
+    msg, changed = ft.apply(m, 0)
+    assert changed and "frozen until epoch 2" in msg and not any(p.requires_grad for p in m.layers[0].parameters())
+    assert ft.apply(m, 1) == (None, False)
+    msg, changed = ft.apply(m, 2)
+    assert changed and "unfrozen from epoch 3" in msg and all(p.requires_grad for p in m.parameters())
+    assert Finetune(fam, SimpleNamespace()).apply(m, 0) == (None, False)
