@@ -8,6 +8,15 @@ the checkpoint's iteration instead of silently keeping the old ones.
 """
 from __future__ import annotations
 
+import warnings
+from typing import Dict, List, Tuple
+
+import torch
+
+from gnetmdk.config import ConfigError, config_from_dict, config_value
+
+from .schedule import build_optimizer, build_scheduler
+
 # the lists are the config's (validate_config checks resume_changes against RESUME_CHANGEABLE)
 from gnetmdk.config.overrides import RESUME_CHANGEABLE, RESUME_CHECKED, RESUME_FIXED  # noqa: F401
 
@@ -19,3 +28,75 @@ def same(a, b) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return float(a) == float(b)
     return a == b
+
+
+def resume_changes(st: Dict[str, object], cfg, ranks: int, family_name: str,
+                   path: str) -> Tuple[List[str], List[str]]:
+    """Compare the settings of the checkpoint being resumed with this run's.
+
+    Args:
+        st: the checkpoint (its ``config``, ``world_size`` and ``accumulate`` entries).
+        cfg: this run's resolved config; ranks: this run's ranks (processes x virtual ranks).
+        family_name: the model family's name (its config section); path: the checkpoint, for messages.
+    Returns:
+        (the changed settings the config accepts with ``resume_changes``, one log line per change).
+    Raises:
+        ConfigError: a changed setting that fixes the position in the run or the optimizer's state
+            (batch_size, accumulate, optimizer, cap_lr: never), or another one of RESUME_CHECKED not
+            listed in ``resume_changes``; the message names each with both values and the fix.
+    """
+    raw = dict(st.get("config") or {})
+    old_cfg = config_from_dict(raw)
+    saved, now = {}, {}
+    for k in RESUME_CHECKED:
+        if k == "world_size":
+            saved[k], now[k] = int(st.get("world_size", 1) or 1), ranks
+            continue
+        a, b = config_value(old_cfg, k), config_value(cfg, k)
+        if a is not None and b is not None and (k in raw or k in (raw.get(family_name) or {})):
+            saved[k], now[k] = a, b
+    if "accumulate" in st:
+        saved["accumulate"] = st["accumulate"]
+    diffs = {k: (saved[k], now[k]) for k in RESUME_CHECKED if k in saved and not same(saved[k], now[k])}
+    where = f"cannot resume from '{path}'"
+    fixed = [k for k in diffs if k in RESUME_FIXED]
+    if fixed:
+        raise ConfigError(f"{where}: " + "; ".join(f"{k} {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now"
+                                                  for k in fixed) +
+                          f" ({'these fix' if len(fixed) > 1 else 'this fixes'} the position in the run or the "
+                          "optimizer's state): resume with the checkpoint's values, or start a new run without --resume")
+    refused = [k for k in diffs if k not in cfg.resume_changes]
+    if refused:
+        raise ConfigError(f"{where}: " + "; ".join(f"{k} {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now"
+                                                  for k in refused) +
+                          f": resume with the checkpoint's values, or accept the new ones with resume_changes "
+                          f"{','.join(refused)} (the schedule is rebuilt for them at the checkpoint's iteration; "
+                          "docs/training.md)")
+    return list(diffs), [f"resume: {k} {diffs[k][0]!r} -> {diffs[k][1]!r} (resume_changes)" for k in diffs]
+
+
+def apply_resume_changes(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, caps: List[torch.Tensor],
+                         iters_per_epoch: int, iteration: int):
+    """Resume with accepted changes: the optimizer's groups take this config's hyperparameters (the
+    checkpoint's moments, already loaded, are kept), and a schedule built from this config is advanced
+    to ``iteration``, so the learning rate is the new schedule's at that point.
+
+    Args:
+        optimizer: the run's optimizer with the checkpoint's state loaded; model, caps (learned caps, or
+            []): what it optimizes; iters_per_epoch: optimizer steps per epoch; iteration: the
+            checkpoint's.
+    Returns:
+        the new learning-rate scheduler (torch.optim.lr_scheduler), stepped ``iteration`` times.
+    """
+    fresh = build_optimizer(model, cfg, caps, getattr(cfg.section(), "cap_lr", 0.0))
+    for group, new in zip(optimizer.param_groups, fresh.param_groups):
+        for key in ("lr", "weight_decay", "momentum", "nesterov"):
+            if key in new:
+                group[key] = new[key]
+        group["initial_lr"] = new["lr"]
+    scheduler = build_scheduler(optimizer, cfg, iters_per_epoch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # stepping a schedule without optimizer steps, on purpose
+        for _ in range(iteration):
+            scheduler.step()
+    return scheduler

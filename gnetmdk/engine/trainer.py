@@ -45,7 +45,7 @@ from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
-from .resume import RESUME_CHECKED, RESUME_FIXED, same as _same
+from .resume import apply_resume_changes, resume_changes
 from .schedule import build_optimizer, build_scheduler
 from . import runtime as R
 from .stages import Stage, apply_stage, get_stage, source_path
@@ -662,65 +662,6 @@ class Trainer:
         """A hook asks to stop early (max_iters reached, the replayed recording ended)."""
         return any(hook.should_stop() for hook in self.hooks)
 
-    def check_resume(self, st: Dict[str, object]) -> List[str]:
-        """Compare the settings of the checkpoint being resumed with this run's; returns the changed
-        settings the config accepts (``resume_changes``).
-
-        Raises:
-            ConfigError: a changed setting that fixes the position in the run or the optimizer's state
-                (batch_size, accumulate, optimizer, cap_lr: never), or another one of RESUME_CHECKED not
-                listed in ``resume_changes``; the message names each with both values and the fix.
-        """
-        from gnetmdk.config import ConfigError, config_from_dict, config_value
-        raw = dict(st.get("config") or {})
-        old_cfg = config_from_dict(raw)
-        saved, now = {}, {}
-        for k in RESUME_CHECKED:
-            if k == "world_size":
-                saved[k], now[k] = int(st.get("world_size", 1) or 1), self.ranks
-                continue
-            a, b = config_value(old_cfg, k), config_value(self.cfg, k)
-            if a is not None and b is not None and (k in raw or k in (raw.get(self.family.name) or {})):
-                saved[k], now[k] = a, b
-        if "accumulate" in st:
-            saved["accumulate"] = st["accumulate"]
-        diffs = {k: (saved[k], now[k]) for k in RESUME_CHECKED if k in saved and not _same(saved[k], now[k])}
-        where = f"cannot resume from '{self.outputs.resume_path()}'"
-        fixed = [k for k in diffs if k in RESUME_FIXED]
-        if fixed:
-            raise ConfigError(f"{where}: " + "; ".join(f"{k} {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now"
-                                                      for k in fixed) +
-                              f" ({'these fix' if len(fixed) > 1 else 'this fixes'} the position in the run or the "
-                              "optimizer's state): resume with the checkpoint's values, or start a new run without --resume")
-        refused = [k for k in diffs if k not in self.cfg.resume_changes]
-        if refused:
-            raise ConfigError(f"{where}: " + "; ".join(f"{k} {diffs[k][0]!r} in the checkpoint, {diffs[k][1]!r} now"
-                                                      for k in refused) +
-                              f": resume with the checkpoint's values, or accept the new ones with resume_changes "
-                              f"{','.join(refused)} (the schedule is rebuilt for them at the checkpoint's iteration; "
-                              "docs/training.md)")
-        for k in diffs:
-            self.log(f"[{self.stage.name}] resume: {k} {diffs[k][0]!r} -> {diffs[k][1]!r} (resume_changes)")
-        return list(diffs)
-
-    def apply_resume_changes(self, changed: List[str], iteration: int) -> None:
-        """Resume with accepted changes: the optimizer groups take this config's hyperparameters (the
-        checkpoint's moments are kept), and a schedule built from this config is advanced to
-        ``iteration``, so the learning rate is the new schedule's at that point."""
-        import warnings
-        cfg = self.cfg
-        fresh = build_optimizer(self.model, cfg, self.learned_caps.caps, getattr(cfg.section(), "cap_lr", 0.0))
-        for group, new in zip(self.optimizer.param_groups, fresh.param_groups):
-            for key in ("lr", "weight_decay", "momentum", "nesterov"):
-                if key in new:
-                    group[key] = new[key]
-            group["initial_lr"] = new["lr"]
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")        # stepping a schedule without optimizer steps, on purpose
-            for _ in range(iteration):
-                self.scheduler.step()
-
     def setup_optimizer(self) -> None:
         """Build the optimizer, the learning-rate schedule and the mixed-precision state; freeze the first
         ``freeze_at`` sublayers for the whole run, make the caps trainable in step 3 with ``cap_lr > 0``, and wrap
@@ -831,10 +772,13 @@ class Trainer:
         self.setup_optimizer()
         if self.resume_state is not None:
             st = self.resume_state
-            changed = self.check_resume(st)
+            changed, notes = resume_changes(st, cfg, self.ranks, self.family.name, self.outputs.resume_path())
+            for note in notes:
+                self.log(f"[{stage.name}] {note}")
             self.optimizer.load_state_dict(st["optimizer"])
             if changed:      # accepted with resume_changes: the new values, at the checkpoint's iteration
-                self.apply_resume_changes(changed, int(st["iteration"]))
+                self.scheduler = apply_resume_changes(self.optimizer, self.model, cfg, self.learned_caps.caps,
+                                                      self.iters_per_epoch, int(st["iteration"]))
             else:
                 self.scheduler.load_state_dict(st["scheduler"])
             set_rng_state(st["rng"])
