@@ -172,7 +172,7 @@ class MinMaxObserver:
         self.mins[i] = torch.minimum(self.mins[i], x.min().float())
         self.maxs[i] = torch.maximum(self.maxs[i], x.max().float())
 
-    forward = __call__
+    forward = observe = __call__
 
     def range(self) -> Tuple[float, float]:
         """``(min, max)`` observed so far, widened to hold 0."""
@@ -204,7 +204,7 @@ class HistogramObserver:
         idx = torch.clamp(((x.float() - self.lo) * self.scale).floor(), 0, RANGE_HIST_BINS - 1).long().flatten()
         self.counts[self.i] += torch.bincount(idx, minlength=RANGE_HIST_BINS).double()
 
-    forward = __call__
+    forward = observe = __call__
 
     def range(self) -> Tuple[float, float]:
         """The range the counts ask for (:func:`range_from_histogram`), ``lo' <= 0 <= hi'``."""

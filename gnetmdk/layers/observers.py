@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from gnetmdk.gti.quantize import value_histogram
+from gnetmdk.gti.quantize import ACT_MAX, mse_cap_from_histogram, value_histogram
 
 
 def batch_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
@@ -40,7 +40,19 @@ def batch_percentile(x: torch.Tensor, percentile: float) -> torch.Tensor:
 
 
 class Observer:
-    """Base of the observers: ``observe(x)`` for each batch's tensor, ``value`` the statistic so far."""
+    """Base of the observers: ``observe(x)`` for each batch's tensor, ``value`` the statistic so far, and
+    ``calculate_qparams()`` the 5-bit activation's (scale, zero point) that statistic gives, in torch.ao's
+    names (scale = cap / 31, zero point 0; docs/quantization.md, "Activations"). Under data parallelism
+    the caller combines ``value`` over the processes first (module docstring); before that,
+    calculate_qparams is this process's."""
+
+    def cap(self) -> float:
+        """The cap the statistic gives (the statistic itself here; 0.0 before any batch)."""
+        return 0.0 if self.value is None else float(self.value)
+
+    def calculate_qparams(self):
+        """(scale, zero point): a 0-d float32 tensor ``cap / 31`` and a 0-d int32 tensor 0."""
+        return (torch.tensor(self.cap(), dtype=torch.float32) / ACT_MAX, torch.zeros((), dtype=torch.int32))
 
     def observe(self, x: torch.Tensor) -> None:
         """Fold one batch's tensor into :attr:`value`.
@@ -99,6 +111,13 @@ class HistogramObserver(Observer):
             return
         h = value_histogram(x, self.bins, self.vmax)
         self.value = h if self.value is None else self.value + h
+
+    def cap(self) -> float:
+        """The MSE cap of the counts (gnetmdk.gti.quantize.mse_cap_from_histogram); 0.0 before any batch
+        or when ``vmax`` is not positive."""
+        if self.value is None or not self.vmax > 0:
+            return 0.0
+        return mse_cap_from_histogram(self.value, self.vmax)
 
 
 class observe_inputs:

@@ -125,6 +125,15 @@ class QConv2d(nn.Conv2d):
         """Switch the weights' fake quantization off (float weights); returns self."""
         return self.enable_fake_quant(False)
 
+    def calculate_qparams(self):
+        """(scale, zero point) of the stored integer weights, as torch.ao's fake quantizers give them:
+        scale 2^-shift (0-d float32; one per layer: the per-kernel scale and the weight format only
+        decide which integers a kernel may hold, docs/quantization.md, "Weight schemes"), zero point 0
+        (0-d int32). The weights the chip stores are W_int = w_q / scale (:meth:`integer_params`)."""
+        _, _, shift = self.integer_params()
+        return (torch.tensor(2.0 ** -shift, dtype=torch.float32, device=self.weight.device),
+                torch.zeros((), dtype=torch.int32, device=self.weight.device))
+
     @staticmethod
     def float32_exact(w: torch.Tensor, b: torch.Tensor, shift: int, max_code: int = 31) -> bool:
         """True when float32 convolution is exact for integer inputs 0..max_code: every partial sum

@@ -75,3 +75,35 @@ def test_both_families_share_the_switch_names_and_the_stage_table_sets_them_devi
                 assert all(c.fake_quant_enabled == stage.weight_fake_quant for c in net.convs()), name
                 assert all(r.fake_quant_enabled == stage.act_fake_quant and r.integer == stage.integer
                            and r.observer_enabled == calibrating for r in net.relus()), (name, calibrating)
+
+
+def test_observers_of_both_targets_observe_and_calculate_qparams_device_cpu():
+    """Both targets' observers answer to ``observe`` and ``calculate_qparams``: the chip's give (cap / 31,
+    0) of their statistic (the maximum; the MSE cap of the histogram), the int8 ones (scale, zero point)
+    of their range; QConv2d gives 2^-shift and 0, the step of the integers it stores."""
+    from gnetmdk.intq.calibrate import MinMaxObserver
+    from gnetmdk.layers.observers import HistogramObserver, MaxObserver, PercentileObserver
+    from gnetmdk.intq.fake import act_qparams
+    torch.manual_seed(3)
+    x = torch.randn(4, 8, 16, 16) * 2
+    mx = MaxObserver()
+    assert float(mx.calculate_qparams()[0]) == 0.0               # nothing observed yet
+    mx.observe(x)
+    scale, zp = mx.calculate_qparams()
+    assert torch.equal(scale, x.max() / Q.ACT_MAX) and int(zp) == 0 and zp.dtype == torch.int32
+    pc = PercentileObserver(99.0)
+    pc.observe(x)
+    assert 0 < float(pc.calculate_qparams()[0]) < float(scale)
+    hist = HistogramObserver(float(x.max()), bins=256)
+    hist.observe(x)
+    cap = Q.mse_cap_from_histogram(hist.value, float(x.max()))
+    assert float(hist.calculate_qparams()[0]) == pytest.approx(cap / 31, rel=1e-6) and 0 < cap <= float(x.max())
+    mins, maxs = torch.full((1,), float("inf")), torch.full((1,), float("-inf"))
+    mm = MinMaxObserver(mins, maxs, 0)
+    mm.observe(x)
+    assert mm.calculate_qparams() == act_qparams(float(x.min()), float(x.max()))
+    c = QConv2d(3, 4, scheme=3, weight_bits=12, bias_bits=20).enable_fake_quant()
+    w_int, _, shift = c.integer_params()
+    step, czp = c.calculate_qparams()
+    w_q, _, _ = c.quantized_params()
+    assert float(step) == 2.0 ** -shift and int(czp) == 0 and torch.equal(w_q.double() / float(step), w_int.double())
