@@ -297,8 +297,6 @@ class AlignmentHook(HookBase):
             else "end of the recording"
         trainer.log(f"[{trainer.stage.name}] stopped after {trainer.iteration} iterations ({why}): "
                     f"{os.path.join(trainer.out_dir, 'last.pth')} is written when the run ends")
-        if trainer.best_map is not None and trainer.best_map < 0:
-            trainer.best_map = None          # nothing was evaluated: the summary says n/a, not -1
         self.write_report(trainer)
         self.complete_recording()
         return path

@@ -808,6 +808,8 @@ class Trainer:
             result = {"train": self.train_one_epoch(epoch)}
             if self.should_stop():      # max_iters reached or the replayed recording ended
                 self.align.finish(epoch)
+                if self.best_map is not None and self.best_map < 0:
+                    self.best_map = None    # nothing was evaluated: the summary says n/a, not -1
                 break
             for hook in self.hooks:     # evaluation and best.pth, last.pth, tensorboard, the epoch line
                 hook.after_epoch(epoch, result)
