@@ -337,3 +337,15 @@ def test_distillation_from_the_float_model_in_step_2_device_cpu(workdir, tmp_pat
                        tmp_path / "kd" / "step2" / "best.pth", step=2))
     with pytest.raises(ConfigError, match="distill_from"):
         _cfg(path, tmp_path, "kd", "distill_from", "x.pth", step=2)
+
+
+def test_run_stopped_before_any_evaluation_reports_no_best_map(workdir, tmp_path):
+    """max_iters stops the first epoch before any evaluation (eval_before false): the summary's best mAP
+    is None (printed n/a), not the -1 the trainer starts from, and no best.pth is written (device cpu)."""
+    from gnetmdk.engine.trainer import Trainer
+    _, path = workdir
+    cfg = _cfg(path, tmp_path, "mi", "max_iters", 1, "eval_before", "false", "batch_size", 2, "num_epochs", 1,
+               "threads", 1, "device", "cpu")
+    summary = Trainer(cfg).run()
+    assert summary["best_map"] is None and summary["best_epoch"] is None
+    assert not (tmp_path / "mi" / "step1" / "best.pth").exists() and (tmp_path / "mi" / "step1" / "last.pth").exists()
