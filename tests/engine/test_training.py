@@ -339,7 +339,7 @@ def test_distillation_from_the_float_model_in_step_2_device_cpu(workdir, tmp_pat
         _cfg(path, tmp_path, "kd", "distill_from", "x.pth", step=2)
 
 
-def test_run_stopped_before_any_evaluation_reports_no_best_map(workdir, tmp_path):
+def test_run_stopped_before_any_evaluation_reports_no_best_map_device_cpu(workdir, tmp_path):
     """max_iters stops the first epoch before any evaluation (eval_before false): the summary's best mAP
     is None (printed n/a), not the -1 the trainer starts from, and no best.pth is written (device cpu)."""
     from gnetmdk.engine.trainer import Trainer

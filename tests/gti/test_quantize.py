@@ -647,7 +647,7 @@ def test_mse_cap_matches_the_definition(seed, bins, candidates):
     assert 0 < got <= vmax * (1 + 1e-12)
 
 
-def test_histogram_mse_argmin_is_the_least_weighted_squared_error():
+def test_histogram_mse_argmin_is_the_least_weighted_squared_error_device_cpu():
     """The shared MSE choice: the candidate whose dequantized centres are nearest in counts-weighted
     squared error, the first on a tie; shapes that do not fit are refused."""
     counts = torch.tensor([3.0, 1.0, 0.0, 2.0], dtype=torch.float64)
