@@ -234,7 +234,7 @@ def test_caps_gradients_not_averaged_are_caught(ws, s3c, tmp_path):
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('GNETMDK_TEST_NO_CAPS_REDUCE'):\n"
-        "    import gnetmdk.engine.trainer as t\n"
+        "    import gnetmdk.engine.learned_caps as t\n"
         "    t.all_reduce = lambda tensor, op='sum': tensor\n")
     from dist_helpers import ROOT
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "GNETMDK_TEST_NO_CAPS_REDUCE": "1"}
