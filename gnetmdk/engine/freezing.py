@@ -9,7 +9,7 @@ the trainable parameters when it wraps.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -55,7 +55,7 @@ class Finetune:
         #: the parameters frozen now (to unfreeze later); [] when none are
         self.frozen: List[torch.nn.Parameter] = []
 
-    def apply(self, model: torch.nn.Module, epoch: int) -> "tuple[Optional[str], bool]":
+    def apply(self, model: torch.nn.Module, epoch: int) -> Tuple[Optional[str], bool]:
         """Freeze or unfreeze for ``epoch`` (0-based).
 
         Returns:

@@ -42,7 +42,6 @@ from gnetmdk.layers.prepare import prepare_model
 from .device import configure_backends, resolve_device
 from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler, check_batch_split
 from gnetmdk.evaluation.evaluator import evaluate_model
-from gnetmdk.evaluation.voc import format_ap_table
 from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
 from .resume import apply_resume_changes, resume_changes

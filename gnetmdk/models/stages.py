@@ -15,8 +15,8 @@ checkpoint's switches with it; gnetmdk.engine.stages re-exports it for the train
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 from gnetmdk.gti.transforms import fold_bn, fold_requant_multipliers
 

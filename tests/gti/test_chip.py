@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from fractions import Fraction
 
 import cv2
