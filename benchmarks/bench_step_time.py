@@ -148,7 +148,7 @@ def ready_trainer(cfg):
     t = Trainer(cfg)
     t.build_data()
     t.build_model()
-    t.best_map, t.last_map, t.iteration, t.start_epoch, t.start_batch = -1.0, None, 0, 0, 0
+    t.iteration, t.start_epoch, t.start_batch = 0, 0, 0
     t.setup_optimizer()
     for hook in t.hooks:
         hook.before_train()

@@ -257,8 +257,47 @@ class TensorboardHook(HookBase):
 class EvalHook(HookBase):
     """Evaluation (VOC mAP on the val split) before training (``eval_before``: the entry model is the
     stage's first candidate for best.pth) and after every ``eval_interval`` epochs and the last; the
-    best is written as best.pth (Trainer.save_best). Each evaluation's mAP (COCO mAP, val loss) goes
-    into the trainer's event storage (gnetmdk.engine.events)."""
+    best is written as best.pth (:meth:`save_best`). Each evaluation's mAP (COCO mAP, val loss) goes
+    into the trainer's event storage (gnetmdk.engine.events).
+
+    The hook owns the stage's record of its best model (detectron2's BestCheckpointer): ``best_map``
+    (mAP@0.5 of best.pth; -1.0 until something was evaluated), ``last_map`` (the latest evaluation),
+    ``best_epoch`` (the epoch best.pth was written after, 0 for the entry model) and ``best_seconds``
+    (stage seconds until then). They go into every checkpoint (:meth:`state_dict`) and come back on
+    ``--resume`` (:meth:`load_state_dict`). After an evaluation, ``result["best_map"]`` and
+    ``result["best_epoch"]`` tell the later hooks (early stopping) where the best stands."""
+
+    def __init__(self):
+        self.best_map: float = -1.0
+        self.last_map: Optional[float] = None
+        self.best_epoch: Optional[int] = None
+        self.best_seconds: Optional[float] = None
+
+    def state_dict(self) -> Dict[str, object]:
+        """``best_map``, ``best_epoch``, ``best_seconds`` and ``map`` (the latest evaluation's mAP)."""
+        return {"best_map": self.best_map, "best_epoch": self.best_epoch, "best_seconds": self.best_seconds,
+                "map": self.last_map}
+
+    def load_state_dict(self, checkpoint: Dict[str, object]) -> None:
+        """Take over a resumed checkpoint's best mAP, its epoch and seconds (-1.0 / None where absent)."""
+        best = checkpoint.get("best_map")
+        self.best_map = -1.0 if best is None else float(best)
+        self.best_epoch, self.best_seconds = checkpoint.get("best_epoch"), checkpoint.get("best_seconds")
+
+    def record(self, map_value: float) -> None:
+        """An evaluation outside the loop that is the stage's result (the calibration pass): both the
+        best and the latest mAP."""
+        self.best_map = self.last_map = float(map_value)
+
+    def evaluated_best(self) -> Optional[float]:
+        """The best mAP, or None when nothing was evaluated (a run stopped before its first evaluation)."""
+        return None if self.best_map < 0 else self.best_map
+
+    def save_best(self, epoch: int, iteration: int) -> None:
+        """Write best.pth for ``epoch``, recording that epoch and the stage seconds so far in it."""
+        t = self.trainer
+        self.best_epoch, self.best_seconds = epoch, time.time() - t.t_start
+        t.save("best.pth", epoch, iteration)
 
     def before_train(self) -> None:
         """With ``eval_before`` (and not resuming): evaluate the entry model, take its mAP as the best so
@@ -268,44 +307,46 @@ class EvalHook(HookBase):
             return
         res = t.evaluate("entry")
         t.summary["entry_map"] = res["map"]
-        t.last_map = res["map"]
+        self.last_map = res["map"]
         coco = f", COCO mAP {res['coco']['map']:.4f}" if "coco" in res else ""
         t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f}{coco} (before training, {res['seconds']:.1f}s)")
         t.storage.put_scalar(f"{t.stage.name}/mAP", res["map"], 0)
         # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
-        t.best_map = res["map"]
+        self.best_map = res["map"]
         if "coco" in res:
             t.summary["best_coco_map"] = res["coco"]["map"]
-        t.save_best(0, 0)
+        self.save_best(0, 0)
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
         """Every ``eval_interval`` epochs and after the last: evaluate, put the result in ``result["eval"]``,
-        and write best.pth (``result["best"]``) when the mAP beats the best so far."""
+        write best.pth (``result["best"]``) when the mAP beats the best so far, and put the best's mAP
+        and epoch in ``result["best_map"]`` / ``result["best_epoch"]``."""
         t, cfg = self.trainer, self.trainer.cfg
         if not ((epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs):
             return
         res = t.evaluate(f"epoch{epoch + 1}")
         result["eval"] = res
-        t.last_map = res["map"]
+        self.last_map = res["map"]
         name = t.stage.name
         t.storage.put_scalar(f"{name}/mAP", res["map"], epoch + 1)
         if "coco" in res:
             t.storage.put_scalar(f"{name}/COCO_mAP", res["coco"]["map"], epoch + 1)
         t.storage.put_scalar(f"{name}/val_loss", res["loss"].get("total", 0.0), epoch + 1)
-        if res["map"] > t.best_map:
+        if res["map"] > self.best_map:
             if "coco" in res:
                 t.summary["best_coco_map"] = res["coco"]["map"]     # of the model best.pth holds
-            t.best_map = res["map"]
-            t.save_best(epoch + 1, t.iteration)
+            self.best_map = res["map"]
+            self.save_best(epoch + 1, t.iteration)
             result["best"] = True
+        result["best_map"], result["best_epoch"] = self.best_map, self.best_epoch
 
 
 class EarlyStopHook(HookBase):
     """Early stopping on val mAP (``patience`` epochs, 0: off): after an evaluation, when the best
-    mAP is ``patience`` or more epochs old (counted from the epoch of best.pth, 0 for the entry model),
-    the epoch's result gets ``stop`` and the trainer ends the stage after this epoch's last.pth and
-    log line. Every rank takes the same decision: the mAP is computed from detections gathered from
-    all ranks."""
+    mAP is ``patience`` or more epochs old (counted from the epoch of best.pth, 0 for the entry model;
+    the evaluation hook puts both in the epoch's result), the epoch's result gets ``stop`` and the
+    trainer ends the stage after this epoch's last.pth and log line. Every rank takes the same
+    decision: the mAP is computed from detections gathered from all ranks."""
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
         """Set ``result["stop"]`` (the reason, for the log) when the best mAP is ``patience`` or more epochs old
@@ -313,9 +354,9 @@ class EarlyStopHook(HookBase):
         t, patience = self.trainer, self.trainer.cfg.patience
         if patience <= 0 or "eval" not in result or epoch + 1 >= t.cfg.num_epochs:
             return
-        best_epoch = t.best_epoch or 0
+        best_epoch = result.get("best_epoch") or 0
         if epoch + 1 - best_epoch >= patience:
-            result["stop"] = (f"early stop after epoch {epoch + 1}: no better val mAP than {t.best_map:.4f} "
+            result["stop"] = (f"early stop after epoch {epoch + 1}: no better val mAP than {result['best_map']:.4f} "
                               f"(epoch {best_epoch}) for {epoch + 1 - best_epoch} epochs (patience {patience})")
 
 

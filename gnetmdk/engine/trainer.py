@@ -32,6 +32,7 @@ from gnetmdk.dist.comm import (all_reduce, barrier, get_rank, get_world_size, is
                                rows_over_ranks)
 from gnetmdk.dist.virtual import combine_gradients, replica, set_virtual_ranks, split_batch
 from .align_hook import AlignmentHook
+from .calibration import run_calibration
 from .distill import Distillation
 from .freezing import Finetune, freeze_leading
 from .learned_caps import LearnedCaps
@@ -138,10 +139,6 @@ class Trainer:
         self.learned_caps = LearnedCaps([])                 # caps trained in step 3 (cap_lr > 0; learned_caps.py)
         self.finetune = Finetune(self.family, cfg.section())  # finetune N (gnetmdk.engine.freezing)
         self.frozen_at: List[torch.nn.Parameter] = []
-        self.best_map: Optional[float] = None
-        self.last_map: Optional[float] = None
-        self.best_epoch: Optional[int] = None
-        self.best_seconds: Optional[float] = None
         self.best_caps = None                               # caps of the model best.pth holds (learned caps)
         self.t_start: Optional[float] = None
         self.start_epoch = self.start_batch = 0
@@ -157,8 +154,10 @@ class Trainer:
         self.ema_hook = EMAHook() if cfg.ema else None
         # in call order: the EMA is updated before anything reads it; the evaluation writes best.pth
         # before last.pth; the log line comes last
+        #: evaluation and best.pth; owns the best mAP, its epoch and the latest mAP (gnetmdk.engine.hooks)
+        self.evaluation = EvalHook()
         self.hooks = []
-        for hook in (self.ema_hook, self.align, EvalHook(), EarlyStopHook(), CurvesHook(), CheckpointHook(),
+        for hook in (self.ema_hook, self.align, self.evaluation, EarlyStopHook(), CurvesHook(), CheckpointHook(),
                      self.tensorboard, LoggerHook()):
             if hook is not None:
                 self.register(hook)
@@ -338,10 +337,9 @@ class Trainer:
               "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
               "caps": [float(r.cap.detach()) for r in self.eval_model.relus()] if hasattr(m, "relus") else [],
               "config": self.cfg.to_dict(),
-              "epoch": epoch, "iteration": iteration, "best_map": self.best_map,
-              "best_epoch": self.best_epoch, "best_seconds": self.best_seconds,
+              "epoch": epoch, "iteration": iteration,
               "elapsed": time.time() - self.t_start if self.t_start is not None else None,
-              "map": self.last_map, "entry_map": self.summary.get("entry_map"),
+              "entry_map": self.summary.get("entry_map"),
               "world_size": self.ranks, "source": self.outputs.source}
         if getattr(m, "calibrated_caps", None):
             st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
@@ -408,17 +406,6 @@ class Trainer:
                 "free disk space or set checkpoint_root to another disk")
 
     # ------------------------------------------------------------------ calibration
-    def calibrate(self) -> Dict[str, object]:
-        """Measure and set the activation ranges over the training data (the family's calibration:
-        GNetDet's ReLU caps, gnetmdk.engine.calibration; PP-YOLO's uint8 ranges, gnetmdk.intq.calibrate);
-        returns DetectorFamily.calibrate's dict."""
-
-        def batches():
-            self.train_sampler.set_epoch(0)
-            return (images for images, _, _, _ in self.train_loader)
-
-        return self.family.calibrate(self.model, batches, self.cfg, self.device, self._progress)
-
     def caps_file(self) -> str:
         """model/relu_cap.txt: one cap per conv (the chip files' caps)."""
         return os.path.join(self.cfg.model_root, "relu_cap.txt")
@@ -712,11 +699,6 @@ class Trainer:
             return model
         return wrap_ddp(model, self.device, ordered=bool(self.cfg.deterministic))
 
-    def save_best(self, epoch: int, iteration: int) -> None:
-        """Write best.pth for ``epoch``, recording that epoch and the stage seconds so far in it."""
-        self.best_epoch, self.best_seconds = epoch, time.time() - self.t_start
-        self.save("best.pth", epoch, iteration)
-
     def run(self) -> Dict[str, object]:
         """Run the stage; returns a summary (entry_map, best_map, final_map, caps, timings, paths).
 
@@ -750,9 +732,7 @@ class Trainer:
             self.log(f"[{stage.name}] note: {note}")
         self.build_data()
         self.build_model()
-        self.best_map = -1.0
-        self.last_map = None
-        self.best_epoch = self.best_seconds = None
+        self.evaluation.__init__()           # no best yet: -1.0, nothing evaluated
         self.iteration = 0
         self.start_epoch = 0
         self.start_batch = 0
@@ -762,7 +742,7 @@ class Trainer:
                  f"{f': {self.virtual.size} virtual ranks in each of {self.world_size} process(es)' if self.virtual else ''}), "
                  f"device {self.device}, model {cfg.model_name} {self.family.describe(cfg)}")
         if stage.calibration:
-            return self._run_cal(t_start)
+            return run_calibration(self, t_start)
         stale = self.outputs.interrupted() if not cfg.resume and self.main else None
         if stale is not None:
             self.log(f"[{stage.name}] note: {self.outputs.run_dir} holds an interrupted run (iteration {stale}); this "
@@ -787,8 +767,6 @@ class Trainer:
             self.start_batch = self.iteration - self.start_epoch * self.iters_per_epoch
             if self.start_batch >= self.iters_per_epoch:
                 self.start_epoch, self.start_batch = self.start_epoch + 1, 0
-            self.best_map = float(st.get("best_map", -1.0))
-            self.best_epoch, self.best_seconds = st.get("best_epoch"), st.get("best_seconds")
             # the stage's clock goes on from where the interrupted run's last checkpoint left it
             t_start = self.t_start = t_start - float(st.get("elapsed") or 0.0)
             self.summary["entry_map"] = st.get("entry_map")
@@ -801,14 +779,12 @@ class Trainer:
                      f"best.pth and last.pth in {self.out_dir} (the set it replaces moves to "
                      f"{self.outputs.previous_dir})")
             if not cfg.eval_before:
-                self.save_best(0, 0)
+                self.evaluation.save_best(0, 0)
             self.save("last.pth", 0, 0, full=True)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             result = {"train": self.train_one_epoch(epoch)}
             if self.should_stop():      # max_iters reached or the replayed recording ended
                 self.align.finish(epoch)
-                if self.best_map is not None and self.best_map < 0:
-                    self.best_map = None    # nothing was evaluated: the summary says n/a, not -1
                 break
             for hook in self.hooks:     # evaluation and best.pth, last.pth, tensorboard, the epoch line
                 hook.after_epoch(epoch, result)
@@ -818,42 +794,19 @@ class Trainer:
         for hook in self.hooks:         # tensorboard closed; the run's files become the stage's outputs
             hook.after_train()
         # a run stopped early without an evaluation (max_iters, a replay's end) writes last.pth alone
-        wrote_best = self.best_epoch is not None or not self.align.stopped
-        self.summary.update(best_map=self.best_map, final_map=self.last_map, seconds=time.time() - t_start,
+        ev = self.evaluation
+        wrote_best = ev.best_epoch is not None or not self.align.stopped
+        # a run stopped before its first evaluation (max_iters, a replay's end): the summary says n/a, not -1
+        best_map = ev.evaluated_best() if self.align.stopped else ev.best_map
+        self.summary.update(best_map=best_map, final_map=ev.last_map, seconds=time.time() - t_start,
                             best_path=os.path.join(self.out_dir, "best.pth") if wrote_best else None,
-                            last_path=os.path.join(self.out_dir, "last.pth"), best_epoch=self.best_epoch,
-                            best_seconds=self.best_seconds)
-        when = "" if self.best_epoch is None else f" (epoch {self.best_epoch}, {self.best_seconds:.0f}s)"
+                            last_path=os.path.join(self.out_dir, "last.pth"), best_epoch=ev.best_epoch,
+                            best_seconds=ev.best_seconds)
+        when = "" if ev.best_epoch is None else f" (epoch {ev.best_epoch}, {ev.best_seconds:.0f}s)"
         where = (self.summary["best_path"] if wrote_best else
                  f"{self.summary['last_path']} (stopped after iteration {self.iteration}; no best.pth)")
         self.log(f"[{stage.name}] done in {self.summary['seconds']:.0f}s: entry mAP "
-                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(self.best_map)}{when} -> {where}")
-        return self.summary
-
-    def _run_cal(self, t_start: float) -> Dict[str, object]:
-        cfg = self.cfg
-        if cfg.eval_before:
-            res = self.evaluate("entry")
-            self.summary["entry_map"] = res["map"]
-            self.log(f"[cal] step-2 model mAP {res['map']:.4f}")
-        cal = self.calibrate()
-        caps = cal["caps"]
-        how = cal["how"].format(batches=len(self.train_loader))
-        self.log(f"[cal] {cal['label']} ({how}): " + " ".join(f"{c:.3g}" for c in caps))
-        res = self.evaluate("cal")
-        self.best_map = self.last_map = res["map"]
-        self.log(f"[cal] mAP with quantized activations and these {cal['label']} (step 3 before training): "
-                 f"{res['map']:.4f}")
-        # cal.pth and the ranges file (model/relu_cap.txt for the chip) as one set: both new, or (on any
-        # failure) both as they were
-        path, cap_file = os.path.join(self.out_dir, "cal.pth"), os.path.join(cfg.model_root, cal["file"][0])
-        if self.main:
-            state = self.state(0, 0, False)
-            self.outputs.save_set({"cal.pth": state}, {cap_file: cal["file"][1]})
-        barrier()
-        self.summary.update(best_map=res["map"], final_map=res["map"], caps=caps, seconds=time.time() - t_start,
-                            best_path=path, cap_file=cap_file)
-        self.log(f"[cal] wrote {path} and {cap_file}")
+                 f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(best_map)}{when} -> {where}")
         return self.summary
 
 

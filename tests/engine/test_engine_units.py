@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from gnetmdk.engine.ema import ModelEMA
 from gnetmdk.engine.events import EventStorage
-from gnetmdk.engine.hooks import CurvesHook, EarlyStopHook, EMAHook, TensorboardHook
+from gnetmdk.engine.hooks import CurvesHook, EarlyStopHook, EMAHook, EvalHook, TensorboardHook
 from gnetmdk.intq.graph import Node, check_graph, tensor_quantizers
 
 
@@ -98,7 +98,7 @@ class _FakeTrainer(SimpleNamespace):
 def _trainer(**cfg):
     logs = []
     t = _FakeTrainer(model=_Net(), cfg=SimpleNamespace(**cfg), resume_state=None, stage=SimpleNamespace(name="step1"),
-                        log=logs.append, best_epoch=None, best_map=0.0)
+                        log=logs.append)
     return t, logs
 
 
@@ -206,15 +206,79 @@ def test_early_stop_hook_counts_epochs_since_the_best_device_cpu(epoch, best_epo
     stop after the 5th epoch (3 without a better mAP), not after the 4th; with the entry model best,
     after the 3rd; never after the last epoch, and only where the epoch evaluated."""
     t, _ = _trainer(patience=3, num_epochs=10)
-    t.best_epoch = best_epoch
     hook = EarlyStopHook()
     hook.trainer = t
-    result = {"eval": {}}
+    result = {"eval": {}, "best_map": 0.5, "best_epoch": best_epoch}
     hook.after_epoch(epoch, result)
     assert ("stop" in result) == stops
     quiet = {}
     hook.after_epoch(epoch, quiet)
     assert "stop" not in quiet
+
+
+def test_eval_hook_owns_the_best_and_writes_best_pth_only_when_beaten_device_cpu():
+    """The evaluation hook keeps the best mAP, its epoch and the latest mAP itself: best.pth is written
+    for the entry model and then only for a higher mAP; every epoch's result carries the best's mAP and
+    epoch; state_dict / load_state_dict carry the record across a resume; nothing is set on the trainer."""
+    maps = iter([0.30, 0.50, 0.40, 0.60])
+    saved = []
+    t, logs = _trainer(resume=False, eval_before=True, eval_interval=1, num_epochs=4)
+    t.summary, t.storage, t.t_start, t.iteration = {}, EventStorage(), 0.0, 0
+    t.evaluate = lambda tag: {"map": next(maps), "loss": {"total": 1.0}, "seconds": 0.1}
+    t.save = lambda name, epoch, iteration, full=False: saved.append((name, epoch))
+    hook = EvalHook()
+    assert (hook.best_map, hook.last_map, hook.best_epoch, hook.evaluated_best()) == (-1.0, None, None, None)
+    hook.trainer = t
+    hook.before_train()
+    results = []
+    for epoch in range(3):
+        t.iteration += 10
+        results.append({})
+        hook.after_epoch(epoch, results[-1])
+    assert saved == [("best.pth", 0), ("best.pth", 1), ("best.pth", 3)]
+    assert [r.get("best", False) for r in results] == [True, False, True]
+    assert [(r["best_map"], r["best_epoch"]) for r in results] == [(0.5, 1), (0.5, 1), (0.6, 3)]
+    assert (hook.best_map, hook.last_map, hook.best_epoch) == (0.6, 0.6, 3)
+    assert not any(hasattr(t, k) for k in ("best_map", "last_map", "best_epoch", "best_seconds"))
+    state = hook.state_dict()
+    assert state["best_map"] == 0.6 and state["best_epoch"] == 3 and state["map"] == 0.6
+    resumed = EvalHook()
+    resumed.load_state_dict(state)
+    assert (resumed.best_map, resumed.best_epoch, resumed.best_seconds) == (0.6, 3, state["best_seconds"])
+    resumed.load_state_dict({"best_map": None})          # a run stopped before its first evaluation
+    assert resumed.best_map == -1.0 and resumed.evaluated_best() is None
+
+
+def test_calibration_stage_writes_its_ranges_and_records_their_map_device_cpu(tmp_path):
+    """run_calibration: the entry evaluation, the family's calibration over the train batches in order,
+    the evaluation with the new ranges as the stage's best and final mAP (in the evaluation hook), and
+    cal.pth with the ranges file handed to the stage outputs as one set."""
+    from gnetmdk.engine.calibration import run_calibration
+    maps = iter([0.70, 0.65])
+    sets, seen = [], []
+    t, logs = _trainer(eval_before=True, model_root=str(tmp_path / "model"))
+    loader = [(torch.full((1,), float(i)), None, None, None) for i in range(3)]
+    t.train_loader, t.train_sampler = loader, SimpleNamespace(set_epoch=lambda e: seen.append(("epoch", e)))
+    t.summary, t.out_dir, t.main, t.device = {"stage": "cal"}, str(tmp_path / "step2"), True, torch.device("cpu")
+    t.evaluate = lambda tag: {"map": next(maps)}
+    t.evaluation = EvalHook()
+    t.state = lambda epoch, iteration, full: {"best_map": t.evaluation.best_map}
+    t.outputs = SimpleNamespace(save_set=lambda ckpts, files: sets.append((ckpts, files)))
+    t._progress = lambda it, desc, total=None: it
+
+    def calibrate(model, batches, cfg, device, progress):
+        seen.extend(float(b) for b in batches())
+        return {"caps": [1.5, 2.0], "label": "caps", "how": "{batches} batches", "file": ("relu_cap.txt", "1.5\n2\n")}
+
+    t.family = SimpleNamespace(calibrate=calibrate)
+    summary = run_calibration(t, t_start=0.0)
+    assert seen == [("epoch", 0), 0.0, 1.0, 2.0]
+    assert (summary["entry_map"], summary["best_map"], summary["final_map"], summary["caps"]) == (0.70, 0.65, 0.65, [1.5, 2.0])
+    assert (t.evaluation.best_map, t.evaluation.last_map) == (0.65, 0.65)
+    cap_file = str(tmp_path / "model" / "relu_cap.txt")
+    assert sets == [({"cal.pth": {"best_map": 0.65}}, {cap_file: "1.5\n2\n"})]
+    assert summary["best_path"] == str(tmp_path / "step2" / "cal.pth") and summary["cap_file"] == cap_file
+    assert any("(3 batches): 1.5 2" in line for line in logs)
 
 
 def test_integer_graph_checks_name_the_node_device_cpu():
