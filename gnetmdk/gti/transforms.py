@@ -1,4 +1,5 @@
-"""Model edits between stages: BN folding (entry to step 2) and gain editing (entry to step 4).
+"""Model edits between stages: BN folding (entry to step 2), range equalization (before calibration,
+optional) and gain editing (entry to step 4).
 
 Formulas: docs/quantization.md, "BN folding" and "Requantization and gain editing".
 """
@@ -38,6 +39,65 @@ def fold_bn(model) -> int:
         layer.bn = None
         n += 1
     return n
+
+
+@torch.no_grad()
+def equalize_channel_ranges(convs, ranges, alpha: float = 0.5, max_scale: float = 8.0) -> List[torch.Tensor]:
+    """Scale each conv's output channels so that their activation ranges come closer to the layer's
+    largest, and undo the scale in the next conv's input channels (in place).
+
+    For consecutive convs i, i+1 of a chain (conv -> ReLU -> optional max pool -> conv) and channel c
+    with measured range r_c > 0 (its largest pre-ReLU value) in layer i, whose largest is R:
+
+        s_c = clip((R / r_c) ** alpha, 1, max_scale)
+        W_i[c] <- s_c W_i[c],   b_i[c] <- s_c b_i[c],   W_{i+1}[:, c] <- W_{i+1}[:, c] / s_c
+
+    ReLU and max pooling commute with a positive per-channel scale, so in float the network's
+    outputs do not change; channel c's range becomes r_c s_c <= R, so the layer's one 5-bit cap
+    (per-tensor, docs/quantization.md "Activations") spends more of its codes on the smaller
+    channels. The weights keep their quantizers: per-kernel scales absorb a channel's factor in the
+    3- and 5-bit schemes. This is the cross-layer equalization of Nagel et al. 2019 ("Data-Free
+    Quantization Through Weight Equalization and Bias Correction", ICCV), whose factor sqrt(r1 / r2)
+    balances two weight ranges; here the factor balances activation ranges within a layer, ``alpha``
+    sets how far (0: none, 1: every channel to R), and ``max_scale`` bounds it. The last conv's outputs
+    (the network's) are never scaled. The factors are computed in float64 and rounded once to the
+    weights' dtype; each product and quotient is rounded once.
+
+    Args:
+        convs: the chain's convs in order (modules with ``weight`` (O, I, kh, kw) and ``bias`` (O,)),
+            conv i+1's input channels being conv i's outputs.
+        ranges: per conv, the (O,) largest pre-ReLU value of each output channel (any float dtype;
+            only the first len(convs) - 1 are used).
+        alpha: in [0, 1]. max_scale: >= 1.
+    Returns:
+        the (O,) float64 scales applied to convs[0..n-2] (on the ranges' device).
+    Raises:
+        ValueError: alpha or max_scale out of range, or a range's length is not its conv's outputs.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"equalize_channel_ranges: alpha must be in [0, 1], not {alpha}")
+    if not max_scale >= 1.0:
+        raise ValueError(f"equalize_channel_ranges: max_scale must be >= 1, not {max_scale}")
+    scales = []
+    for i in range(len(convs) - 1):
+        a, b = convs[i], convs[i + 1]
+        r = torch.as_tensor(ranges[i]).double().clamp_min(0.0)
+        if r.shape != (a.weight.shape[0],):
+            raise ValueError(f"equalize_channel_ranges: conv {i} has {a.weight.shape[0]} outputs, its range "
+                             f"{tuple(r.shape)}")
+        top = float(r.max()) if r.numel() else 0.0
+        s = torch.ones_like(r)
+        live = r > 0
+        if top > 0:
+            s[live] = (top / r[live]).pow(alpha).clamp(1.0, max_scale)
+        # the scale rounded once to the weights' dtype; each product and quotient rounded once
+        sw = s.to(device=a.weight.device, dtype=a.weight.dtype)
+        a.weight.mul_(sw.view(-1, 1, 1, 1))
+        if a.bias is not None:
+            a.bias.mul_(sw.to(a.bias.dtype))
+        b.weight.div_(sw.to(b.weight.dtype).view(1, -1, 1, 1))
+        scales.append(s)
+    return scales
 
 
 @torch.no_grad()

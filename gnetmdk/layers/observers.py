@@ -75,6 +75,20 @@ class MaxObserver(Observer):
         self.value = m if self.value is None else torch.maximum(self.value, m)
 
 
+class ChannelMaxObserver(Observer):
+    """The largest value of each channel over every batch: (C,) float32 on the input's device, for
+    inputs (N, C, H, W); None before any batch. Used by the range equalization before calibration
+    (gnetmdk.models.calibration.equalize_ranges)."""
+
+    def __init__(self):
+        self.value: Optional[torch.Tensor] = None
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Keep the channel-wise maximum of ``value`` and this batch's per-channel largest element."""
+        m = x.detach().float().amax(dim=[d for d in range(x.dim()) if d != 1])
+        self.value = m if self.value is None else torch.maximum(self.value, m)
+
+
 class PercentileObserver(Observer):
     """The running maximum over batches of each batch's ``percentile``-th percentile (GTI's calibration).
 

@@ -139,12 +139,17 @@ class DetectorFamily:
         from .calibration import calibrate_caps
         sec = cfg.section()
         limit = self.output_cap_limit(cfg, model)
-        caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit)
+        alpha = float(getattr(sec, "equalize", 0.0))
+        caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit,
+                              equalize=alpha, equalize_max_scale=float(getattr(sec, "equalize_max_scale", 8.0)))
         how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
                "output": "MSE-best for 5-bit codes, then searched against the network's output error",
                }.get(sec.cap_method, f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
         if limit > 0:
             how += f"; the output layer's cap at most {limit:g}"
+        if alpha > 0:
+            how = (f"after equalizing the channels' ranges (exponent {alpha:g}, factors at most "
+                   f"{float(sec.equalize_max_scale):g}), " + how)
         return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
 
     def distill_loss(self, student, teacher):

@@ -24,8 +24,9 @@ import torch
 from gnetmdk.dist.comm import all_reduce, global_percentile, is_dist
 from gnetmdk.dist.virtual import forward_batch
 from gnetmdk.gti.quantize import mse_cap_from_histogram
-from gnetmdk.layers.observers import (HistogramObserver, MaxObserver, PercentileObserver, batch_percentile,
-                                      observe_inputs)
+from gnetmdk.gti.transforms import equalize_channel_ranges
+from gnetmdk.layers.observers import (ChannelMaxObserver, HistogramObserver, MaxObserver, PercentileObserver,
+                                      batch_percentile, observe_inputs)
 
 #: bins of the GNetDet cap calibration's histograms (the MSE method; the int8 target's ranges use
 #: gnetmdk.intq.calibrate.RANGE_HIST_BINS)
@@ -87,6 +88,35 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
         one_pass(observers, "cal")
         values = all_reduce(stacked(observers), "max").tolist()
     return [float(torch.tensor(float(c), dtype=torch.float32)) for c in values]
+
+
+@torch.no_grad()
+def equalize_ranges(model, batches: Callable[[], Iterable[torch.Tensor]], alpha: float, max_scale: float,
+                    device: Optional[torch.device] = None,
+                    progress: Callable = lambda it, desc: it) -> List[torch.Tensor]:
+    """Equalize the channels' activation ranges of ``model`` before its caps are measured: one pass
+    over ``batches`` measures each channel's largest pre-ReLU value (all-reduced, MAX, over ranks),
+    then gnetmdk.gti.transforms.equalize_channel_ranges scales the convs (docs/quantization.md,
+    "Range equalization"). The model's mode is the caller's (plain ReLUs, as for measure_caps).
+
+    Args:
+        model: a GNetDet (``convs()`` and ``relus()`` in chain order, one ReLU per conv).
+        batches: returns an iterable of input batches (N, 3, H, W).
+        alpha, max_scale: equalize_channel_ranges's.
+    Returns:
+        the (O,) float64 scales of every conv but the last.
+    """
+    device = device or next(model.parameters()).device
+    relus, convs = list(model.relus()), list(model.convs())
+    observers = [ChannelMaxObserver() for _ in relus]
+    with observe_inputs(relus, observers):
+        for images in progress(batches(), "cal (channel ranges)"):
+            forward_batch(model, images.to(device, non_blocking=True).float())
+    ranges = []
+    for o, conv in zip(observers, convs):
+        v = o.value if o.value is not None else torch.zeros(conv.weight.shape[0], device=device)
+        ranges.append(all_reduce(v.float().clone(), "max"))
+    return equalize_channel_ranges(convs, ranges, alpha, max_scale)
 
 
 #: cap factors the output-error search tries for each layer (1 = keep)
@@ -162,9 +192,11 @@ def _f32(v: float) -> float:
 @torch.no_grad()
 def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
                    device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it,
-                   output_cap_max: float = 0.0) -> List[float]:
+                   output_cap_max: float = 0.0, equalize: float = 0.0,
+                   equalize_max_scale: float = 8.0) -> List[float]:
     """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
-    ReLUs, eval mode), :func:`measure_caps` ("output": the "mse" caps refined by
+    ReLUs, eval mode), with ``equalize`` > 0 equalize the channels' ranges first (:func:`equalize_ranges`,
+    ``alpha = equalize``, ``max_scale = equalize_max_scale``), :func:`measure_caps` ("output": the "mse" caps refined by
     :func:`refine_caps_for_output`), set every cap, then switch it to step 3 (caps on, 5-bit
     activations) in training mode. Returns the caps (arguments as measure_caps).
 
@@ -179,6 +211,8 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
         relu.cap.zero_()
     apply_stage(model, STAGES["cal"], calibrating=True)
     model.eval()
+    if equalize > 0:
+        equalize_ranges(model, batches, equalize, equalize_max_scale, device, progress)
     caps = measure_caps(model, batches, "mse" if method == "output" else method, device, progress)
     limit = float(output_cap_max)
     if limit > 0:

@@ -226,6 +226,9 @@ def test_non_string_passes_through():
     (["max_detections", "0"], "max_detections"),
     (["box_slots", "3"], "box_slots"),
     (["box_slots", "0"], "box_slots"),
+    (["equalize", "1.5"], "gnetdet.equalize"),
+    (["equalize", "-0.1"], "gnetdet.equalize"),
+    (["equalize_max_scale", "0.5"], "equalize_max_scale"),
 ])
 def test_out_of_range_refused(override, field):
     with pytest.raises(ConfigError) as e:

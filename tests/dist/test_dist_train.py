@@ -179,21 +179,28 @@ def test_step2_two_processes_equal_one_process(ws):
     _assert_equal(ws, "s2", 2, rec)
 
 
-@pytest.mark.parametrize("method", ["percentile", "mse"])
-def test_cal_virtual_ranks_equal_two_processes(ws, method):
+@pytest.mark.parametrize("method,equalize", [("percentile", "0"), ("mse", "0"), ("mse", "0.5")])
+def test_cal_virtual_ranks_equal_two_processes(ws, method, equalize):
     """Calibration: 2 processes and one process with 2 virtual ranks (each rank observes its own chunk;
     percentiles of the global batch, maxima and histograms combined over the ranks) give the same caps,
-    and the same relu_cap.txt."""
-    root, caps = ws["root"], {}
+    and the same relu_cap.txt; with range equalization (per-channel maxima combined over the ranks) also
+    the same equalized weights, which differ from the step-2 model's."""
+    root, caps, models = ws["root"], {}, {}
+    tag = f"{method}_e{equalize}"
     for name, launcher, extra in (("c2", TRAIN_DIST, ["--gpus", "2"]), ("cv", TRAIN, ["virtual_ranks", "2"])):
         r = run([launcher, "--config", ws["cfg"], "--cal", *extra, "load", ws["fold"], "cap_method", method,
-                 *_out(root, f"{name}_{method}")], root).check()
+                 "gnetdet.equalize", equalize, *_out(root, f"{name}_{tag}")], root).check()
         assert "batch 8 (2 x 4" in r.stdout
-        caps[name] = torch.load(os.path.join(root, f"{name}_{method}", "checkpoint", "step2", "cal.pth"),
-                                weights_only=True)["caps"]
+        assert ("after equalizing the channels' ranges" in r.stdout) == (equalize != "0")
+        ck = torch.load(os.path.join(root, f"{name}_{tag}", "checkpoint", "step2", "cal.pth"), weights_only=True)
+        caps[name], models[name] = ck["caps"], ck["model"]
     assert len(caps["c2"]) == 16 and all(c > 0 for c in caps["c2"]) and caps["cv"] == caps["c2"]
-    txt = [open(os.path.join(root, f"{n}_{method}", "model", "relu_cap.txt")).read() for n in ("c2", "cv")]
+    txt = [open(os.path.join(root, f"{n}_{tag}", "model", "relu_cap.txt")).read() for n in ("c2", "cv")]
     assert txt[0] == txt[1]
+    assert all(torch.equal(models["c2"][k], models["cv"][k]) for k in models["c2"])
+    fold = torch.load(ws["fold"], weights_only=True)["model"]
+    moved = [k for k in fold if k.endswith("conv.weight") and not torch.equal(fold[k], models["c2"][k])]
+    assert (len(moved) == 16) == (equalize != "0") and (not moved) == (equalize == "0")
 
 
 def test_cal_output_error_search_virtual_ranks_equal_two_processes_device_cpu(ws):

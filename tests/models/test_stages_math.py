@@ -589,3 +589,80 @@ def test_range_term_bounds_untrained_outputs():
     terms = gnetdet_loss(pred, target, l_range=2.0, **kw)
     parts = sum(float(terms[k]) for k in ("loc", "conf", "noresp", "noobj", "cls", "range"))
     assert float(terms["total"]) == pytest.approx(parts, rel=1e-6)
+
+
+def test_range_equalization_keeps_the_float_network_and_narrows_the_channels_device_cpu():
+    """equalize_channel_ranges on a tiny GNetDet in float64 (weights not quantized): the outputs stay
+    within float64 rounding (each value passes through at most 16 products and quotients, relative
+    error about 16 x 2^-53 per path: 1e-12 of the output's scale is far above it), every channel's
+    range becomes r_c s_c (to the observers' float32 rounding) with s_c = clip((R / r_c)^alpha, 1,
+    max_scale), the largest channel keeps
+    its range, the last conv is never scaled, and bad arguments are refused."""
+    from gnetmdk.gti.transforms import equalize_channel_ranges
+    from gnetmdk.layers.observers import ChannelMaxObserver, observe_inputs
+    torch.manual_seed(0)
+    model = GNetDet(use_bn=False, **TINY).double()
+    _init_weights(model, 11)
+    model.eval()
+    apply_stage(model, STAGES["cal"], calibrating=True)
+    for conv in model.convs():
+        conv.disable_fake_quant()
+    x = _codes_input(2, 21).double()
+    relus, convs = list(model.relus()), list(model.convs())
+
+    def ranges():
+        obs = [ChannelMaxObserver() for _ in relus]
+        with observe_inputs(relus, obs), torch.no_grad():
+            out = model(x)
+        return out, [o.value.double().clamp_min(0) for o in obs]
+
+    before, r = ranges()
+    with torch.no_grad():
+        convs[2].weight[3].zero_()
+        convs[2].bias[3] = -1.0                               # a dead channel: range 0, scale 1
+    before, r = ranges()
+    last_w = convs[-1].weight.detach().clone()
+    scales = equalize_channel_ranges(convs, r, alpha=0.5, max_scale=4.0)
+    after, r2 = ranges()
+    assert len(scales) == len(convs) - 1
+    assert float((after - before).abs().max()) <= 1e-12 * float(before.abs().max())
+    for i, s in enumerate(scales):
+        top = r[i].max()
+        want = torch.where(r[i] > 0, (top / r[i].clamp_min(1e-300)).sqrt().clamp(1.0, 4.0), torch.ones_like(r[i]))
+        assert torch.allclose(s, want, rtol=1e-12, atol=0)
+        # the observers keep float32 maxima: each range carries a relative rounding of 2^-24
+        assert torch.allclose(r2[i], r[i] * s, rtol=2 ** -22, atol=1e-12)
+        assert float(r2[i].max()) == pytest.approx(float(top), rel=2 ** -22)
+    assert float(scales[2][3]) == 1.0 and float(r2[2][3]) == 0.0
+    assert max(float(s.max()) for s in scales) > 1.5           # it did something
+    assert torch.equal(convs[-1].weight.sum(0), (last_w / scales[-1].view(1, -1, 1, 1)).sum(0))
+    with pytest.raises(ValueError, match="alpha must be in"):
+        equalize_channel_ranges(convs, r, alpha=1.5)
+    with pytest.raises(ValueError, match="max_scale must be"):
+        equalize_channel_ranges(convs, r, max_scale=0.5)
+    with pytest.raises(ValueError, match="conv 0 has"):
+        equalize_channel_ranges(convs, [r[0][:-1]] + r[1:])
+
+
+def test_calibration_with_equalization_measures_caps_of_the_equalized_model_device_cpu():
+    """calibrate_caps with ``equalize`` scales the convs before measuring: the caps are those
+    measure_caps gives on the equalized model, and the layer maxima are unchanged by the scaling."""
+    from gnetmdk.engine.calibration import calibrate_caps, measure_caps
+    from gnetmdk.models.calibration import equalize_ranges
+    torch.manual_seed(0)
+    model = GNetDet(use_bn=False, **TINY)
+    _init_weights(model, 12)
+    twin = copy.deepcopy(model)
+    batches = lambda: [_codes_input(1, 22), _codes_input(1, 23)]
+    caps = calibrate_caps(model, batches, "mse", equalize=0.5, equalize_max_scale=8.0)
+    twin.eval()
+    apply_stage(twin, STAGES["cal"], calibrating=True)
+    for relu in twin.relus():
+        relu.cap.zero_()
+    plain_max = measure_caps(copy.deepcopy(twin), batches, "percentile")   # percentile 99 caps: any statistic
+    scales = equalize_ranges(twin, batches, 0.5, 8.0)
+    assert max(float(s.max()) for s in scales) > 1.0
+    assert caps == measure_caps(twin, batches, "mse")
+    for a, b in zip(model.convs(), twin.convs()):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    assert plain_max != measure_caps(twin, batches, "percentile")         # the scaling moved the 99th percentiles

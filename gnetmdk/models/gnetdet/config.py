@@ -34,6 +34,9 @@ class GNetDetConfig(ConfigSection):
     output_cap_max: float = -1.0            # calibration: the output layer's cap at most this; 0 = as measured;
                                             # -1 = a rule: the top of the trained output range times 2
                                             # (linear size head) or 1.25 (log size head) (output_cap_limit)
+    equalize: float = 0.0                   # calibration: equalize the channels' ranges first, exponent in [0, 1]
+                                            # (0 = off; docs/quantization.md "Range equalization")
+    equalize_max_scale: float = 8.0         # ... the largest factor a channel is scaled by
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
@@ -144,6 +147,10 @@ def check_gnetdet_config(cfg) -> None:
     if not (math.isfinite(g.output_cap_max) and (g.output_cap_max >= 0 or g.output_cap_max == -1)):
         bad("output_cap_max", "must be a finite number >= 0 (0: the output layer's cap as calibrated) or -1 "
                               "(a rule: the top of the trained output range times 2, or 1.25 with the log size head)")
+    if not (math.isfinite(g.equalize) and 0 <= g.equalize <= 1):
+        bad("equalize", "must be in [0, 1] (0: no range equalization before calibration; 0.5: halfway, in log scale)")
+    if not (math.isfinite(g.equalize_max_scale) and g.equalize_max_scale >= 1):
+        bad("equalize_max_scale", "must be a finite number >= 1")
     if g.cap_method not in ("percentile", "mse", "output"):
         bad("cap_method", "must be 'percentile' (GTI), 'mse' or 'output'")
     if not (math.isfinite(g.cap_lr) and g.cap_lr >= 0):
