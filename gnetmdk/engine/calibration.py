@@ -1,7 +1,7 @@
 """Calibration, the stage ``cal``: the pass that measures the activation ranges and writes them.
 
-The chip's cap calibration itself (gnetmdk.models.calibration) is the families' default
-(gnetmdk.models.base.DetectorFamily.calibrate), so it sits on the models' floor; it is re-exported here
+The chip's cap calibration itself (gnetmdk.models.calibration) is what GNetDet's family calibrates with
+(GNetDetFamily.calibrate), so it sits on the models' floor; it is re-exported here
 for the trainer and the tools. :func:`run_calibration` is the stage as the trainer runs it: the
 calibration stage trains nothing, so it is a part of its own beside the training loop
 (docs/pipeline.md, "cal").

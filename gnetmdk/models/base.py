@@ -128,29 +128,17 @@ class DetectorFamily:
 
     def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
         """The cal stage's measurement on ``model`` (weights quantized), which it leaves in step 3's
-        mode (training). By default the chip's ReLU caps (gnetmdk.models.calibration.calibrate_caps,
-        the section's ``cap_method``).
+        mode (training); each family with a cal stage provides it (GNetDet: the chip's ReLU caps;
+        PP-YOLO: the uint8 ranges).
 
         Returns:
             {"caps": list of floats (logged, in the summary), "how": words for the log line
             (``{batches}`` is replaced by the number of batches), "label": what the values are ("caps"),
             "file": (name under model_root, text) written beside cal.pth}.
+        Raises:
+            NotImplementedError: the family has no calibration.
         """
-        from .calibration import calibrate_caps
-        sec = cfg.section()
-        limit = self.output_cap_limit(cfg, model)
-        alpha = float(getattr(sec, "equalize", 0.0))
-        caps = calibrate_caps(model, batches, sec.cap_method, device, progress, output_cap_max=limit,
-                              equalize=alpha, equalize_max_scale=float(getattr(sec, "equalize_max_scale", 8.0)))
-        how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
-               "output": "MSE-best for 5-bit codes, then searched against the network's output error",
-               }.get(sec.cap_method, f"{sec.cap_percentile:g}th percentile, running max over {{batches}} batches")
-        if limit > 0:
-            how += f"; the output layer's cap at most {limit:g}"
-        if alpha > 0:
-            how = (f"after equalizing the channels' ranges (exponent {alpha:g}, factors at most "
-                   f"{float(sec.equalize_max_scale):g}), " + how)
-        return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
+        raise NotImplementedError(f"model family {self.name!r} has no calibration stage")
 
     def distill_loss(self, student, teacher):
         """The distillation term (``distill`` > 0, steps 2-4): the squared difference between the

@@ -12,8 +12,8 @@ percentiles are those of the global batch (gnetmdk.dist.comm.global_percentile) 
 summed (exact counts), so N processes and one process of N virtual ranks give the same caps bit for bit
 (tests/dist/test_dist_train.py).
 
-It is the families' default calibration (gnetmdk.models.base.DetectorFamily.calibrate), so it sits with
-the models; gnetmdk.engine.calibration re-exports it.
+It is GNetDet's calibration (gnetmdk.models.gnetdet.family.GNetDetFamily.calibrate), below the chip
+model, so it sits with the models; gnetmdk.engine.calibration re-exports it.
 """
 from __future__ import annotations
 

@@ -369,13 +369,15 @@ def test_resume_settings_compare_as_stored():
 
 
 def test_detector_family_base_defaults():
-    """The base family: every pipeline stage named in order, create() left to the subclass, the loss
+    """The base family: every pipeline stage named in order, create() and calibrate() left to the subclass, the loss
     line's terms sorted after the total, default_loss_order's named keys first."""
     from gnetmdk.models.base import ALL_STAGES, DetectorFamily, default_loss_order
     assert ALL_STAGES == ("step1", "step2", "cal", "step3", "step4")
     fam = DetectorFamily()
     with pytest.raises(NotImplementedError):
         fam.create()
+    with pytest.raises(NotImplementedError, match="has no calibration stage"):
+        fam.calibrate(None, lambda: [], None, None, None)
     assert fam.loss_line({"total": 1.5, "cls": 0.25, "loc": 0.5}) == "loss 1.5000 (cls 0.250 loc 0.500)"
     assert default_loss_order({"b": 1, "total": 2, "a": 3, "loc": 4}, ("total", "loc")) == ["total", "loc", "a", "b"]
 

@@ -29,6 +29,30 @@ class GNetDetFamily(DetectorFamily):
         from .config import output_cap_limit
         return output_cap_limit(cfg.gnetdet, model)
 
+    def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:
+        """The chip's ReLU caps (gnetmdk.models.calibration.calibrate_caps with the section's
+        ``cap_method``, the output layer's limit and, with ``equalize`` > 0, the channels' ranges
+        equalized first), leaving the model in step 3's mode (training).
+
+        Returns:
+            {"caps": one float per ReLU, "how": the method in words (``{batches}``: the number of
+            batches), "label": "caps", "file": ("relu_cap.txt", one cap a line)}.
+        """
+        from gnetmdk.models.calibration import calibrate_caps
+        g = cfg.gnetdet
+        limit = self.output_cap_limit(cfg, model)
+        caps = calibrate_caps(model, batches, g.cap_method, device, progress, output_cap_max=limit,
+                              equalize=float(g.equalize), equalize_max_scale=float(g.equalize_max_scale))
+        how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
+               "output": "MSE-best for 5-bit codes, then searched against the network's output error",
+               }.get(g.cap_method, f"{g.cap_percentile:g}th percentile, running max over {{batches}} batches")
+        if limit > 0:
+            how += f"; the output layer's cap at most {limit:g}"
+        if g.equalize > 0:
+            how = (f"after equalizing the channels' ranges (exponent {g.equalize:g}, factors at most "
+                   f"{g.equalize_max_scale:g}), " + how)
+        return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
+
     # ------------------------------------------------------------------ models
     def create(self, **kwargs) -> nn.Module:
         """A GNetDet from its constructor's keyword arguments."""
