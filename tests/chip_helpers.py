@@ -56,7 +56,7 @@ def write_config(folder: str, name: str, width_mult: float = 0.0625, max_val_ima
 
 
 def load_images(dataset, n: Optional[int] = None) -> np.ndarray:
-    """(N, 224, 224, 3) uint8 network-size images of a DetectionDataset (evaluation preprocessing)."""
+    """(N, 224, 224, 3) uint8 network-size images of a GNetDetDataset (evaluation preprocessing)."""
     idx = range(len(dataset) if n is None else min(n, len(dataset)))
     return np.stack([dataset.prepare(i)[0] for i in idx])
 

@@ -169,7 +169,7 @@ def rotate_quarter(img: np.ndarray, rel: np.ndarray, turns: int) -> Tuple[np.nda
     return np.ascontiguousarray(np.rot90(img, turns)), out
 
 
-class DetectionDataset(Dataset):
+class GNetDetDataset(Dataset):
     """Images and GNetDet targets from a meta file (tools/xml_2_txt.py format).
 
     Args:
@@ -393,19 +393,23 @@ def seed_worker(worker_id: int) -> None:
 
 def build_dataset(cfg, split: str):
     """The dataset of ``split`` ("train" or "valid") the config's model family reads
-    (DetectorFamily.build_dataset: GNetDet's :class:`DetectionDataset`, PP-YOLO's
+    (DetectorFamily.build_dataset: GNetDet's :class:`GNetDetDataset`, PP-YOLO's
     gnetmdk.dataset.ppyolo_dataset.PPYOLODataset), the family looked up in gnetmdk.config.registry."""
     return get_family(cfg.model_name).build_dataset(cfg, split)
 
 
-def build_gnetdet_dataset(cfg, split: str) -> DetectionDataset:
-    """DetectionDataset of ``split`` ("train" or "valid") from a resolved config (records from the meta
+#: the earlier name of :class:`GNetDetDataset` (scripts written against it keep working)
+DetectionDataset = GNetDetDataset
+
+
+def build_gnetdet_dataset(cfg, split: str) -> GNetDetDataset:
+    """GNetDetDataset of ``split`` ("train" or "valid") from a resolved config (records from the meta
     file or the COCO json: gnetmdk.dataset.records)."""
     from .records import load_split
     train = split == "train"
     records, sizes = load_split(cfg, split)
     g = cfg.gnetdet                     # GNetDet's augmentation settings
-    return DetectionDataset(
+    return GNetDetDataset(
         cfg.train_meta if train else cfg.valid_meta, os.path.join(cfg.dataset_dir, cfg.image_dir),
         cfg.num_classes, cfg.image_size, cfg.grid_size, train=train, augment=cfg.augment, cache=cfg.cache_images,
         max_images=cfg.max_train_images if train else cfg.max_val_images, seed=cfg.seed,

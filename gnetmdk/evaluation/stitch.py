@@ -141,7 +141,7 @@ def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val
             or classes that differ from the config's.
     """
     from torch.utils.data import DataLoader
-    from gnetmdk.dataset.dataset import DetectionDataset, collate
+    from gnetmdk.dataset.dataset import GNetDetDataset, collate
     from gnetmdk.dataset.tiling import load_manifest
     from .evaluator import predict_loader
     manifest = load_manifest(cfg.dataset_dir)
@@ -150,7 +150,7 @@ def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val
     if not tiles:
         raise VOCFormatError(f"{cfg.dataset_dir}: the tiling manifest has no {split} images")
     empty = (np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
-    ds = DetectionDataset("", os.path.join(cfg.dataset_dir, manifest.get("image_dir", "JPEGImages")),
+    ds = GNetDetDataset("", os.path.join(cfg.dataset_dir, manifest.get("image_dir", "JPEGImages")),
                           cfg.num_classes, cfg.image_size, cfg.grid_size, train=False,
                           records=[(tid + ".png", *empty) for tid in tiles])
     loader = DataLoader(ds, batch_size=batch_size or cfg.batch_size, collate_fn=collate, num_workers=0)

@@ -80,7 +80,7 @@ class DetectorFamily:
         """The dataset of ``split`` ("train" or "valid"): items (image (3, H, W) uint8 as ``input_kind``
         says, targets as ``target_kind`` says, index, (width, height) of the file); ``set_epoch``,
         ``ground_truth(i)``, ``original_size(i)``, ``num_classes`` and ``augment`` as
-        gnetmdk.dataset.dataset.DetectionDataset has them."""
+        gnetmdk.dataset.dataset.GNetDetDataset has them."""
         raise NotImplementedError
 
     def configure(self, model: nn.Module, cfg) -> List[str]:

@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from gnetmdk.dataset.dataset import DetectionDataset
+from gnetmdk.dataset.dataset import GNetDetDataset
 
 SIZE = 224
 OBJ = 56                      # object side in pixels (images are SIZE x SIZE: no downscale)
@@ -37,7 +37,7 @@ def _dataset(colour_set, **kw):
     meta, images = colour_set
     args = dict(hsv_gain=(0, 0, 0), blur_prob=0.0, scale_range=(0.75, 1.25), shift_fraction=0.25)
     args.update(kw)
-    return DetectionDataset(meta, images, len(COLOURS), SIZE, 14, train=True, cache=True, **args)
+    return GNetDetDataset(meta, images, len(COLOURS), SIZE, 14, train=True, cache=True, **args)
 
 
 def _mask(img, colour):

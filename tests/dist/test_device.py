@@ -259,7 +259,7 @@ def test_persistent_workers_draw_each_epochs_augmentation_device_cpu(tmp_path):
     (EpochBatches), so a persistent worker draws epoch 1's augmentation in epoch 1, exactly what a
     loader without workers gives. Images come as uint8 codes."""
     from torch.utils.data import DataLoader
-    from gnetmdk.dataset.dataset import DetectionDataset, collate
+    from gnetmdk.dataset.dataset import GNetDetDataset, collate
     from gnetmdk.dataset.shapes import make_shapes_dataset
     from gnetmdk.dataset.voc import convert_voc_to_meta
     from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler
@@ -267,7 +267,7 @@ def test_persistent_workers_draw_each_epochs_augmentation_device_cpu(tmp_path):
     make_shapes_dataset(str(root), num_train=8, num_val=2, image_size=(64, 96), seed=0)
     meta = tmp_path / "meta"
     convert_voc_to_meta(str(root), ["circle", "square", "triangle"], str(meta / "t.txt"), str(meta / "v.txt"))
-    ds = DetectionDataset(str(meta / "t.txt"), str(root / "JPEGImages"), 3, 224, 14, train=True)
+    ds = GNetDetDataset(str(meta / "t.txt"), str(root / "JPEGImages"), 3, 224, 14, train=True)
 
     def epochs(workers):
         sampler = GlobalBatchSampler(len(ds), 4, shuffle=False)

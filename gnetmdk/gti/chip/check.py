@@ -99,7 +99,7 @@ def check_bit_exact(model, runner: Callable, chip_model: ChipModel, dataset=None
             OnnxChipRunner.run (exported with all_layers=True); with ``all_layers=False``,
             ``runner(images)`` -> codes, and only the output layer is compared.
         chip_model: the converted model (for the padding and output scale).
-        dataset / images: a DetectionDataset (all its images, evaluation preprocessing) or a
+        dataset / images: a GNetDetDataset (all its images, evaluation preprocessing) or a
             (N, H, W, 3) uint8 batch.
     Returns:
         CheckReport.

@@ -59,7 +59,7 @@ def decode_predictions(pred: torch.Tensor, chip_model: ChipModel, sizes: Sequenc
 
 
 def iter_dataset_batches(dataset, batch_size: int = 16) -> Iterator[Tuple[List[int], np.ndarray, List[Tuple[int, int]]]]:
-    """Yield (indices, images, sizes) over a DetectionDataset without augmentation.
+    """Yield (indices, images, sizes) over a GNetDetDataset without augmentation.
 
     Images are exactly what evaluation feeds the model: ``dataset.prepare(i)`` (decode, downscale to
     at most 2 x image_size, INTER_AREA resize), (B, S, S, 3) uint8 BGR; sizes are (width, height) of
@@ -80,7 +80,7 @@ def evaluate_chip(runner: Runner, chip_model: ChipModel, dataset, batch_size: in
     Args:
         runner: images (N, H, W, 3) uint8 -> codes (N, C_out, S, S) uint8.
         chip_model: for the host-side decode.
-        dataset: a DetectionDataset (augmentation is not used).
+        dataset: a GNetDetDataset (augmentation is not used).
         conf_thresh, nms_thresh, max_detections: default to the chip model's.
         keep_predictions: also return "predictions", (N, S, S, 10 + C) float32 in dataset order.
     Returns:

@@ -64,7 +64,7 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
     """Compute the report rows.
 
     Args:
-        dataset: a DetectionDataset (no augmentation is applied).
+        dataset: a GNetDetDataset (no augmentation is applied).
         checkpoints: stage name ("step1".."step4") -> checkpoint path or None (missing stages are skipped).
         chip_model: a ChipModel for the "chip" row (run with the integer emulator), or None.
         conf_thresh, nms_thresh, max_detections: one decode setting for every stage (each stage's
@@ -171,7 +171,7 @@ def layer_drift(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None,
     """How far each sublayer's output moves from the float model's along step1 -> ... -> chip.
 
     Args:
-        dataset: a DetectionDataset (evaluation preprocessing, no augmentation).
+        dataset: a GNetDetDataset (evaluation preprocessing, no augmentation).
         checkpoints: "step1".."step4" -> GNetDet checkpoint path or None (missing stages are skipped;
             the first present one is the reference, step 1 when there is one).
         chip_model: a ChipModel for the "chip" row (integer emulator), or None. It needs its
