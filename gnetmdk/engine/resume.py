@@ -1,4 +1,5 @@
-"""Which settings a resume (``--resume``) compares with the checkpoint it continues.
+"""Resume (``--resume``): which settings a resume compares with the checkpoint it continues, the RNG
+states a checkpoint carries, and :func:`restore_run`, which takes a run's state back from its checkpoint.
 
 A resume continues a run exactly (docs/training.md, "Checkpoints and exact resume") only with the
 settings that run had. RESUME_FIXED fix the position in the run or the optimizer's state layout and
@@ -8,9 +9,11 @@ the checkpoint's iteration instead of silently keeping the old ones.
 """
 from __future__ import annotations
 
+import random
 import warnings
 from typing import Dict, List, Tuple
 
+import numpy as np
 import torch
 
 from gnetmdk.config import ConfigError, config_from_dict, config_value
@@ -100,3 +103,68 @@ def apply_resume_changes(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         for _ in range(iteration):
             scheduler.step()
     return scheduler
+
+
+def rng_state() -> Dict[str, object]:
+    """RNG states of python, numpy and torch as checkpoint-safe values."""
+    py = random.getstate()
+    npst = np.random.get_state()
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [npst[0], torch.from_numpy(npst[1].astype(np.int64)), int(npst[2]), int(npst[3]), float(npst[4])],
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: Dict[str, object]) -> None:
+    """Restore the python, numpy and torch (CPU) RNG states that :func:`rng_state` saved in a checkpoint."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(state["torch"])
+
+
+def restore_run(trainer, st: Dict[str, object], t_start: float) -> float:
+    """Continue a run from its full checkpoint ``st`` (``--resume``), on a trainer whose data, model and
+    optimizer are set up (Trainer.run does it).
+
+    The settings that differ from the checkpoint's are compared first (:func:`resume_changes`: refused
+    unless the config's ``resume_changes`` names them; each accepted change is logged). Then the
+    optimizer's state, the schedule (the checkpoint's, or rebuilt with the new values at the
+    checkpoint's iteration: :func:`apply_resume_changes`), the RNG states, the GradScaler, the position
+    in the run (iteration, epoch, batch within the epoch) and the stage's clock, and each hook's own
+    entries (``load_state_dict``) are taken over.
+
+    Args:
+        trainer: gnetmdk.engine.trainer.Trainer.
+        st: the resumed checkpoint (plain data and tensors: optimizer, scheduler, rng, scaler,
+            iteration, epoch, elapsed, entry_map, the hooks' entries).
+        t_start: the stage's start (time.time()) of this process.
+    Returns:
+        the stage's start moved back by the seconds the interrupted run had spent (``elapsed``), so
+        the stage's seconds run on across the resume.
+    Raises:
+        ConfigError: a setting differs that may not (resume_changes).
+    """
+    t, cfg = trainer, trainer.cfg
+    changed, notes = resume_changes(st, cfg, t.ranks, t.family.name, t.outputs.resume_path())
+    for note in notes:
+        t.log(f"[{t.stage.name}] {note}")
+    t.optimizer.load_state_dict(st["optimizer"])
+    if changed:      # accepted with resume_changes: the new values, at the checkpoint's iteration
+        t.scheduler = apply_resume_changes(t.optimizer, t.model, cfg, t.learned_caps.caps,
+                                           t.iters_per_epoch, int(st["iteration"]))
+    else:
+        t.scheduler.load_state_dict(st["scheduler"])
+    set_rng_state(st["rng"])
+    t.precision.load_state_dict(st.get("scaler"))
+    t.iteration = int(st["iteration"])
+    t.start_epoch = int(st["epoch"])
+    t.start_batch = t.iteration - t.start_epoch * t.iters_per_epoch
+    if t.start_batch >= t.iters_per_epoch:
+        t.start_epoch, t.start_batch = t.start_epoch + 1, 0
+    # the stage's clock goes on from where the interrupted run's last checkpoint left it
+    t_start = t.t_start = t_start - float(st.get("elapsed") or 0.0)
+    t.summary["entry_map"] = st.get("entry_map")
+    for hook in t.hooks:      # each hook takes its own entries of the resumed checkpoint
+        hook.load_state_dict(st)
+    return t_start

@@ -45,7 +45,7 @@ from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler,
 from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
-from .resume import apply_resume_changes, resume_changes
+from .resume import restore_run, rng_state
 from .schedule import build_optimizer, build_scheduler
 from . import runtime as R
 from .stages import Stage, apply_stage, get_stage, source_path
@@ -65,24 +65,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
-
-
-def rng_state() -> Dict[str, object]:
-    """RNG states of python, numpy and torch as checkpoint-safe values."""
-    py = random.getstate()
-    npst = np.random.get_state()
-    return {"python": [py[0], list(py[1]), py[2]],
-            "numpy": [npst[0], torch.from_numpy(npst[1].astype(np.int64)), int(npst[2]), int(npst[3]), float(npst[4])],
-            "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: Dict[str, object]) -> None:
-    """Restore the python, numpy and torch (CPU) RNG states that :func:`rng_state` saved in a checkpoint."""
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(state["torch"])
 
 
 class Trainer:
@@ -750,28 +732,7 @@ class Trainer:
         self.outputs.start()
         self.setup_optimizer()
         if self.resume_state is not None:
-            st = self.resume_state
-            changed, notes = resume_changes(st, cfg, self.ranks, self.family.name, self.outputs.resume_path())
-            for note in notes:
-                self.log(f"[{stage.name}] {note}")
-            self.optimizer.load_state_dict(st["optimizer"])
-            if changed:      # accepted with resume_changes: the new values, at the checkpoint's iteration
-                self.scheduler = apply_resume_changes(self.optimizer, self.model, cfg, self.learned_caps.caps,
-                                                      self.iters_per_epoch, int(st["iteration"]))
-            else:
-                self.scheduler.load_state_dict(st["scheduler"])
-            set_rng_state(st["rng"])
-            self.precision.load_state_dict(st.get("scaler"))
-            self.iteration = int(st["iteration"])
-            self.start_epoch = int(st["epoch"])
-            self.start_batch = self.iteration - self.start_epoch * self.iters_per_epoch
-            if self.start_batch >= self.iters_per_epoch:
-                self.start_epoch, self.start_batch = self.start_epoch + 1, 0
-            # the stage's clock goes on from where the interrupted run's last checkpoint left it
-            t_start = self.t_start = t_start - float(st.get("elapsed") or 0.0)
-            self.summary["entry_map"] = st.get("entry_map")
-            for hook in self.hooks:      # each hook takes its own entries of the resumed checkpoint
-                hook.load_state_dict(st)
+            t_start = restore_run(self, self.resume_state, t_start)
         for hook in self.hooks:          # the EMA, the recording / replay, the entry evaluation
             hook.before_train()
         if cfg.num_epochs == 0 and self.resume_state is None:
