@@ -42,6 +42,16 @@ def percentile(x: torch.Tensor, p: float) -> torch.Tensor:
     return batch_percentile(x, p)
 
 
+def observe_pass(model, relus, observers, batches: Callable[[], Iterable[torch.Tensor]], device: torch.device,
+                 progress: Callable, desc: str) -> None:
+    """One calibration pass: every batch of ``batches()`` (N, 3, H, W) through ``model`` on ``device``
+    (as float, by gnetmdk.dist.virtual.forward_batch), each ReLU's input given to its observer
+    (``relus[i]`` to ``observers[i]``); ``progress(iterable, desc)`` wraps the batches."""
+    with observe_inputs(relus, observers):
+        for images in progress(batches(), desc):
+            forward_batch(model, images.to(device, non_blocking=True).float())
+
+
 @torch.no_grad()
 def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
                  device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it) -> List[float]:
@@ -64,9 +74,7 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
     relus = list(model.relus())
 
     def one_pass(observers, desc: str) -> None:
-        with observe_inputs(relus, observers):
-            for images in progress(batches(), desc):
-                forward_batch(model, images.to(device, non_blocking=True).float())
+        observe_pass(model, relus, observers, batches, device, progress, desc)
 
     def stacked(observers) -> torch.Tensor:
         zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -109,9 +117,7 @@ def equalize_ranges(model, batches: Callable[[], Iterable[torch.Tensor]], alpha:
     device = device or next(model.parameters()).device
     relus, convs = list(model.relus()), list(model.convs())
     observers = [ChannelMaxObserver() for _ in relus]
-    with observe_inputs(relus, observers):
-        for images in progress(batches(), "cal (channel ranges)"):
-            forward_batch(model, images.to(device, non_blocking=True).float())
+    observe_pass(model, relus, observers, batches, device, progress, "cal (channel ranges)")
     ranges = []
     for o, conv in zip(observers, convs):
         v = o.value if o.value is not None else torch.zeros(conv.weight.shape[0], device=device)
