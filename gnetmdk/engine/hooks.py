@@ -262,8 +262,9 @@ class EvalHook(HookBase):
 
     The hook owns the stage's record of its best model (detectron2's BestCheckpointer): ``best_map``
     (mAP@0.5 of best.pth; -1.0 until something was evaluated), ``last_map`` (the latest evaluation),
-    ``best_epoch`` (the epoch best.pth was written after, 0 for the entry model) and ``best_seconds``
-    (stage seconds until then). They go into every checkpoint (:meth:`state_dict`) and come back on
+    ``best_epoch`` (the epoch best.pth was written after, 0 for the entry model), ``best_seconds``
+    (stage seconds until then) and ``best_caps`` (its activation caps: step 3's learned caps publish
+    relu_cap.txt from them). All but the caps go into every checkpoint (:meth:`state_dict`) and come back on
     ``--resume`` (:meth:`load_state_dict`). After an evaluation, ``result["best_map"]`` and
     ``result["best_epoch"]`` tell the later hooks (early stopping) where the best stands."""
 
@@ -272,6 +273,8 @@ class EvalHook(HookBase):
         self.last_map: Optional[float] = None
         self.best_epoch: Optional[int] = None
         self.best_seconds: Optional[float] = None
+        #: the activation caps of the model best.pth holds (step 3's learned caps: relu_cap.txt follows them)
+        self.best_caps: Optional[List[float]] = None
 
     def state_dict(self) -> Dict[str, object]:
         """``best_map``, ``best_epoch``, ``best_seconds`` and ``map`` (the latest evaluation's mAP)."""
@@ -298,6 +301,7 @@ class EvalHook(HookBase):
         t = self.trainer
         self.best_epoch, self.best_seconds = epoch, time.time() - t.t_start
         t.save("best.pth", epoch, iteration)
+        self.best_caps = t.caps()
 
     def before_train(self) -> None:
         """With ``eval_before`` (and not resuming): evaluate the entry model, take its mAP as the best so
@@ -436,7 +440,7 @@ class CheckpointHook(HookBase):
     def after_train(self) -> None:
         """Publish the stage's outputs together, with the learned caps' relu_cap.txt when step 3 trained them."""
         t = self.trainer
-        learned = t.best_caps if t.learned_caps else None
+        learned = t.evaluation.best_caps if t.learned_caps else None
         t.outputs.publish({t.caps_file(): t.caps_text(learned)} if learned else None)
 
 

@@ -121,7 +121,6 @@ class Trainer:
         self.learned_caps = LearnedCaps([])                 # caps trained in step 3 (cap_lr > 0; learned_caps.py)
         self.finetune = Finetune(self.family, cfg.section())  # finetune N (gnetmdk.engine.freezing)
         self.frozen_at: List[torch.nn.Parameter] = []
-        self.best_caps = None                               # caps of the model best.pth holds (learned caps)
         self.t_start: Optional[float] = None
         self.start_epoch = self.start_batch = 0
         self.iteration = 0
@@ -317,7 +316,7 @@ class Trainer:
         m = self.model
         st = {"stage": self.stage.name, "step": self.stage.step, "model_meta": m.meta(),
               "model": {k: v.detach().cpu() for k, v in m.state_dict().items()},
-              "caps": [float(r.cap.detach()) for r in self.eval_model.relus()] if hasattr(m, "relus") else [],
+              "caps": self.caps(),
               "config": self.cfg.to_dict(),
               "epoch": epoch, "iteration": iteration,
               "elapsed": time.time() - self.t_start if self.t_start is not None else None,
@@ -342,6 +341,13 @@ class Trainer:
                                     "seconds": time.time() - self._epoch_t0}
         return st
 
+    def caps(self) -> List[float]:
+        """The activation caps of the evaluated model (the EMA's where there is one), one per ReLU in
+        order; empty for a model without caps (PP-YOLO)."""
+        if not hasattr(self.model, "relus"):
+            return []
+        return [float(r.cap.detach()) for r in self.eval_model.relus()]
+
     def save(self, name: str, epoch: int, iteration: int, full: bool = False) -> Optional[str]:
         """Write checkpoint ``name`` of this run (into checkpoint/step<N>/run/, published when the run
         finishes; gnetmdk.checkpoint.outputs), with the resolved config beside it.
@@ -359,10 +365,7 @@ class Trainer:
                 f"non-finite values in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} after "
                 f"iteration {iteration}; {name} not written; {self.last_good_checkpoint()}: lower learning_rate "
                 "or check the data")
-        path = self.outputs.save(name, state, iteration, config=self.cfg.to_dict())
-        if name == "best.pth":
-            self.best_caps = state["caps"]          # learned caps: model/relu_cap.txt follows best.pth
-        return path
+        return self.outputs.save(name, state, iteration, config=self.cfg.to_dict())
 
     def check_output_dir(self) -> None:
         """Fail before any work if an output folder (checkpoints, tensorboard log, model files) cannot

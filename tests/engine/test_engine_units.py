@@ -226,16 +226,19 @@ def test_eval_hook_owns_the_best_and_writes_best_pth_only_when_beaten_device_cpu
     t.summary, t.storage, t.t_start, t.iteration = {}, EventStorage(), 0.0, 0
     t.evaluate = lambda tag: {"map": next(maps), "loss": {"total": 1.0}, "seconds": 0.1}
     t.save = lambda name, epoch, iteration, full=False: saved.append((name, epoch))
+    t.caps = lambda: [float(t.iteration)]                  # the model's caps change as it trains
     hook = EvalHook()
     assert (hook.best_map, hook.last_map, hook.best_epoch, hook.evaluated_best()) == (-1.0, None, None, None)
     hook.trainer = t
     hook.before_train()
-    results = []
+    results, caps = [], [hook.best_caps]
     for epoch in range(3):
         t.iteration += 10
         results.append({})
         hook.after_epoch(epoch, results[-1])
+        caps.append(hook.best_caps)
     assert saved == [("best.pth", 0), ("best.pth", 1), ("best.pth", 3)]
+    assert caps == [[0.0], [10.0], [10.0], [30.0]]        # the caps of the model each best.pth holds
     assert [r.get("best", False) for r in results] == [True, False, True]
     assert [(r["best_map"], r["best_epoch"]) for r in results] == [(0.5, 1), (0.5, 1), (0.6, 3)]
     assert (hook.best_map, hook.last_map, hook.best_epoch) == (0.6, 0.6, 3)
