@@ -85,7 +85,9 @@ def prepare(dataset: str) -> None:
                        check=True, cwd=ROOT)
     elif make and not os.path.isdir(cfg.dataset_dir):
         lo, hi = cfg.shapes_objects                                 # shapes per image (config shapes_objects)
-        cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir, "--objects", str(lo), str(hi)]
+        n_train, n_val = cfg.shapes_images                          # train and val images (config shapes_images)
+        cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir, "--objects", str(lo), str(hi),
+               "--num-train", str(n_train), "--num-val", str(n_val)]
         subprocess.run(cmd + (["--dense"] if make == "dense" else []), check=True, cwd=ROOT)
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
                     os.path.join(ROOT, config)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -7,7 +7,7 @@
 Each stage runs exactly as `train.py --step N` / `train.py --cal` would (same trainer, same
 checkpoints), with the config's per_step values; overrides after the options apply to every stage.
 `--make-shapes` first generates the synthetic shapes dataset and its meta files (`shapes_objects`
-shapes per image, 1-3 unless the config sets it).
+shapes per image, 1-3 unless the config sets it; `shapes_images` train and val images, 240 and 60).
 After the table, the line "step 1 plateau" says how far step 1's val mAP moved over the last quarter of
 its epochs (gnetmdk.engine.control.plateau_span): under 1 point, the float model had finished training.
 `--control` then trains the float control (gnetmdk/engine/control.py): step 1's float model trained on with
@@ -120,8 +120,10 @@ def main(argv) -> int:
             from gnetmdk.dataset.voc import convert_voc_to_meta
             cfg = build_config(klass, overrides)
             lo, hi = cfg.shapes_objects
+            num_train, num_val = cfg.shapes_images
             make_shapes_dataset(cfg.dataset_dir, classes=tuple(cfg.VOC_CLASSES), seed=cfg.seed,
-                                min_objects=int(lo), max_objects=int(hi))
+                                min_objects=int(lo), max_objects=int(hi), num_train=int(num_train),
+                                num_val=int(num_val))
             convert_voc_to_meta(cfg.dataset_dir, cfg.VOC_CLASSES, cfg.train_meta, cfg.valid_meta, seed=cfg.seed)
             print(f"made the shapes dataset in {cfg.dataset_dir} and {cfg.train_meta} / {cfg.valid_meta}")
         rows = []

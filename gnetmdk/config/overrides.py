@@ -477,6 +477,12 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("virtual_ranks", f"runs the project's DistBatchNorm2d only: set "
                              f"{'inplace_abn' if cfg.inplace_abn else 'recompute_stem'} false (the recording to "
                              "replay must be made without it too)")
+    so = list(cfg.shapes_objects)
+    if len(so) != 2 or not 1 <= so[0] <= so[1]:
+        bad("shapes_objects", "must be two numbers LO HI with 1 <= LO <= HI (shapes per image, --make-shapes)")
+    si = list(cfg.shapes_images)
+    if len(si) != 2 or si[0] < 1 or si[1] < 1:
+        bad("shapes_images", "must be two numbers TRAIN VAL, each at least 1 (images --make-shapes writes)")
     if cfg.eval_interval < 1:
         bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
     if cfg.tb_images < 0:

@@ -229,6 +229,9 @@ def test_non_string_passes_through():
     (["equalize", "1.5"], "gnetdet.equalize"),
     (["equalize", "-0.1"], "gnetdet.equalize"),
     (["equalize_max_scale", "0.5"], "equalize_max_scale"),
+    (["shapes_images", "240"], "shapes_images"),
+    (["shapes_images", "240,0"], "shapes_images"),
+    (["shapes_objects", "3,1"], "shapes_objects"),
 ])
 def test_out_of_range_refused(override, field):
     with pytest.raises(ConfigError) as e:

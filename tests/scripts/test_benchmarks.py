@@ -267,6 +267,26 @@ def test_pipeline_control_trains_the_float_model_with_steps_2_to_4_schedules_dev
     assert "===== control (float, step 4's schedule) =====" in r.stdout
 
 
+def test_pipeline_make_shapes_writes_the_configured_images_device_cpu(tmp_path):
+    """run_pipeline.py --make-shapes: the dataset has ``shapes_images`` train and val images with
+    ``shapes_objects`` shapes each, its meta files list them, and step 1 trains on it."""
+    from dist_helpers import make_workspace, run
+    root = str(tmp_path)
+    cfg = make_workspace(root, num_train=8, num_val=2)
+    tool = os.path.join(ROOT, "tools", "run_pipeline.py")
+    r = run([tool, "--config", cfg, "--make-shapes", "--stages", "step1", "DS_NAME", "made", "shapes_images", "5,3",
+             "shapes_objects", "2,2", "batch_size", "5", "num_epochs", "1", "max_iters", "1"], root, timeout=600)
+    r.check()
+    sets = os.path.join(root, "data", "made", "ImageSets", "Main")
+    assert [len(open(os.path.join(sets, f"{k}.txt")).read().split()) for k in ("train", "val")] == [5, 3]
+    meta = os.path.join(root, "data", "meta")
+    lines = {k: open(os.path.join(meta, f"made_{k}.txt")).read().splitlines() for k in ("train", "valid")}
+    assert [len(lines["train"]), len(lines["valid"])] == [5, 3]
+    boxes = [(len(line.split()) - 1) // 5 for line in lines["train"] + lines["valid"]]
+    assert boxes == [2] * 8                                   # 2 shapes per image, 5 numbers a box
+    assert os.path.isfile(os.path.join(root, "out", "checkpoint", "step1", "last.pth"))
+
+
 def test_gpu_check_reads_what_the_parts_print_device_cpu(capsys):
     """gpu_check's parsers on the parts' own printing: pytest's summary and failures, the step-time
     ratios against their goals, bench_memory's GPU table (a variant meets -35% at +10% or none does),
