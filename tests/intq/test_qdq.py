@@ -132,7 +132,7 @@ def test_fixed_requant_differs_from_the_runtime_by_its_rounding_device_cpu():
     # runtime's float32 product rounds it to even, one code apart on every other one
     m_int, shift = requant_multipliers(np.array([0.5]))
     acc = torch.arange(-9, 10, dtype=torch.int64)
-    fixed_codes = _requant(acc * 1, torch.tensor(int(m_int[0])), shift, 0, -1000)
+    fixed_codes = _requant(acc, torch.tensor(int(m_int[0])), shift, 0, -1000)
     runtime = torch.from_numpy(np.rint(acc.numpy().astype(np.float32) * np.float32(0.5)).astype(np.int64))
     assert torch.equal(fixed_codes, torch.floor(acc / 2 + 0.5).long())                 # ties up
     assert torch.equal((fixed_codes - runtime).abs(), ((acc % 4) == 1).long())          # 1, 5, -3, ...: one code
