@@ -4,6 +4,7 @@
     python3 benchmarks/accuracy.py                   # cards, raccoon, shapes, dense, dense_tiles; seeds 0 1 2
     python3 benchmarks/accuracy.py --datasets shapes,dense --seeds 0,1 --out runs/acc threads 1
     python3 benchmarks/accuracy.py --table-only --out runs/acc       # the table of runs already made
+    python3 benchmarks/accuracy.py --datasets plates=my_configs/plates.py --seeds 0,1,2   # your own config
 
 Every (dataset, seed) runs `tools/run_pipeline.py --config examples/<config> seed K` as its own
 process, with its checkpoints, logs and chip files under OUT/<dataset>/seed<K> and the stage table in
@@ -11,7 +12,8 @@ OUT/<dataset>/seed<K>/stages.json (a run whose stages.json exists is not run aga
 rerun). Overrides after the options apply to every run. The shapes sets are generated first when
 missing (`make_shapes.py`, `--dense` for the dense one) with their meta files; dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
-cards and raccoon read ../shared/data. Each run's step-4 best.pth is converted into the chip model and
+cards and raccoon read ../shared/data. A dataset given as NAME=CONFIG is any config of your own (a copy
+of configs.py with the dataset fields changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
 left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
 scored on the whole images (`tools/eval_voc.py --stitch --json`, OUT/<dataset>/seed<K>/whole_<stage>.json),
@@ -222,7 +224,8 @@ def parse_args(argv):
     """
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
-    p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset of " + ",".join(DATASETS))
+    p.add_argument("--datasets", default=",".join(DATASETS),
+                   help="comma-separated subset of " + ",".join(DATASETS) + ", or NAME=CONFIG for a config of your own")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "accuracy"))
     p.add_argument("--table-only", action="store_true", help="only aggregate the runs already in --out")
@@ -236,10 +239,21 @@ def parse_args(argv):
 def main(argv) -> int:
     """Run (or only tabulate) the matrix (module docstring); returns the exit status (0, or 2 for bad input)."""
     args, overrides = parse_args(argv)
-    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    bad = [d for d in datasets if d not in DATASETS]
+    datasets, bad = [], []
+    for item in (d.strip() for d in args.datasets.split(",") if d.strip()):
+        name, eq, config = item.partition("=")
+        if eq and name and os.path.isfile(config) and name not in DATASETS:
+            DATASETS[name] = (os.path.abspath(config), None)
+        elif eq:
+            bad.append(item)
+            continue
+        elif name not in DATASETS:
+            bad.append(item)
+            continue
+        datasets.append(name)
     if bad:
-        print(f"error: unknown dataset(s) {bad}: choose from {list(DATASETS)}", file=sys.stderr)
+        print(f"error: --datasets {bad}: choose from {list(DATASETS)}, or give NAME=CONFIG with a new name and an "
+              f"existing config file", file=sys.stderr)
         return 2
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

@@ -142,9 +142,31 @@ def test_accuracy_matrix_tables_a_tiled_set_on_the_whole_images_too(tmp_path, ca
 def test_accuracy_matrix_refuses_unknown_datasets_and_seeds(capsys):
     acc = _load("accuracy")
     assert acc.main(["--datasets", "cards,coco", "--table-only"]) == 2
-    assert "unknown dataset(s) ['coco']" in capsys.readouterr().err
+    assert "--datasets ['coco']" in capsys.readouterr().err
+    assert acc.main(["--datasets", "mine=no/such/config.py", "--table-only"]) == 2
+    assert "NAME=CONFIG" in capsys.readouterr().err
     assert acc.main(["--seeds", "0,a", "--table-only"]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_accuracy_matrix_runs_a_config_of_your_own(tmp_path, capsys):
+    """--datasets NAME=CONFIG: the runs of a user's config go under OUT/NAME and its pipeline command
+    names that config."""
+    import json
+    acc = _load("accuracy")
+    config = tmp_path / "mine.py"
+    config.write_text("from gnetmdk.config import BaseConfig\nclass Config(BaseConfig):\n    pass\n")
+    d = tmp_path / "out" / "mine" / "seed0"
+    d.mkdir(parents=True)
+    (d / "stages.json").write_text(json.dumps([{"stage": "step1", "best_map": 0.8},
+                                               {"stage": "step4", "best_map": 0.79},
+                                               {"stage": "control", "best_map": 0.82}]))
+    assert acc.main(["--datasets", f"mine={config}", "--seeds", "0", "--table-only",
+                     "--out", str(tmp_path / "out")]) == 0
+    assert "| mine | 0 | 0.800 [0.800-0.800] |" in capsys.readouterr().out
+    cmd = acc.pipeline_command("mine", 0, "/o", [])
+    assert cmd[cmd.index("--config") + 1] == str(config)
+    acc.DATASETS.pop("mine")
 
 
 def test_memory_benchmark_variants_build_what_they_name_device_cpu():
