@@ -10,7 +10,9 @@ Every (dataset, seed) runs `tools/run_pipeline.py --config examples/<config> see
 process, with its checkpoints, logs and chip files under OUT/<dataset>/seed<K> and the stage table in
 OUT/<dataset>/seed<K>/stages.json (a run whose stages.json exists is not run again: delete it to
 rerun). Overrides after the options apply to every run. The shapes sets are generated first when
-missing (`make_shapes.py`, `--dense` for the dense one) with their meta files; dense_tiles is the dense
+missing (`make_shapes.py`, `--dense` for the dense one) with their meta files, once, with make_shapes'
+seed 0: every seed trains on the same images, so the seeds vary the training only (README command (a)
+and benchmarks/demo_check.py make each seed's own images with that seed); dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
 cards and raccoon read ../shared/data. A dataset given as NAME=CONFIG is any config of your own (a copy
 of configs.py with the dataset fields changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
