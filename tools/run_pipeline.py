@@ -136,7 +136,7 @@ def main(argv) -> int:
             rows.append((name, s.get("entry_map"), s.get("best_map"), s.get("best_epoch"), s.get("best_seconds"),
                          s.get("seconds", 0.0)))
             if name == "step1":
-                step1_epochs = int(cfg.num_epochs)
+                step1_epochs = int(s.get("num_epochs", cfg.num_epochs))      # min_steps may have added epochs
                 step1_plateau = plateau_span(s.get("val_maps", []), step1_epochs)
         if args.control:
             from gnetmdk.engine.control import CONTROL_OF, control_configs

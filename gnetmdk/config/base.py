@@ -127,6 +127,9 @@ class BaseConfig:
     weight_decay: float = 5e-4
     grad_clip: float = 10.0                 # max gradient norm, 0 = off
     num_epochs: int = 30
+    # train at least this many optimizer steps: the stage's epochs become max(num_epochs,
+    # ceil(min_steps / steps per epoch)), so a small dataset is not left with a few dozen steps (0 = off)
+    min_steps: int = 0
     lr_scheduler: str = "cosine"            # cosine | cosine_restarts | step | multistep | constant
     warmup_epochs: float = 1.0              # linear warm-up length in epochs (stepped per iteration)
     warmup_factor: float = 0.1              # lr multiplier at the first iteration of the warm-up

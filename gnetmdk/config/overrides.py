@@ -464,6 +464,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("grad_clip", "must be >= 0 (the largest gradient norm; 0 = no clipping)")
     if cfg.num_epochs < 0:
         bad("num_epochs", "must be >= 0")
+    if cfg.min_steps < 0:
+        bad("min_steps", "must be >= 0 (the fewest optimizer steps a stage trains; 0 = num_epochs alone)")
     if cfg.num_workers < 0:
         bad("num_workers", "must be >= 0")
     if cfg.threads < 0:

@@ -64,3 +64,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, iters_per_epoch: int)
         return main
     warmup = S.LinearLR(optimizer, start_factor=cfg.warmup_factor, end_factor=1.0, total_iters=warm)
     return S.SequentialLR(optimizer, [warmup, main], milestones=[warm])
+
+
+def stage_epochs(num_epochs: int, min_steps: int, iters_per_epoch: int) -> int:
+    """The epochs a stage trains: ``num_epochs``, or more where that many epochs hold fewer than
+    ``min_steps`` optimizer steps (a small dataset has few steps per epoch; docs/training.md, "A budget in
+    steps").
+
+    Args:
+        num_epochs: the config's epochs (>= 0); 0 stays 0 (nothing to train).
+        min_steps: the fewest optimizer steps (>= 0; 0 = off).
+        iters_per_epoch: optimizer steps per epoch (the trainer's: train images // global batch).
+    Returns:
+        ``max(num_epochs, ceil(min_steps / iters_per_epoch))``, or ``num_epochs`` when it is 0, min_steps is
+        0 or an epoch holds no step.
+    """
+    if num_epochs <= 0 or min_steps <= 0 or iters_per_epoch <= 0:
+        return int(num_epochs)
+    return max(int(num_epochs), -(-int(min_steps) // int(iters_per_epoch)))

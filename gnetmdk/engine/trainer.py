@@ -46,7 +46,7 @@ from gnetmdk.evaluation.evaluator import evaluate_model
 from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
 from .resume import restore_run, rng_state
-from .schedule import build_optimizer, build_scheduler
+from .schedule import build_optimizer, build_scheduler, stage_epochs
 from . import runtime as R
 from .stages import Stage, apply_stage, get_stage, source_path
 
@@ -633,6 +633,20 @@ class Trainer:
         """A hook asks to stop early (max_iters reached, the replayed recording ended)."""
         return any(hook.should_stop() for hook in self.hooks)
 
+    def resolve_epochs(self) -> None:
+        """Apply ``min_steps``: where ``num_epochs`` epochs hold fewer optimizer steps, the stage trains
+        the epochs that hold them (gnetmdk.engine.schedule.stage_epochs), and the resolved config (saved
+        with the checkpoints, compared on a resume) says so. Calibration trains nothing."""
+        cfg = self.cfg
+        if self.stage.calibration or not cfg.min_steps:
+            return
+        ipe = len(self.train_set) // cfg.batch_size
+        epochs = stage_epochs(cfg.num_epochs, cfg.min_steps, ipe)
+        if epochs != cfg.num_epochs:
+            self.log(f"[{self.stage.name}] min_steps {cfg.min_steps}: {epochs} epochs of {ipe} steps instead of "
+                     f"num_epochs {cfg.num_epochs}")
+            cfg.num_epochs = epochs
+
     def setup_optimizer(self) -> None:
         """Build the optimizer, the learning-rate schedule and the mixed-precision state; freeze the first
         ``freeze_at`` sublayers for the whole run, make the caps trainable in step 3 with ``cap_lr > 0``, and wrap
@@ -716,6 +730,7 @@ class Trainer:
         if note:
             self.log(f"[{stage.name}] note: {note}")
         self.build_data()
+        self.resolve_epochs()
         self.build_model()
         self.evaluation.__init__()           # no best yet: -1.0, nothing evaluated
         self.iteration = 0
@@ -763,6 +778,7 @@ class Trainer:
         # a run stopped before its first evaluation (max_iters, a replay's end): the summary says n/a, not -1
         best_map = ev.evaluated_best() if self.align.stopped else ev.best_map
         self.summary.update(best_map=best_map, final_map=ev.last_map, seconds=time.time() - t_start,
+                            num_epochs=cfg.num_epochs,
                             best_path=os.path.join(self.out_dir, "best.pth") if wrote_best else None,
                             last_path=os.path.join(self.out_dir, "last.pth"), best_epoch=ev.best_epoch,
                             best_seconds=ev.best_seconds)

@@ -290,6 +290,31 @@ def test_patience_ends_the_stage_when_map_stops_improving(workdir, tmp_path, cap
     assert load_checkpoint(str(tmp_path / "p0" / "step1" / "last.pth"))["epoch"] == 5
 
 
+def test_min_steps_adds_the_epochs_that_hold_them_device_cpu(workdir, tmp_path, capsys):
+    """8 train images in batches of 4 are 2 steps per epoch: min_steps 5 makes num_epochs 1 into 3
+    epochs (ceil(5 / 2)), logged, in the summary and in last.pth; min_steps below one epoch's steps
+    changes nothing; the float control copies min_steps with the rest of a stage's schedule."""
+    from gnetmdk.engine.control import control_configs
+    from gnetmdk.engine.schedule import stage_epochs
+    assert [stage_epochs(10, m, 15) for m in (0, 150, 151, 450)] == [10, 10, 11, 30]
+    assert stage_epochs(0, 450, 15) == 0 and stage_epochs(3, 450, 0) == 3
+    _, path = workdir
+    common = ["num_epochs", 1, "eval_interval", 1, "learning_rate", 1e-6]
+    summary = run_stage(_cfg(path, tmp_path, "m5", *common, "min_steps", 5))
+    out = capsys.readouterr().out
+    assert summary["num_epochs"] == 3 and "min_steps 5: 3 epochs of 2 steps instead of num_epochs 1" in out
+    assert "epoch 3/3" in out
+    assert load_checkpoint(str(tmp_path / "m5" / "step1" / "last.pth"))["epoch"] == 3
+    summary = run_stage(_cfg(path, tmp_path, "m1", *common, "min_steps", 2))
+    assert summary["num_epochs"] == 1 and "min_steps 2:" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="min_steps"):
+        _cfg(path, tmp_path, "bad", "min_steps", -1)
+    klass = load_config_class(path)              # a fresh class, loaded from the file
+    klass.per_step = {3: dict(min_steps=40)}
+    ctl = control_configs(klass, ["checkpoint_root", str(tmp_path / "c")])
+    assert [c.min_steps for c in ctl] == [0, 40, 0]
+
+
 def test_patience_shorter_than_the_evaluation_interval_is_refused(workdir, tmp_path):
     _, path = workdir
     with pytest.raises(ConfigError, match="patience.*eval_interval 5"):
