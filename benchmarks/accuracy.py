@@ -14,7 +14,8 @@ missing (`make_shapes.py`, `--dense` for the dense one) with their meta files, o
 seed 0: every seed trains on the same images, so the seeds vary the training only (README command (a)
 and benchmarks/demo_check.py make each seed's own images with that seed); dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
-cards and raccoon read ../shared/data. A dataset given as NAME=CONFIG is any config of your own (a copy
+cards and raccoon read ../shared/data; roadsigns (not run by default) reads data/roadsigns, whose images
+docs/results/roadsigns.md says where to get. A dataset given as NAME=CONFIG is any config of your own (a copy
 of configs.py with the dataset fields changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
 left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
@@ -44,7 +45,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: dataset name -> (example config, how to make it when missing: None, "shapes", "dense" or "dense_tiles")
 DATASETS = {"cards": ("examples/cards.py", None), "raccoon": ("examples/raccoon.py", None),
             "shapes": ("examples/shapes.py", "shapes"), "dense": ("examples/shapes_dense.py", "dense"),
-            "dense_tiles": ("examples/shapes_dense_tiles.py", "dense_tiles")}
+            "dense_tiles": ("examples/shapes_dense_tiles.py", "dense_tiles"),
+            "roadsigns": ("examples/roadsigns.py", None)}
+#: the datasets run when --datasets is not given (roadsigns needs its images fetched first)
+DEFAULT_DATASETS = ("cards", "raccoon", "shapes", "dense", "dense_tiles")
+#: a real set that is not in the repository -> the page that says where to get it
+FETCHED = {"roadsigns": "docs/results/roadsigns.md"}
 #: a tiled set: (the set it is cut from, tiles per side, overlap in pixels)
 TILED = {"dense_tiles": ("dense", 2, 16)}
 #: the stages a tiled set's runs are scored at on the whole images
@@ -78,6 +84,9 @@ def prepare(dataset: str) -> None:
     config, make = DATASETS[dataset]
     from gnetmdk.config import build_config, load_config_class
     cfg = build_config(load_config_class(os.path.join(ROOT, config)), [])
+    if dataset in FETCHED and not os.path.isdir(cfg.dataset_dir):
+        raise FileNotFoundError(f"dataset {dataset}: {cfg.dataset_dir} is missing: {FETCHED[dataset]} says where to "
+                                f"get the images and annotations")
     if dataset in TILED and not os.path.isdir(cfg.dataset_dir):
         source, n, overlap = TILED[dataset]
         src_dir = _dataset_dir(source)
@@ -226,7 +235,7 @@ def parse_args(argv):
     """
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__)
-    p.add_argument("--datasets", default=",".join(DATASETS),
+    p.add_argument("--datasets", default=",".join(DEFAULT_DATASETS),
                    help="comma-separated subset of " + ",".join(DATASETS) + ", or NAME=CONFIG for a config of your own")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "accuracy"))
@@ -266,7 +275,11 @@ def main(argv) -> int:
     whole: Dict[str, Dict[int, List[dict]]] = {}
     for ds in datasets:
         if not args.table_only:
-            prepare(ds)
+            try:
+                prepare(ds)
+            except FileNotFoundError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         for seed in seeds:
             js = os.path.join(run_dir(args.out, ds, seed), "stages.json")
             if not os.path.isfile(js) and not args.table_only:

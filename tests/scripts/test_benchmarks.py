@@ -169,6 +169,22 @@ def test_accuracy_matrix_runs_a_config_of_your_own(tmp_path, capsys):
     acc.DATASETS.pop("mine")
 
 
+def test_accuracy_matrix_names_where_to_get_a_missing_fetched_set(tmp_path, monkeypatch, capsys):
+    """A real set that is not in the repository and not fetched yet: exit 2 and one line naming its folder
+    and the page that says where to get it; nothing is run or written."""
+    acc = _load("accuracy")
+    config = tmp_path / "fetched.py"
+    config.write_text("from gnetmdk.config import BaseConfig\nclass Config(BaseConfig):\n"
+                      f"    dataset_path = {str(tmp_path / 'absent')!r}\n")
+    monkeypatch.setitem(acc.DATASETS, "fetched", (str(config), None))
+    monkeypatch.setitem(acc.FETCHED, "fetched", "docs/results/fetched.md")
+    assert acc.main(["--datasets", "fetched", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "absent is missing" in err and "docs/results/fetched.md" in err
+    assert not (tmp_path / "out").exists()
+    assert "roadsigns" in acc.DATASETS and "roadsigns" not in acc.DEFAULT_DATASETS
+
+
 def test_memory_benchmark_variants_build_what_they_name_device_cpu():
     """Each variant of benchmarks/bench_memory.py converts the model it says (device cpu)."""
     from gnetmdk.dist.syncbn import count_sync_batchnorm
