@@ -634,14 +634,13 @@ class Trainer:
         return any(hook.should_stop() for hook in self.hooks)
 
     def resolve_epochs(self) -> None:
-        """Set ``iters_per_epoch`` (optimizer steps per epoch: train images // global batch) and apply
-        ``min_steps``: where ``num_epochs`` epochs hold fewer optimizer steps, the stage trains the epochs
-        that hold them (gnetmdk.engine.schedule.stage_epochs), and the resolved config (saved with the
-        checkpoints, compared on a resume) says so. Calibration trains nothing."""
+        """Apply ``min_steps``: where ``num_epochs`` epochs hold fewer optimizer steps, the stage trains
+        the epochs that hold them (gnetmdk.engine.schedule.stage_epochs), and the resolved config (saved
+        with the checkpoints, compared on a resume) says so. Calibration trains nothing."""
         cfg = self.cfg
-        if self.stage.calibration:
+        if self.stage.calibration or not cfg.min_steps:
             return
-        ipe = self.iters_per_epoch = len(self.train_set) // cfg.batch_size
+        ipe = len(self.train_set) // cfg.batch_size
         epochs = stage_epochs(cfg.num_epochs, cfg.min_steps, ipe)
         if epochs != cfg.num_epochs:
             self.log(f"[{self.stage.name}] min_steps {cfg.min_steps}: {epochs} epochs of {ipe} steps instead of "
@@ -668,6 +667,7 @@ class Trainer:
         if self.learned_caps:
             self.log(f"[{self.stage.name}] {self.learned_caps.describe()}")
         self.optimizer = build_optimizer(self.model, cfg, self.learned_caps.caps, self.learned_caps.lr)
+        self.iters_per_epoch = len(self.train_set) // cfg.batch_size
         self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
         self.precision = R.Precision(cfg, self.device)
         for note in self.precision.notes:
