@@ -15,7 +15,7 @@ import torch
 
 from gnetmdk.config import ConfigError
 
-from . import runtime as R
+from .runtime import freeze, unfreeze
 
 
 def freeze_leading(model: torch.nn.Module, family, section) -> List[torch.nn.Parameter]:
@@ -36,7 +36,7 @@ def freeze_leading(model: torch.nn.Module, family, section) -> List[torch.nn.Par
         if getattr(section, name) > n_layers:
             raise ConfigError(f"config field '{family.name}.{name}' = {getattr(section, name)}: the model "
                               f"has {n_layers} sublayers")
-    return R.freeze(family.leading_parameters(model, getattr(section, "freeze_at", 0)))
+    return freeze(family.leading_parameters(model, getattr(section, "freeze_at", 0)))
 
 
 class Finetune:
@@ -66,8 +66,8 @@ class Finetune:
         if want == bool(self.frozen):
             return None, False
         if want:
-            self.frozen = R.freeze(self.family.leading_parameters(model, self.convs))
+            self.frozen = freeze(self.family.leading_parameters(model, self.convs))
             return f"finetune: first {self.convs} sublayers frozen until epoch {self.epochs}", bool(self.frozen)
-        R.unfreeze(self.frozen)
+        unfreeze(self.frozen)
         self.frozen = []
         return f"finetune: sublayers unfrozen from epoch {epoch + 1}", True

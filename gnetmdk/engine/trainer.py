@@ -47,7 +47,7 @@ from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
 from .resume import restore_run, rng_state
 from .schedule import build_optimizer, build_scheduler, stage_epochs
-from . import runtime as R
+from .runtime import Precision, estimate_checkpoint_bytes, free_bytes, keep_freed_memory, optimizer_slots
 from .stages import Stage, apply_stage, get_stage, source_path
 
 
@@ -101,7 +101,7 @@ class Trainer:
                 f"all): each rank's chunk through forward and backward as a process of its own, every sum over "
                 "ranks in rank order")
         if self.device.type == "cpu" and cfg.cpu_keep_memory:
-            self.parallel_notes.append(R.keep_freed_memory())
+            self.parallel_notes.append(keep_freed_memory())
         self.out_dir = cfg.checkpoint_dir(self.stage.output_step)
         self.outputs = StageOutputs(self.out_dir, self.stage.name, self.main)   # run/ until the run finishes
         self.summary: Dict[str, object] = {"stage": self.stage.name}
@@ -381,9 +381,9 @@ class Trainer:
         if not self.main:
             return
         cfg = self.cfg
-        need = R.estimate_checkpoint_bytes(self.model, R.optimizer_slots(cfg.optimizer), cfg.ema)
+        need = estimate_checkpoint_bytes(self.model, optimizer_slots(cfg.optimizer), cfg.ema)
         reserve = int(cfg.disk_reserve_mb * 2 ** 20)
-        free = R.free_bytes(self.out_dir)
+        free = free_bytes(self.out_dir)
         if free < need + reserve:
             raise CheckpointError(
                 f"not enough free disk for checkpoints in '{self.out_dir}': {free / 2 ** 20:.1f} MiB free, the "
@@ -669,7 +669,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, self.learned_caps.caps, self.learned_caps.lr)
         self.iters_per_epoch = len(self.train_set) // cfg.batch_size
         self.scheduler = build_scheduler(self.optimizer, cfg, self.iters_per_epoch)
-        self.precision = R.Precision(cfg, self.device)
+        self.precision = Precision(cfg, self.device)
         for note in self.precision.notes:
             self.log(f"[{self.stage.name}] {note}")
         if cfg.accumulate > 1:

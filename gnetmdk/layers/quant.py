@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gnetmdk.gti import quantize as Q
+from gnetmdk.gti.quantize import (ACT_MAX, capped_relu, device_path, integer_conv_params, quantize_conv_params,
+                                  quantize_conv_values, scalar, ste)
 
 
 class QConv2d(nn.Conv2d):
@@ -80,21 +81,21 @@ class QConv2d(nn.Conv2d):
             cap_in, cap_out = (float(g) for g in self.gain)
             if self.gain_tensors is not None:          # learned caps: the gain carries their gradient
                 ci, co = self.gain_tensors
-                gw, gb = ci / co, Q.ACT_MAX / co
+                gw, gb = ci / co, ACT_MAX / co
             else:
-                gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
+                gw, gb = cap_in / cap_out, ACT_MAX / cap_out
             # the values fold_requant_multipliers will write (float64 product, then the parameter dtype) ...
             w_val = (self.weight.detach().double() * cap_in / cap_out).to(self.weight.dtype)
-            b_val = (self.bias.detach().double() * Q.ACT_MAX / cap_out).to(self.bias.dtype)
+            b_val = (self.bias.detach().double() * ACT_MAX / cap_out).to(self.bias.dtype)
             # ... quantized as in step 4 (the gradient reaches weight and bias through the gain)
-            return Q.quantize_conv_params(Q.ste(self.weight * gw, w_val), Q.ste(self.bias * gb, b_val),
+            return quantize_conv_params(ste(self.weight * gw, w_val), ste(self.bias * gb, b_val),
                                           self.scheme, self.weight_bits, self.bias_bits, self.method)
-        return Q.quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
+        return quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
                                       self.bias_bits, self.method)
 
     def integer_params(self):
         """(W_int int64 (O,I,3,3), b_int int64 (O,), shift): what the chip stores."""
-        return Q.integer_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
+        return integer_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
                                      self.bias_bits, self.method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,19 +198,19 @@ class QReLU(nn.Module):
             return F.relu(x)
         if not self.fake_quant_enabled:
             if self.revive and torch.is_grad_enabled():
-                return Q.capped_relu(x, Q.scalar(float("inf"), x.dtype, x.device), quantize=False, revive=True)
+                return capped_relu(x, scalar(float("inf"), x.dtype, x.device), quantize=False, revive=True)
             return F.relu(x)
-        if not Q.device_path(self.cap) and self.cap <= 0:   # on a device the stage's entry checks the caps
+        if not device_path(self.cap) and self.cap <= 0:   # on a device the stage's entry checks the caps
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
         if self.code_domain:        # gain-aware step 3: the codes, exactly as step 4 computes them
-            cap, integer = Q.scalar(Q.ACT_MAX, self.cap.dtype, self.cap.device), True
+            cap, integer = scalar(ACT_MAX, self.cap.dtype, self.cap.device), True
         else:
             cap, integer = self.cap, self.integer
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):   # amp: the activation quantizer in float32
-                return Q.capped_relu(x.float(), cap, quantize=True, integer=integer,
+                return capped_relu(x.float(), cap, quantize=True, integer=integer,
                                      revive=self.revive and torch.is_grad_enabled())
-        return Q.capped_relu(x, cap, quantize=True, integer=integer, revive=self.revive and torch.is_grad_enabled())
+        return capped_relu(x, cap, quantize=True, integer=integer, revive=self.revive and torch.is_grad_enabled())
 
     def enable_fake_quant(self, enabled: bool = True) -> "QReLU":
         """Switch the 5-bit fake quantization on (or off with ``enabled`` False); returns self."""
@@ -234,7 +235,7 @@ class QReLU(nn.Module):
         """(scale, zero_point) of the 5-bit activation codes, as torch.ao's fake quantizers give them:
         scale = cap / 31 (0-d float32, on the cap's device; 0 before calibration), zero point 0 (0-d
         int32): a code q stands for q * scale (docs/quantization.md, "Activations")."""
-        return (self.cap.detach() / Q.ACT_MAX).to(torch.float32), torch.zeros((), dtype=torch.int32,
+        return (self.cap.detach() / ACT_MAX).to(torch.float32), torch.zeros((), dtype=torch.int32,
                                                                               device=self.cap.device)
 
     def extra_repr(self) -> str:
@@ -273,18 +274,18 @@ def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
         for (scheme, bw, bb, method, *_rest), idx in groups.items():
             members = [convs[i] for i in idx]
             gains = None if members[0].gain is None else [tuple(float(g) for g in c.gain) for c in members]
-            w_vals, b_vals, shifts = Q.quantize_conv_values([c.weight for c in members], [c.bias for c in members],
+            w_vals, b_vals, shifts = quantize_conv_values([c.weight for c in members], [c.bias for c in members],
                                                             scheme, bw, bb, method, gains)
             for i, c, wv, bv, s in zip(idx, members, w_vals, b_vals, shifts):
                 src_w, src_b = c.weight, c.bias
                 if c.gain is not None:      # the gradient reaches the parameters through the gain
                     if c.gain_tensors is not None:
                         ci, co = c.gain_tensors
-                        gw, gb = ci / co, Q.ACT_MAX / co
+                        gw, gb = ci / co, ACT_MAX / co
                     else:
                         cap_in, cap_out = (float(g) for g in c.gain)
-                        gw, gb = cap_in / cap_out, Q.ACT_MAX / cap_out
+                        gw, gb = cap_in / cap_out, ACT_MAX / cap_out
                     src_w = src_w * gw
                     src_b = None if src_b is None else src_b * gb
-                out[i] = (Q.ste(src_w, wv), None if src_b is None else Q.ste(src_b, bv), s)
+                out[i] = (ste(src_w, wv), None if src_b is None else ste(src_b, bv), s)
     return out

@@ -250,7 +250,8 @@ def test_disk_estimate_is_checked_before_training(workdir, tmp_path, monkeypatch
         need["folder"] = folder
         return 1000
 
-    monkeypatch.setattr(R, "free_bytes", fake_free)
+    import gnetmdk.engine.trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "free_bytes", fake_free)      # where the trainer looks it up
     called = []
     monkeypatch.setattr(Trainer, "train_one_epoch", lambda self, e: called.append(e))
     with pytest.raises(CheckpointError, match="not enough free disk"):
