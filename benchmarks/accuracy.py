@@ -14,8 +14,8 @@ missing (`make_shapes.py`, `--dense` for the dense one) with their meta files, o
 seed 0: every seed trains on the same images, so the seeds vary the training only (README command (a)
 and benchmarks/demo_check.py make each seed's own images with that seed); dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
-cards and raccoon read ../shared/data; roadsigns (not run by default) reads data/roadsigns, whose images
-docs/results/roadsigns.md says where to get. A dataset given as NAME=CONFIG is any config of your own (a copy
+cards and raccoon read ../shared/data; roadsigns and facemask (not run by default) read data/roadsigns and
+data/facemask, whose images docs/results/roadsigns.md and docs/results/facemask.md say where to get. A dataset given as NAME=CONFIG is any config of your own (a copy
 of configs.py with the dataset fields changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
 left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
@@ -46,11 +46,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATASETS = {"cards": ("examples/cards.py", None), "raccoon": ("examples/raccoon.py", None),
             "shapes": ("examples/shapes.py", "shapes"), "dense": ("examples/shapes_dense.py", "dense"),
             "dense_tiles": ("examples/shapes_dense_tiles.py", "dense_tiles"),
-            "roadsigns": ("examples/roadsigns.py", None)}
-#: the datasets run when --datasets is not given (roadsigns needs its images fetched first)
+            "roadsigns": ("examples/roadsigns.py", None), "facemask": ("examples/facemask.py", None)}
+#: the datasets run when --datasets is not given (roadsigns and facemask need their images fetched first)
 DEFAULT_DATASETS = ("cards", "raccoon", "shapes", "dense", "dense_tiles")
 #: a real set that is not in the repository -> the page that says where to get it
-FETCHED = {"roadsigns": "docs/results/roadsigns.md"}
+FETCHED = {"roadsigns": "docs/results/roadsigns.md", "facemask": "docs/results/facemask.md"}
 #: a tiled set: (the set it is cut from, tiles per side, overlap in pixels)
 TILED = {"dense_tiles": ("dense", 2, 16)}
 #: the stages a tiled set's runs are scored at on the whole images

@@ -182,7 +182,9 @@ def test_accuracy_matrix_names_where_to_get_a_missing_fetched_set(tmp_path, monk
     err = capsys.readouterr().err
     assert "absent is missing" in err and "docs/results/fetched.md" in err
     assert not (tmp_path / "out").exists()
-    assert "roadsigns" in acc.DATASETS and "roadsigns" not in acc.DEFAULT_DATASETS
+    for fetched in ("roadsigns", "facemask"):
+        assert fetched in acc.DATASETS and fetched not in acc.DEFAULT_DATASETS
+        assert os.path.isfile(os.path.join(acc.ROOT, acc.FETCHED[fetched]))
 
 
 def test_memory_benchmark_variants_build_what_they_name_device_cpu():
