@@ -15,8 +15,9 @@ seed 0: every seed trains on the same images, so the seeds vary the training onl
 and benchmarks/demo_check.py make each seed's own images with that seed); dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
 cards and raccoon read ../shared/data; roadsigns and facemask (not run by default) read data/roadsigns and
-data/facemask, whose images docs/results/roadsigns.md and docs/results/facemask.md say where to get. A dataset given as NAME=CONFIG is any config of your own (a copy
-of configs.py with the dataset fields changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
+data/facemask, whose images docs/results/roadsigns.md and docs/results/facemask.md say where to get. A
+dataset given as NAME=CONFIG is any config of your own (a copy of configs.py with the dataset fields
+changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
 left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
 scored on the whole images (`tools/eval_voc.py --stitch --json`, OUT/<dataset>/seed<K>/whole_<stage>.json),

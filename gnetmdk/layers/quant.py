@@ -89,14 +89,14 @@ class QConv2d(nn.Conv2d):
             b_val = (self.bias.detach().double() * ACT_MAX / cap_out).to(self.bias.dtype)
             # ... quantized as in step 4 (the gradient reaches weight and bias through the gain)
             return quantize_conv_params(ste(self.weight * gw, w_val), ste(self.bias * gb, b_val),
-                                          self.scheme, self.weight_bits, self.bias_bits, self.method)
+                                        self.scheme, self.weight_bits, self.bias_bits, self.method)
         return quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
-                                      self.bias_bits, self.method)
+                                    self.bias_bits, self.method)
 
     def integer_params(self):
         """(W_int int64 (O,I,3,3), b_int int64 (O,), shift): what the chip stores."""
         return integer_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
-                                     self.bias_bits, self.method)
+                                   self.bias_bits, self.method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Convolve with the weights of the current mode (float, or fake-quantized; with ``exact``, in a
@@ -209,7 +209,7 @@ class QReLU(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):   # amp: the activation quantizer in float32
                 return capped_relu(x.float(), cap, quantize=True, integer=integer,
-                                     revive=self.revive and torch.is_grad_enabled())
+                                   revive=self.revive and torch.is_grad_enabled())
         return capped_relu(x, cap, quantize=True, integer=integer, revive=self.revive and torch.is_grad_enabled())
 
     def enable_fake_quant(self, enabled: bool = True) -> "QReLU":
@@ -236,7 +236,7 @@ class QReLU(nn.Module):
         scale = cap / 31 (0-d float32, on the cap's device; 0 before calibration), zero point 0 (0-d
         int32): a code q stands for q * scale (docs/quantization.md, "Activations")."""
         return (self.cap.detach() / ACT_MAX).to(torch.float32), torch.zeros((), dtype=torch.int32,
-                                                                              device=self.cap.device)
+                                                                            device=self.cap.device)
 
     def extra_repr(self) -> str:
         """The cap and the switches."""
@@ -275,7 +275,7 @@ def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
             members = [convs[i] for i in idx]
             gains = None if members[0].gain is None else [tuple(float(g) for g in c.gain) for c in members]
             w_vals, b_vals, shifts = quantize_conv_values([c.weight for c in members], [c.bias for c in members],
-                                                            scheme, bw, bb, method, gains)
+                                                          scheme, bw, bb, method, gains)
             for i, c, wv, bv, s in zip(idx, members, w_vals, b_vals, shifts):
                 src_w, src_b = c.weight, c.bias
                 if c.gain is not None:      # the gradient reaches the parameters through the gain
