@@ -23,7 +23,7 @@ import torch
 
 from gnetmdk.dist.comm import all_reduce, global_percentile, is_dist
 from gnetmdk.dist.virtual import forward_batch
-from gnetmdk.gti.quantize import mse_cap_from_histogram
+from gnetmdk.gti.quantize import ACT_MAX, mse_cap_from_histogram
 from gnetmdk.gti.transforms import equalize_channel_ranges
 from gnetmdk.layers.observers import (ChannelMaxObserver, HistogramObserver, MaxObserver, PercentileObserver,
                                       batch_percentile, observe_inputs)
@@ -190,6 +190,107 @@ def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]],
     return cur
 
 
+#: batches (per process) the bias correction measures the channel means on
+BIAS_BATCHES = 16
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass once the input it needs was seen."""
+
+
+def _input_of(model, module, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s input when ``model`` runs the batch ``x`` (N, ...), the forward ended there (the
+    layers after it cannot change that input); each virtual rank runs its chunk
+    (gnetmdk.dist.virtual.forward_batch) and the chunks' inputs are concatenated in rank order."""
+    seen = []
+
+    def grab(mod, args):
+        seen.append(args[0].detach())
+        raise _StopForward
+
+    def upto(c):
+        try:
+            model(c)
+        except _StopForward:
+            pass
+        return c.new_zeros(c.shape[0])
+
+    handle = module.register_forward_pre_hook(grab)
+    try:
+        forward_batch(upto, x)
+    finally:
+        handle.remove()
+    return torch.cat(seen)
+
+
+def _sorted_sum(rows: torch.Tensor) -> torch.Tensor:
+    """(C,) float64: the rows (images, C) of every process gathered and added per channel in sorted
+    order, so the sum does not depend on which process held which image or on their order."""
+    from gnetmdk.dist.comm import all_gather_object
+    every = torch.cat(all_gather_object(rows.cpu()))
+    return torch.sort(every, dim=0).values.sum(dim=0)
+
+
+@torch.no_grad()
+def correct_biases(model, batches: Callable[[], Iterable[torch.Tensor]], device: Optional[torch.device] = None,
+                   max_batches: int = BIAS_BATCHES, progress: Callable = lambda it, desc: it) -> List[torch.Tensor]:
+    """Empirical bias correction after the caps are set: each conv's bias is shifted so that, where the
+    cal stage's model (quantized weights, float activations) has a channel active (pre-activation > 0),
+    the step-3 model (5-bit activations at the caps) has the same mean pre-activation there, layer by
+    layer in order, each layer measured after the ones before it were corrected.
+
+    Clipping a layer's activations at its cap and rounding them to 5-bit codes shift the next layer's
+    pre-activations; the mean shift is taken out (Nagel et al. 2019, "Data-Free Quantization Through
+    Weight Equalization and Bias Correction", section 4.2, there from BatchNorm statistics; here
+    measured on the calibration data, docs/quantization.md, "Bias correction"). The mean is over the
+    positions where the reference is active, because the ReLU zeroes the rest whatever their error.
+
+    Per image and channel the differences at those positions and their count are summed in float64 (each
+    image on its own), gathered from every process and added in sorted order (:func:`_sorted_sum`),
+    over the first ``max_batches`` batches of ``batches()`` on each process, so N processes and one
+    process shift the biases alike. A channel never active keeps its bias.
+
+    Args:
+        model: a GNetDet whose caps are calibrated (``convs()`` and ``relus()`` in order, one ReLU
+            per conv, whose input is the conv's output: BatchNorm folded); left in step-3 eval mode.
+        batches: returns an iterable of image batches (N, 3, H, W).
+    Returns:
+        the shifts, one (C_out,) float64 tensor per conv, in value units (added to ``conv.bias``).
+    """
+    import copy
+    from .stages import STAGES, apply_stage
+    device = device or next(model.parameters()).device
+    data = []
+    for k, images in enumerate(batches()):
+        if k >= max_batches:
+            break
+        data.append(images.to(device, non_blocking=True).float())
+    reference = copy.deepcopy(model)
+    apply_stage(reference, STAGES["cal"])
+    reference.eval()
+    apply_stage(model, STAGES["step3"])
+    model.eval()
+    relus, convs, ref_relus = list(model.relus()), list(model.convs()), list(reference.relus())
+    shifts = []
+    for i in progress(list(range(len(relus))), "cal (bias correction)"):
+        scale = float(relus[i].cap) / ACT_MAX if relus[i].code_domain else 1.0     # codes -> values
+        diffs, counts = [], []
+        for x in data:
+            ref = _input_of(reference, ref_relus[i], x).double()
+            q = _input_of(model, relus[i], x).double() * scale
+            active = ref > 0
+            d = torch.where(active, ref - q, torch.zeros((), dtype=torch.float64, device=ref.device))
+            for n in range(x.shape[0]):
+                diffs.append(d[n].sum(dim=(1, 2)))
+                counts.append(active[n].sum(dim=(1, 2)).double())
+        total, n_active = _sorted_sum(torch.stack(diffs)), _sorted_sum(torch.stack(counts))
+        shift = torch.where(n_active > 0, total / n_active.clamp_min(1), torch.zeros_like(total))
+        bias = convs[i].bias
+        bias.copy_((bias.detach().double() + shift.to(bias.device)).to(bias.dtype))
+        shifts.append(shift)
+    return shifts
+
+
 def _f32(v: float) -> float:
     """v rounded to float32 (caps are float32 buffers)."""
     return float(torch.tensor(v, dtype=torch.float32))
@@ -199,7 +300,7 @@ def _f32(v: float) -> float:
 def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
                    device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it,
                    output_cap_max: float = 0.0, equalize: float = 0.0,
-                   equalize_max_scale: float = 8.0) -> List[float]:
+                   equalize_max_scale: float = 8.0, bias_correct: bool = False) -> List[float]:
     """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
     ReLUs, eval mode), with ``equalize`` > 0 equalize the channels' ranges first (:func:`equalize_ranges`,
     ``alpha = equalize``, ``max_scale = equalize_max_scale``), :func:`measure_caps` ("output": the "mse" caps refined by
@@ -207,7 +308,8 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
     activations) in training mode. Returns the caps (arguments as measure_caps).
 
     ``output_cap_max`` > 0 limits the last capped ReLU's cap (the output layer's) to that value, before
-    and after the output-error search. The output layer's values that the loss trains (GNetDet's
+    and after the output-error search. ``bias_correct`` then shifts the convs' biases (:func:`correct_biases`).
+    The output layer's values that the loss trains (GNetDet's
     boxes and scores) lie in [0, 1]; values far above it (untrained slots, confident cells) can pull a
     measured cap to several units, and 5-bit codes over such a range leave the trained range a few
     codes (docs/results/shapes-demo.md: a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2)."""
@@ -229,6 +331,8 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
             caps[-1] = min(caps[-1], _f32(limit))
     for relu, c in zip(relus, caps):
         relu.cap.fill_(c)
+    if bias_correct:
+        correct_biases(model, batches, device, progress=progress)
     apply_stage(model, STAGES["step3"])   # evaluate as step 3 will start
     model.train()
     return caps

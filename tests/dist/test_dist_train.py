@@ -203,6 +203,23 @@ def test_cal_virtual_ranks_equal_two_processes(ws, method, equalize):
     assert (len(moved) == 16) == (equalize != "0") and (not moved) == (equalize == "0")
 
 
+def test_cal_bias_correction_virtual_ranks_equal_two_processes_device_cpu(ws):
+    """gnetdet.bias_correct: the channel means are gathered per image and added in sorted order, so 2
+    processes and one process of 2 virtual ranks shift every conv's bias alike (the cal.pth models are
+    equal bit for bit), and the biases differ from the step-2 model's (the weights do not)."""
+    root, models = ws["root"], {}
+    for name, launcher, extra in (("b2", TRAIN_DIST, ["--gpus", "2"]), ("bv", TRAIN, ["virtual_ranks", "2"])):
+        r = run([launcher, "--config", ws["cfg"], "--cal", *extra, "load", ws["fold"], "gnetdet.bias_correct", "true",
+                 *_out(root, name)], root, timeout=300).check()
+        assert "biases corrected to the float activations' channel means" in r.stdout
+        models[name] = torch.load(os.path.join(root, name, "checkpoint", "step2", "cal.pth"), weights_only=True)["model"]
+    assert all(torch.equal(models["b2"][k], models["bv"][k]) for k in models["b2"])
+    fold = torch.load(ws["fold"], weights_only=True)["model"]
+    moved = [k for k in fold if k.endswith("conv.bias") and not torch.equal(fold[k], models["b2"][k])]
+    assert len(moved) == 16
+    assert all(torch.equal(fold[k], models["b2"][k]) for k in fold if k.endswith("conv.weight"))
+
+
 def test_cal_output_error_search_virtual_ranks_equal_two_processes_device_cpu(ws):
     """cap_method output: the MSE caps refined against the network's output error; per-image errors
     gathered and summed in sorted order, so 2 processes and 2 virtual ranks choose the same caps."""

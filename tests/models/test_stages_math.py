@@ -666,3 +666,61 @@ def test_calibration_with_equalization_measures_caps_of_the_equalized_model_devi
     for a, b in zip(model.convs(), twin.convs()):
         assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
     assert plain_max != measure_caps(twin, batches, "percentile")         # the scaling moved the 99th percentiles
+
+
+def test_bias_correction_matches_the_float_activations_channel_means_device_cpu():
+    """correct_biases after calibration (caps halved, so clipping shifts the means far): measured again
+    afterwards by full forwards, at the positions where the cal model (float activations) is active,
+    every channel's mean pre-activation in the step-3 model (5-bit activations) equals the cal model's
+    to within one step of the quantized bias (2^-shift, times cap_out / 31 in the code domain of
+    gain-aware step 3): each layer's shift is exact in float64, only the bias's rounding to the chip's
+    grid remains, and correcting a later layer does not move an earlier one's input. Before the
+    correction most layers are off by more than ten steps; the caps do not change, the weights do not
+    move, and step 3's mode is left set."""
+    from gnetmdk.models.calibration import calibrate_caps, correct_biases
+    torch.manual_seed(0)
+    model = GNetDet(use_bn=False, **TINY)
+    _init_weights(model, 13)
+    batches = lambda: [_codes_input(2, 24), _codes_input(2, 25)]
+    caps = calibrate_caps(model, batches, "mse")
+    caps = [float(torch.tensor(c * 0.5, dtype=torch.float32)) for c in caps]
+    for r, c in zip(model.relus(), caps):
+        r.cap.fill_(c)
+    reference = copy.deepcopy(model)
+    apply_stage(reference, STAGES["cal"])
+    reference.eval()
+    weights = [c.weight.detach().clone() for c in model.convs()]
+
+    def pre_activations(m):
+        seen = [[] for _ in m.relus()]
+        hooks = [r.register_forward_pre_hook(lambda mod, a, k=k: seen[k].append(a[0].double()))
+                 for k, r in enumerate(m.relus())]
+        with torch.no_grad():
+            for x in batches():
+                m(x)
+        for h in hooks:
+            h.remove()
+        return [torch.cat(v) for v in seen]
+
+    def errors_and_steps():
+        apply_stage(model, STAGES["step3"])
+        model.eval()
+        out = []
+        for r, c, ref, q in zip(model.relus(), model.convs(), pre_activations(reference), pre_activations(model)):
+            unit = float(r.cap) / 31 if r.code_domain else 1.0
+            active = ref > 0
+            n = active.double().sum(dim=(0, 2, 3))
+            d = torch.where(active, ref - q * unit, torch.zeros((), dtype=torch.float64)).sum(dim=(0, 2, 3))
+            err = torch.where(n > 0, d / n.clamp_min(1), torch.zeros_like(d))
+            out.append((float(err.abs().max()), 2.0 ** -int(c.quantized_params()[2]) * unit))
+        return out
+
+    before = errors_and_steps()
+    assert sum(e > 10 * s for e, s in before) >= 8
+    shifts = correct_biases(model, batches)
+    assert len(shifts) == len(caps) and next(iter(model.relus())).fake_quant_enabled and not model.training
+    assert [float(r.cap) for r in model.relus()] == caps
+    assert all(torch.equal(w, c.weight) for w, c in zip(weights, model.convs()))
+    for i, (e, s) in enumerate(errors_and_steps()):
+        assert e <= s, f"layer {i}: {e} > {s}"
+    assert max(float(t.abs().max()) for t in shifts) > 0.05

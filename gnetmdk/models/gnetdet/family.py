@@ -42,7 +42,8 @@ class GNetDetFamily(DetectorFamily):
         g = cfg.gnetdet
         limit = self.output_cap_limit(cfg, model)
         caps = calibrate_caps(model, batches, g.cap_method, device, progress, output_cap_max=limit,
-                              equalize=float(g.equalize), equalize_max_scale=float(g.equalize_max_scale))
+                              equalize=float(g.equalize), equalize_max_scale=float(g.equalize_max_scale),
+                              bias_correct=bool(g.bias_correct))
         how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
                "output": "MSE-best for 5-bit codes, then searched against the network's output error",
                }.get(g.cap_method, f"{g.cap_percentile:g}th percentile, running max over {{batches}} batches")
@@ -51,6 +52,8 @@ class GNetDetFamily(DetectorFamily):
         if g.equalize > 0:
             how = (f"after equalizing the channels' ranges (exponent {g.equalize:g}, factors at most "
                    f"{g.equalize_max_scale:g}), " + how)
+        if g.bias_correct:
+            how += "; biases corrected to the float activations' channel means"
         return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
 
     # ------------------------------------------------------------------ models
