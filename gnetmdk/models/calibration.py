@@ -308,11 +308,12 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
     activations) in training mode. Returns the caps (arguments as measure_caps).
 
     ``output_cap_max`` > 0 limits the last capped ReLU's cap (the output layer's) to that value, before
-    and after the output-error search. ``bias_correct`` then shifts the convs' biases (:func:`correct_biases`).
-    The output layer's values that the loss trains (GNetDet's
+    and after the output-error search. The output layer's values that the loss trains (GNetDet's
     boxes and scores) lie in [0, 1]; values far above it (untrained slots, confident cells) can pull a
     measured cap to several units, and 5-bit codes over such a range leave the trained range a few
-    codes (docs/results/shapes-demo.md: a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2)."""
+    codes (docs/results/shapes-demo.md: a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2).
+
+    ``bias_correct`` then, with every cap set, shifts the convs' biases (:func:`correct_biases`)."""
     from .stages import STAGES, apply_stage
     relus = list(model.relus())
     for relu in relus:

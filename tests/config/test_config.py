@@ -229,6 +229,7 @@ def test_non_string_passes_through():
     (["equalize", "1.5"], "gnetdet.equalize"),
     (["equalize", "-0.1"], "gnetdet.equalize"),
     (["equalize_max_scale", "0.5"], "equalize_max_scale"),
+    (["bias_correct", "maybe"], "bias_correct"),
     (["shapes_images", "240"], "shapes_images"),
     (["shapes_images", "240,0"], "shapes_images"),
     (["shapes_objects", "3,1"], "shapes_objects"),
