@@ -37,8 +37,9 @@ class GNetDetConfig(ConfigSection):
     equalize: float = 0.0                   # calibration: equalize the channels' ranges first, exponent in [0, 1]
                                             # (0 = off; docs/quantization.md "Range equalization")
     equalize_max_scale: float = 8.0         # ... the largest factor a channel is scaled by
-    bias_correct: bool = False              # calibration: then shift each conv's bias so that its channel means
-                                            # match the float activations' (docs/quantization.md "Bias correction")
+    bias_correct: bool = False              # calibration: then shift each conv's bias so that its channels' mean
+                                            # where active matches the float activations' (docs/quantization.md
+                                            # "Bias correction")
     gain_aware: bool = True                 # step 3 quantizes weights as gain-edited step 4 holds them
     cap_lr: float = 0.0                     # step 3: learning rate of the activation caps (0 = the calibrated caps stay)
 
