@@ -30,8 +30,10 @@ def _train(path, *args, timeout=300):
 
 
 # ---------------------------------------------------------------------------------------------- exact resume
+# 4 iterations per epoch; one thread, so that on a 2-core machine the test's poll for a mid-epoch
+# checkpoint keeps a core and sees the run's saves in time
 RESUME = ["batch_size", 2, "num_epochs", 3, "checkpoint_interval", 1, "eval_before", "false", "eval_interval", 5,
-          "max_val_images", 2, "ema", "true", "ema_ramp", 0, "ema_decay", 0.9]     # 4 iterations per epoch
+          "max_val_images", 2, "ema", "true", "ema_ramp", 0, "ema_decay", 0.9, "threads", 1]
 
 
 def _epoch_losses(text):
@@ -56,8 +58,11 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_pat
     deadline = time.time() + 120
     try:
         while proc.poll() is None and time.time() < deadline:
-            if last.exists() and last.stat().st_mtime_ns != seen:
-                seen = last.stat().st_mtime_ns
+            # a new file each save (written aside, then renamed over): a new inode even where two saves
+            # land within one tick of the file system's coarse modification clock
+            st = last.stat() if last.exists() else None
+            if st is not None and (st.st_ino, st.st_mtime_ns) != seen:
+                seen = (st.st_ino, st.st_mtime_ns)
                 it = load_checkpoint(str(last))["iteration"]
                 if it > 4 and it % 4 in (1, 2):             # inside epoch 2 or 3, even if one more step lands
                     os.kill(proc.pid, signal.SIGKILL)
@@ -83,7 +88,11 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_pat
     straight = build_config(load_config_class(path), [*map(str, RESUME), "checkpoint_root", str(tmp_path / "s"),
                                                       "log_root", str(tmp_path / "ls")], step=1)
     capsys.readouterr()
-    run_stage(straight)
+    threads = torch.get_num_threads()
+    try:
+        run_stage(straight)
+    finally:
+        torch.set_num_threads(threads)                 # the stage set this process's threads to 1
     straight_lines = _epoch_losses(capsys.readouterr().out)
     resumed_lines = _epoch_losses(r.stdout)
     killed_epoch = state["epoch"] + 1                  # 1-based, as printed
