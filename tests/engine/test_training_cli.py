@@ -63,15 +63,18 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted_run(workdir, tmp_pat
             st = last.stat() if last.exists() else None
             if st is not None and (st.st_ino, st.st_mtime_ns) != seen:
                 seen = (st.st_ino, st.st_mtime_ns)
+                os.kill(proc.pid, signal.SIGSTOP)          # frozen: no further step lands while the save is read
                 it = load_checkpoint(str(last))["iteration"]
-                if it > 4 and it % 4 in (1, 2):             # inside epoch 2 or 3, even if one more step lands
+                if it > 4 and it % 4 in (1, 2):            # inside epoch 2 or 3, even if one more step lands
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.wait()
                     killed_at = it
                     break
-            time.sleep(0.005)
+                os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.001)
     finally:
         if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait()
     assert killed_at is not None, "the run ended before a mid-epoch checkpoint was seen: " + proc.stderr.read()[-2000:]
