@@ -131,6 +131,32 @@ OUTPUT_FACTORS = (0.5, 0.7, 0.85, 1.15, 1.3)
 OUTPUT_BATCHES = 4
 
 
+def _first_batches(batches: Callable[[], Iterable[torch.Tensor]], max_batches: int,
+                   device: torch.device) -> List[torch.Tensor]:
+    """The first ``max_batches`` image batches of ``batches()`` (this process's), as float32 on
+    ``device``: the data the output-error cap search and the bias correction measure on."""
+    data = []
+    for k, images in enumerate(batches()):
+        if k >= max_batches:
+            break
+        data.append(images.to(device, non_blocking=True).float())
+    return data
+
+
+def _sorted_sum(rows: torch.Tensor) -> torch.Tensor:
+    """The rows (images,) or (images, C) float64 of every process gathered and added per column in sorted
+    order, so the sum (a scalar, or (C,)) does not depend on which process held which image or on
+    their order."""
+    from gnetmdk.dist.comm import all_gather_object
+    every = torch.cat(all_gather_object(rows.cpu()))
+    return torch.sort(every, dim=0).values.sum(dim=0)
+
+
+def _f32(v: float) -> float:
+    """v rounded to float32 (caps are float32 buffers)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
 @torch.no_grad()
 def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]], caps: List[float],
                            device: Optional[torch.device] = None, factors=OUTPUT_FACTORS,
@@ -153,15 +179,10 @@ def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]],
     Returns:
         the chosen caps (float32 values as floats).
     """
-    from gnetmdk.dist.comm import all_gather_object
     from .stages import STAGES, apply_stage
     device = device or next(model.parameters()).device
     relus = list(model.relus())
-    data = []
-    for k, images in enumerate(batches()):
-        if k >= max_batches:
-            break
-        data.append(images.to(device, non_blocking=True).float())
+    data = _first_batches(batches, max_batches, device)
     for r, c in zip(relus, caps):
         r.cap.fill_(c)
     apply_stage(model, STAGES["cal"])
@@ -172,16 +193,15 @@ def refine_caps_for_output(model, batches: Callable[[], Iterable[torch.Tensor]],
 
     def error() -> float:
         per = torch.cat([((forward_batch(model, x).double() - r) ** 2).flatten(1).sum(1)
-                         for x, r in zip(data, refs)]).cpu()
-        values = torch.cat(all_gather_object(per))
-        return float(torch.sort(values).values.sum())
+                         for x, r in zip(data, refs)])
+        return float(_sorted_sum(per))
 
-    cur = [float(torch.tensor(float(c), dtype=torch.float32)) for c in caps]
+    cur = [_f32(float(c)) for c in caps]
     best = error()
     for i in progress(list(range(len(relus))), "cal (output error)"):
         keep = cur[i]
         for f in factors:
-            c = float(torch.tensor(keep * f, dtype=torch.float32))
+            c = _f32(keep * f)
             relus[i].cap.fill_(c)
             e = error()
             if e < best:
@@ -223,14 +243,6 @@ def _input_of(model, module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(seen)
 
 
-def _sorted_sum(rows: torch.Tensor) -> torch.Tensor:
-    """(C,) float64: the rows (images, C) of every process gathered and added per channel in sorted
-    order, so the sum does not depend on which process held which image or on their order."""
-    from gnetmdk.dist.comm import all_gather_object
-    every = torch.cat(all_gather_object(rows.cpu()))
-    return torch.sort(every, dim=0).values.sum(dim=0)
-
-
 @torch.no_grad()
 def correct_biases(model, batches: Callable[[], Iterable[torch.Tensor]], device: Optional[torch.device] = None,
                    max_batches: int = BIAS_BATCHES, progress: Callable = lambda it, desc: it) -> List[torch.Tensor]:
@@ -260,11 +272,7 @@ def correct_biases(model, batches: Callable[[], Iterable[torch.Tensor]], device:
     import copy
     from .stages import STAGES, apply_stage
     device = device or next(model.parameters()).device
-    data = []
-    for k, images in enumerate(batches()):
-        if k >= max_batches:
-            break
-        data.append(images.to(device, non_blocking=True).float())
+    data = _first_batches(batches, max_batches, device)
     reference = copy.deepcopy(model)
     apply_stage(reference, STAGES["cal"])
     reference.eval()
@@ -289,11 +297,6 @@ def correct_biases(model, batches: Callable[[], Iterable[torch.Tensor]], device:
         bias.copy_((bias.detach().double() + shift.to(bias.device)).to(bias.dtype))
         shifts.append(shift)
     return shifts
-
-
-def _f32(v: float) -> float:
-    """v rounded to float32 (caps are float32 buffers)."""
-    return float(torch.tensor(v, dtype=torch.float32))
 
 
 @torch.no_grad()
