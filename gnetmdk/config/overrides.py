@@ -16,13 +16,15 @@ import os
 import typing
 from typing import Any, Dict, List, Sequence, Tuple, Type
 
-from .base import BaseConfig, ConfigError, ConfigSection, ensure_sections
+from .base import BaseConfig, ConfigError, ConfigSection, ensure_sections, tf32_mode
 from .registry import get_family
 
 _TRUE = {"1", "true", "yes", "y", "on"}
 _FALSE = {"0", "false", "no", "n", "off"}
 
 KNOWN_CHIPS = ("2801", "2803", "5801")
+#: string fields that were booleans once and still take true / false ("on" / "off")
+_SWITCH_STRINGS = {"tf32"}
 
 
 def convert_value(name: str, raw: Any, typ: Any) -> Any:
@@ -99,6 +101,8 @@ def check_value(name: str, value: Any, typ: Any) -> Any:
         if not math.isfinite(value):
             raise bad("must be a finite number")
     elif typ is str:
+        if isinstance(value, bool) and name in _SWITCH_STRINGS:   # tf32 = True from an older configs.py
+            value = "on" if value else "off"
         if not isinstance(value, str):
             raise bad("must be a string")
     elif origin in (list, tuple, List):
@@ -468,6 +472,10 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("min_steps", "must be >= 0 (the fewest optimizer steps a stage trains; 0 = num_epochs alone)")
     if cfg.num_workers < 0:
         bad("num_workers", "must be >= 0")
+    try:
+        tf32_mode(cfg.tf32)
+    except ValueError:
+        bad("tf32", "must be auto (TF32 in step 1 on CUDA), on (steps 1-3) or off")
     if cfg.threads < 0:
         bad("threads", "must be >= 0 (0 leaves torch's default number of threads)")
     if cfg.virtual_ranks < 1:

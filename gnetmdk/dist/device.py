@@ -56,11 +56,28 @@ def tf32_enabled() -> bool:
     return bool(b.cudnn.allow_tf32)  # pragma: no cover - torch before 2.9
 
 
+def tf32_wanted(cfg, float_stage: bool) -> bool:
+    """Whether float32 convolutions and products on CUDA may use TF32 for this run: ``tf32 on``, or
+    ``auto`` in a float stage (``float_stage``: step 1 or the float control); never in deterministic
+    mode. A config without the field (an old checkpoint's) reads as off."""
+    if bool(getattr(cfg, "deterministic", False)):
+        return False
+    from gnetmdk.config.base import tf32_mode
+    mode = tf32_mode(getattr(cfg, "tf32", "off"))
+    return mode == "on" or (mode == "auto" and float_stage)
+
+
+def is_float_stage(cfg) -> bool:
+    """Step 1 (and the float control, which trains as step 1): no quantizer in the model."""
+    return int(getattr(cfg, "step", 1)) == 1 and not bool(getattr(cfg, "cal", False))
+
+
 def configure_backends(cfg, device: torch.device) -> List[str]:
     """Set torch's global switches for a run on ``device``; returns log lines.
 
-    * TF32 (``cfg.tf32``, default off): float32 products in full precision unless asked, so a GPU
-      run computes what the CPU computes up to the order of float32 sums.
+    * TF32 (``cfg.tf32``, :func:`tf32_wanted`): by default in step 1 only; steps 2-4 and calibration
+      keep float32 products in full precision, so a GPU run of them computes what the CPU computes up
+      to the order of float32 sums.
     * cuDNN algorithm search (``benchmark``) on CUDA, unless deterministic.
     * ``cfg.deterministic`` (alignment runs): augmentation off (``cfg.augment = False``; the input
       size is fixed in this toolkit and GNetDet has no dropout-like layers),
@@ -71,7 +88,7 @@ def configure_backends(cfg, device: torch.device) -> List[str]:
     """
     notes: List[str] = []
     deterministic = bool(getattr(cfg, "deterministic", False))
-    tf32 = bool(getattr(cfg, "tf32", False)) and not deterministic
+    tf32 = tf32_wanted(cfg, is_float_stage(cfg))
     set_tf32(tf32)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not deterministic

@@ -216,6 +216,41 @@ def test_configure_backends_tf32_and_deterministic(monkeypatch):
         set_tf32(False)
 
 
+def test_tf32_auto_is_the_float_stage_only_device_cpu(tmp_path):
+    """``tf32 auto`` (the default) sets TF32 for step 1 and the float control, IEEE float32 for the
+    calibration run and steps 2-4; on / off (and true / false, also as a bool in configs.py) everywhere;
+    deterministic mode never; any other value is one config error naming the field. (The flags are
+    torch's global switches; a CPU build keeps them, so this runs with device cpu.)"""
+    from gnetmdk.config import ConfigError, build_config, load_config_class
+    from gnetmdk.engine.control import control_configs
+    from gnetmdk.engine.device import configure_backends, set_tf32, tf32_enabled
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    klass = load_config_class(os.path.join(root, "examples", "cards.py"))
+    cpu = torch.device("cpu")
+
+    def on(overrides=(), **where):
+        cfg = build_config(klass, ["device", "cpu", *overrides], **where)
+        configure_backends(cfg, cpu)
+        return tf32_enabled()
+
+    try:
+        assert build_config(klass, ["device", "cpu"], step=1).tf32 == "auto"
+        assert on(step=1) and not on(step=2) and not on(step=3) and not on(step=4) and not on(cal=True)
+        assert on(["tf32", "on"], step=3) and on(["tf32", "true"], step=2) and not on(["tf32", "off"], step=1)
+        assert not on(["deterministic", "true"], step=1)
+        for cfg in control_configs(klass, ["device", "cpu"]):
+            configure_backends(cfg, cpu)
+            assert tf32_enabled()
+
+        class Old(klass):                    # a configs.py of the time tf32 was a bool
+            tf32 = True
+        assert build_config(Old, ["device", "cpu"], step=3).tf32 == "on"
+        with pytest.raises(ConfigError, match="'tf32' = 'fast'.*auto.*on.*off"):
+            build_config(klass, ["device", "cpu", "tf32", "fast"], step=1)
+    finally:
+        set_tf32(False)
+
+
 def test_device_cuda_without_a_gpu_is_a_config_error():
     from gnetmdk.config import ConfigError
     from gnetmdk.engine.device import resolve_device

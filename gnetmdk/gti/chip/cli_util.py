@@ -72,10 +72,10 @@ def load_eval_model(path: str, cfg=None, require_stage: Optional[str] = None, ch
 
 def eval_device(cfg=None) -> torch.device:
     """cuda when the config allows it (device auto/cuda) and a GPU is present, else cpu; on CUDA the
-    backends are set as for training (TF32 only with ``tf32 true``: gnetmdk.dist.device)."""
+    backends are set as for the quantized stages (TF32 only with ``tf32 on``: gnetmdk.dist.device)."""
     from gnetmdk.config.base import cuda_wanted
     if cfg is not None and cuda_wanted(cfg.device) and torch.cuda.is_available():
-        from gnetmdk.dist.device import set_tf32
-        set_tf32(bool(getattr(cfg, "tf32", False)))
+        from gnetmdk.dist.device import set_tf32, tf32_wanted
+        set_tf32(tf32_wanted(cfg, float_stage=False))
         return torch.device("cuda")
     return torch.device("cpu")
