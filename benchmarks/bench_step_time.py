@@ -209,6 +209,47 @@ def ao_peer(float_model):
     return twin.train(), qat.train()
 
 
+#: aten operators that only describe memory (views, aliases, empty buffers): no kernel is launched for them
+VIEW_OPS = frozenset({"view", "_unsafe_view", "as_strided", "t", "transpose", "permute", "expand", "unsqueeze",
+                      "squeeze", "slice", "select", "alias", "detach", "reshape", "split", "unbind",
+                      "split_with_sizes", "unflatten", "_reshape_alias", "lift_fresh", "empty", "empty_like",
+                      "empty_strided"})
+
+
+def count_ops(model, batch, warmup: int = 2) -> int:
+    """Computing operators of one training step of ``model`` (forward, loss, backward, AdamW step; the
+    aten calls that reach the dispatcher, less :data:`VIEW_OPS`) on the quantizers' device path
+    (gnetmdk.gti.quantize.force_device_path, so that a CPU counts what an accelerator runs; there each
+    is at least one kernel launch), after ``warmup`` steps (caches filled, optimizer state made)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from gnetmdk.gti.quantize import force_device_path
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in VIEW_OPS:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    images, targets = batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)   # as on CUDA, where foreach is the default
+    model.train()
+    one_pass = getattr(model, "batch_weight_quant", False)
+    if one_pass is None:        # GNetDet's default: one pass for every conv's weights off the CPU
+        model.batch_weight_quant = True
+    try:
+        with force_device_path():
+            for _ in range(warmup):
+                train_step(model, opt, images, targets)
+            with Count():
+                train_step(model, opt, images, targets)
+    finally:
+        if one_pass is None:
+            model.batch_weight_quant = None
+    return Count.n
+
+
 def time_batchnorm(cfg, batch, iters, rounds):
     """Step 1 of the same model with no BatchNorm, torch's BatchNorm2d and DistBatchNorm2d (what
     every CPU run trains with), timed in alternating blocks; then single passes over a tensor of the
@@ -271,6 +312,9 @@ def parse_args(argv):
                    help="where to time (default: the config's device, auto = cuda when torch sees a GPU)")
     p.add_argument("--amp", action="store_true", help="also time step 1 under bf16 autocast (always on CUDA)")
     p.add_argument("--trainer", action="store_true", help="also time the real trainer's images/s (always on CUDA)")
+    p.add_argument("--ops", action="store_true",
+                   help="also count the operators of one training step of step 1, step 3 and torch.ao's pair "
+                        "(on the quantizers' device path: what an accelerator launches)")
     args, overrides = p.parse_with_overrides(argv)
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1 (got --iters {args.iters} --rounds {args.rounds})")
@@ -327,6 +371,10 @@ def main(argv) -> int:
         print(f"ratio torch.ao QAT  {ao_ratio:8.3f}   (torch.ao's QAT of the same float model over its float step, "
               f"rounds {alow:.3f}-{ahigh:.3f}; ours {'smaller' if ratio < ao_ratio else 'NOT smaller'}: "
               f"{ratio:.3f})")
+        if args.ops:
+            n1, n3, na, nq = (count_ops(m, batch) for m in (float_model, quant_model, twin, qat))
+            print(f"operators per step  step 1 {n1}, step 3 {n3} ({n3 / n1:.2f}x); torch.ao float {na}, "
+                  f"QAT {nq} ({nq / na:.2f}x)  (device path; on an accelerator at least one launch each)")
 
     if args.amp or device.type == "cuda":
         torch.manual_seed(0)

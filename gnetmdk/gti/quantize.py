@@ -74,6 +74,47 @@ def ste(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return _PassThrough.apply(x, value.detach())
 
 
+class _GroupPassThrough(torch.autograd.Function):
+    """Many straight-through estimators in one autograd node: forward returns the values exactly;
+    backward hands each input its gradient times its factor (a Python float), all factors in one
+    ``torch._foreach_mul`` (one kernel launch on an accelerator instead of one per tensor)."""
+
+    @staticmethod
+    def forward(ctx, factors, *xs_and_values):  # noqa: D401
+        n = len(xs_and_values) // 2
+        ctx.factors = factors
+        return tuple(xs_and_values[n:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = list(grads)
+        if ctx.factors is not None:
+            grads = list(torch._foreach_mul(grads, list(ctx.factors)))
+        return (None, *grads, *([None] * len(grads)))
+
+
+def ste_many(xs: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+             factors: Optional[Sequence[float]] = None) -> Tuple[torch.Tensor, ...]:
+    """``tuple(ste(x * f, v) for x, v, f in zip(xs, values, factors))`` in one autograd node: the
+    forward values are ``values`` bit for bit, and the gradient reaching ``xs[i]`` is the gradient of
+    its output times ``factors[i]`` (identity where ``factors`` is None). The products are float32
+    products with the factor rounded to float32 once, as ``x * f`` with a Python float computes them,
+    so the gradients equal the per-tensor form's bit for bit (tests/gti/test_quantize.py).
+
+    Args:
+        xs: tensors that receive the gradients (parameters); values: tensors of the same shapes
+            (read detached); factors: Python floats, one per tensor, or None.
+    Returns:
+        a tuple of ``len(xs)`` tensors.
+    """
+    if len(xs) != len(values) or (factors is not None and len(factors) != len(xs)):
+        raise ValueError("ste_many: give one value (and one factor) per tensor")
+    if not xs:
+        return ()
+    return _GroupPassThrough.apply(None if factors is None else tuple(float(f) for f in factors),
+                                   *xs, *[v.detach() for v in values])
+
+
 def round_ste(x: torch.Tensor) -> torch.Tensor:
     """R(x) with a straight-through gradient."""
     return ste(x, chip_round(x.detach()))
@@ -260,6 +301,19 @@ def _kernel_rows(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(w.shape[0] * w.shape[1], -1)
 
 
+_FRACTIONS: dict = {}
+
+
+def _candidate_fractions(candidates: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.linspace(0.15, 1.0, candidates) in ``dtype`` on ``device``, made once per key (a step
+    then launches no kernel for it)."""
+    key = (candidates, dtype, str(device))
+    t = _FRACTIONS.get(key)
+    if t is None:
+        t = _FRACTIONS[key] = torch.linspace(0.15, 1.0, candidates, dtype=dtype, device=device)
+    return t
+
+
 def _mse_scale_rows(a: torch.Tensor, scheme: int, scale, candidates: int = 32) -> torch.Tensor:
     """_mse_scale on kernels as rows: a (K, n) = |w| per kernel, ``scale`` = 2^s as a Python float, a
     0-d tensor or a (K, 1) tensor (each row's sublayer shift: several sublayers in one pass, see
@@ -268,7 +322,7 @@ def _mse_scale_rows(a: torch.Tensor, scheme: int, scale, candidates: int = 32) -
     levels = _LEVELS[scheme]
     k, n = a.shape
     dev = a.device
-    f = torch.linspace(0.15, 1.0, candidates, dtype=a.dtype, device=dev)
+    f = _candidate_fractions(candidates, a.dtype, dev)
     # quantize_shift for values >= 0, without torch's slow trunc
     d = _chip_round_nonneg_(a.amax(1, keepdim=True) / levels[-1] * f * scale).div_(scale)  # (K, C) ascending
     dd = d.double()
@@ -458,11 +512,10 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
         cidx = _row_index(channels, dev)
         b_all = torch.cat([b.detach() for b in biases]) if n_layers > 1 else biases[0].detach()   # (C,)
     if gains is not None:       # gain editing's values (gnetmdk.gti.transforms.fold_requant_multipliers, float64)
-        cin, cout = _gain_tensors(gains, dev)
-        w_all = (w_all.double() * cin.index_select(0, kidx).unsqueeze(1)
-                 / cout.index_select(0, kidx).unsqueeze(1)).to(dtype)
+        cin_rows, cout_rows, cout_channels = _gain_tensors(gains, dev, kernels, channels if with_bias else None)
+        w_all = (w_all.double() * cin_rows / cout_rows).to(dtype)
         if with_bias:
-            b_all = (b_all.double() * ACT_MAX / cout.index_select(0, cidx)).to(dtype)
+            b_all = (b_all.double() * ACT_MAX / cout_channels).to(dtype)
     # per-sublayer max|W| and max|b| (0 for none): a max is exact in any order
     w_abs = w_all.abs()
     wmax = torch.zeros(n_layers, dtype=dtype, device=dev).scatter_reduce_(0, kidx, w_abs.amax(1), "amax")
@@ -494,16 +547,23 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
 _GAINS: dict = {}
 
 
-def _gain_tensors(gains: Sequence[Tuple[float, float]], device: torch.device):
-    """(cap_in, cap_out) float64 tensors (L,) on ``device``, cached per value (at most 16 kept), so
-    fixed caps are copied to an accelerator once, not every step."""
-    key = (tuple((float(a), float(b)) for a, b in gains), str(device))
+def _gain_tensors(gains: Sequence[Tuple[float, float]], device: torch.device, kernels: Sequence[int],
+                  channels: Optional[Sequence[int]]):
+    """The gains as float64 tensors on ``device``, spread to rows: (cap_in per kernel row (K, 1),
+    cap_out per kernel row (K, 1), cap_out per output channel (C,) or None without ``channels``),
+    sublayer l owning ``kernels[l]`` kernel rows and ``channels[l]`` channels (_row_index). Cached per
+    value and layout (at most 16 kept), so fixed caps are copied to an accelerator and spread once,
+    not every step."""
+    key = (tuple((float(a), float(b)) for a, b in gains), str(device), tuple(kernels),
+           None if channels is None else tuple(channels))
     t = _GAINS.get(key)
     if t is None:
         if len(_GAINS) >= 16:                  # learned caps change every step: keep the newest
             _GAINS.pop(next(iter(_GAINS)))
-        both = torch.tensor(key[0], dtype=torch.float64).t().contiguous().to(device)
-        t = _GAINS[key] = (both[0], both[1])
+        cin, cout = torch.tensor(key[0], dtype=torch.float64).t().contiguous().to(device)
+        kidx = _row_index(kernels, device)
+        t = _GAINS[key] = (cin.index_select(0, kidx).unsqueeze(1), cout.index_select(0, kidx).unsqueeze(1),
+                           None if channels is None else cout.index_select(0, _row_index(channels, device)))
     return t
 
 
@@ -542,6 +602,8 @@ class _CappedQuant(torch.autograd.Function):
     def forward(ctx, x, cap, quantize, integer, revive, training=False):
         ctx.save_for_backward(x, cap)
         ctx.revive = revive
+        # the code domain's cap is the constant 31, known on the host: its mask needs no cap tensor
+        ctx.const_cap = float(ACT_MAX) if quantize and integer else None
         if not quantize:
             return torch.minimum(torch.clamp(x, min=0), cap)
         if integer:  # cap == 31: the codes are R(clip(x)) themselves, no multiply that could round
@@ -558,13 +620,15 @@ class _CappedQuant(torch.autograd.Function):
     def backward(ctx, grad):
         x, cap = ctx.saved_tensors
         if not ctx.revive:
-            if device_path(x):   # the same mask from the cap tensor: nothing read back to the host
-                inside = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
-                return torch.where(inside, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), \
-                    None, None, None, None, None
             # grad where 0 < x < cap, else 0, in one fused pass (aten's hardtanh backward has exactly
-            # this strict-interval mask; cap is a float32 value, so the comparison is unchanged)
-            return torch.ops.aten.hardtanh_backward(grad, x, 0.0, float(cap)), None, None, None, None, None
+            # this strict-interval mask; cap is a float32 value, so the comparison is unchanged). On the
+            # device path the cap is read only where the host knows it (the code domain's 31) ...
+            if ctx.const_cap is not None or not device_path(x):
+                bound = ctx.const_cap if ctx.const_cap is not None else float(cap)
+                return torch.ops.aten.hardtanh_backward(grad, x, 0.0, bound), None, None, None, None, None
+            # ... else the same mask from the cap tensor: nothing read back to the host
+            inside = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
+            return torch.where(inside, grad, 0.0), None, None, None, None, None
         mask = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
         # revive: outside (0, cap) let through only the gradients that lead back inside
         mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))

@@ -1,5 +1,6 @@
 """Property and hand-worked tests for gnetmdk.gti.quantize (docs/quantization.md)."""
 
+import contextlib
 import copy
 import math
 from fractions import Fraction
@@ -513,6 +514,50 @@ def test_capped_relu_gradient(seed, cap):
     inside = (x.detach() > 0) & (x.detach() < capt)
     assert torch.equal(x.grad, torch.where(inside, up, torch.zeros_like(up)))
     assert x.grad[0] == 0 and x.grad[1] == 0
+
+
+@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("forced", [False, True])
+def test_capped_relu_gradient_on_both_paths_device_cpu(integer, forced):
+    """The straight-through mask 0 < x < cap on the host path and on the device path (cap tensor, or
+    the code domain's constant 31), boundaries included: the gradient of a reference where()."""
+    g = torch.Generator().manual_seed(3)
+    cap = torch.tensor(31.0 if integer else 2.7182817)
+    x = (torch.rand(500, generator=g) * 1.4 - 0.2) * cap
+    x[:4] = torch.tensor([0.0, -0.0, float(cap), float(torch.nextafter(cap, torch.tensor(0.0)))])
+    x.requires_grad_()
+    up = torch.randn(500, generator=g)
+    with (Q.force_device_path() if forced else contextlib.nullcontext()):
+        Q.capped_relu(x, cap, integer=integer).backward(up)
+    inside = (x.detach() > 0) & (x.detach() < cap)
+    assert torch.equal(x.grad, torch.where(inside, up, torch.zeros_like(up)))
+    assert x.grad[:3].tolist() == [0.0, 0.0, 0.0] and x.grad[3] == up[3]
+
+
+def test_ste_many_equals_one_ste_per_tensor_device_cpu():
+    """ste_many: the values bit for bit, and each parameter's gradient equal to ste(x * f, v)'s (f a
+    Python float, the gain-aware step 3's gains) bit for bit; identity without factors; refusals."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(5, 3, generator=g, requires_grad=True), torch.randn(7, generator=g, requires_grad=True)]
+    vs = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    ups = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    factors = [1.0 / 3.0, 31.0 / 2.7182817]
+    for fs in (factors, None):
+        outs = Q.ste_many(xs, vs, fs)
+        assert all(torch.equal(o, v) for o, v in zip(outs, vs))
+        torch.autograd.backward(list(outs), ups)
+        got = [x.grad.clone() for x in xs]
+        for x in xs:
+            x.grad = None
+        ref = [Q.ste(x * f, v) if fs else Q.ste(x, v) for x, v, f in zip(xs, vs, factors)]
+        torch.autograd.backward(ref, ups)
+        for a, x in zip(got, xs):
+            assert torch.equal(a, x.grad)
+            x.grad = None
+    assert torch.equal(got[0], ups[0])                     # no factors: the gradient itself
+    assert Q.ste_many([], []) == ()
+    with pytest.raises(ValueError, match="one value"):
+        Q.ste_many(xs, vs[:1])
 
 
 @SETTINGS

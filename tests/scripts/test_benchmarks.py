@@ -593,3 +593,31 @@ def test_gpu_check_runs_the_step_time_settings_in_turn_and_labels_their_ratios_d
     monkeypatch.setattr(gc.Check, "commands", lambda self, part: [slow, say("ratio step3/step1  1.0 (...)")])
     res = check.run("step_time")
     assert res["timed_out"] and res["met"] is False and res["exit"][1] is None and not res["ratios"]
+
+
+def test_step_time_counts_the_operators_an_accelerator_launches_device_cpu():
+    """bench_step_time --ops: one training step's computing operators on the device path. Step 3's
+    quantizers (one pass per weight format, one straight-through node per format, the code domain's
+    one-pass gradient mask) add 181 operators to step 1's with torch 2.13, here and on the cards
+    model alike (591 -> 772: the 16 convs are the same, only the loss differs); one straight-through
+    node per parameter and the five-operator mask added 310. The bound, 200, leaves room for another
+    torch version's decompositions, not for a pass per conv."""
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.models.gnetdet.model import GNetDet
+    bench = _load("bench_step_time")
+    torch.manual_seed(0)
+    f = GNetDet(3, 224, 0.0625, use_bn=False, weight_scale="mse", gain_aware=True)
+    apply_stage(f, STAGES["step1"])
+    q = GNetDet(3, 224, 0.0625, use_bn=False, weight_scale="mse", gain_aware=True)
+    q.load_state_dict(f.state_dict())
+    for i, r in enumerate(q.relus()):
+        r.cap.fill_(2.0 + i % 3)
+    apply_stage(q, STAGES["step3"])
+    t = torch.zeros(2, 14, 14, 13)
+    t[:, 3, 4, 0:5] = torch.tensor([0.5, 0.5, 0.2, 0.3, 1.0])
+    t[:, 3, 4, 5:10] = t[:, 3, 4, 0:5]
+    t[:, 3, 4, 10] = 1.0
+    batch = (torch.randint(0, 32, (2, 3, 224, 224)).float(), t)
+    n1, n3 = bench.count_ops(f, batch), bench.count_ops(q, batch)
+    assert 0 < n1 < n3 <= n1 + 200, (n1, n3)
+    assert q.batch_weight_quant is None                 # the model's own setting is restored
