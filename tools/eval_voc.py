@@ -39,7 +39,8 @@ def parse_args(argv):
     p.add_argument("--config", default=None, help="configs.py (default ./configs.py)")
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     p.add_argument("--batch-size", type=at_least(0), default=0,
-                   help="images per batch (default 0: the config's batch_size)")
+                   help="images per forward, the last batch padded (default 0: the config's eval_batch_size, else "
+                        "its batch_size, as training evaluates)")
     p.add_argument("--coco", action="store_true", help="also COCO mAP@[.5:.95], AP50, AP75 (pycocotools)")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write pr_curves.png/.json and confusion_matrix.png/.json (score > 0.3) in DIR "
@@ -69,8 +70,10 @@ def main(argv) -> int:
     dataset.augment = False                   # evaluation: the train split without augmentation too
     device = eval_device(cfg)
     model.to(device)
-    loader = DataLoader(dataset, batch_size=args.batch_size or cfg.batch_size, collate_fn=collate,
-                        num_workers=cfg.num_workers)
+    # forwards of one size, the last batch padded, as the trainer evaluates (evaluator.predict_loader):
+    # the same outputs per image, so this mAP is the one training recorded for the checkpoint
+    batch = args.batch_size or cfg.eval_batch_size or cfg.batch_size
+    loader = DataLoader(dataset, batch_size=batch, collate_fn=collate, num_workers=cfg.num_workers)
     if args.plots is not None:                # refused before the evaluation, not after it
         from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
         prepare_plot_dir(args.plots)
@@ -80,7 +83,7 @@ def main(argv) -> int:
         load_manifest(cfg.dataset_dir)
     t0 = time.time()
     res = evaluate_model(model, loader, dataset, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
-                         coco=args.coco or cfg.eval_coco, keep_detections=args.plots is not None)
+                         coco=args.coco or cfg.eval_coco, keep_detections=args.plots is not None, pad_to=batch)
     stage = ckpt.get("stage")
     print(f"{args.checkpoint}: stage {stage}{' (evaluated as step3)' if stage == 'cal' else ''}, "
           f"{cfg.DS_NAME} {args.split} split, {res['num_images']} images, {time.time() - t0:.1f}s on {device}; "

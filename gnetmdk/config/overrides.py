@@ -472,6 +472,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("min_steps", "must be >= 0 (the fewest optimizer steps a stage trains; 0 = num_epochs alone)")
     if cfg.num_workers < 0:
         bad("num_workers", "must be >= 0")
+    if cfg.eval_batch_size < 0:
+        bad("eval_batch_size", "must be >= 0 (images per evaluation forward; 0 = batch_size)")
     try:
         tf32_mode(cfg.tf32)
     except ValueError:

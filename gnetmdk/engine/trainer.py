@@ -196,7 +196,9 @@ class Trainer:
             workers["prefetch_factor"] = 4
         self.train_loader = DataLoader(self.train_set, batch_sampler=EpochBatches(self.train_sampler),
                                        generator=g, **workers)
-        self.val_loader = DataLoader(self.val_set, batch_size=self.local_batch,
+        # evaluation: forwards of eval_batch_size images on every rank, the last one padded
+        # (evaluator.predict_loader), so an image's outputs do not depend on the process count
+        self.val_loader = DataLoader(self.val_set, batch_size=self.eval_batch,
                                      sampler=ShardSampler(len(self.val_set), self.rank, self.world_size), **workers)
 
     # ------------------------------------------------------------------ model
@@ -298,7 +300,7 @@ class Trainer:
         t0 = time.time()
         res = evaluate_model(self.eval_model, self.val_loader, self.val_set, self.device, cfg.conf_thresh,
                              cfg.nms_thresh, cfg.max_detections, coco=cfg.eval_coco,
-                             keep_detections=cfg.tb_images > 0)
+                             keep_detections=cfg.tb_images > 0, pad_to=self.eval_batch)
         res["seconds"] = time.time() - t0
         return res
 
@@ -307,6 +309,11 @@ class Trainer:
         """The weights evaluated (and so chosen for best.pth): the EMA when ``ema`` is on."""
         ema = self.ema
         return ema.module if ema is not None else self.model
+
+    @property
+    def eval_batch(self) -> int:
+        """Images per evaluation forward on every rank: ``eval_batch_size``, or ``batch_size`` when 0."""
+        return int(self.cfg.eval_batch_size) or int(self.cfg.batch_size)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, epoch: int, iteration: int, full: bool) -> Dict[str, object]:

@@ -10,10 +10,27 @@ from gnetmdk.dist.comm import all_gather_object, is_main_process
 from .voc import evaluate_detections
 
 
+def _first_rows(pred, k: int):
+    """A model's output (a tensor, or a list / tuple / dict of tensors with the batch first) cut to the
+    first ``k`` images."""
+    if isinstance(pred, torch.Tensor):
+        return pred[:k]
+    if isinstance(pred, dict):
+        return {key: _first_rows(v, k) for key, v in pred.items()}
+    return type(pred)(_first_rows(p, k) for p in pred)
+
+
 @torch.no_grad()
 def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float, max_detections: int = 100,
-                   with_loss: bool = True):
+                   with_loss: bool = True, pad_to: int = 0):
     """Detections in original-image pixels for every image of ``loader`` (this rank's share).
+
+    ``pad_to`` > 0: every batch shorter than ``pad_to`` images is filled up with blank images (codes
+    0) before the forward, and their outputs are dropped. A convolution library picks its algorithm
+    and blocking by the batch size (oneDNN on a CPU gave other float32 sums at batch 1 and 3 than at
+    2, 4, 8 and 16), while an image's outputs do not depend on the other images of its batch; so with
+    every forward of one size an image gets the same outputs in any batch, on any rank, whatever the
+    number of processes the validation set is split over (docs/distributed.md, "Evaluation").
 
     Returns:
         (dets, loss_sums, n): ``dets`` maps dataset index -> {"boxes" (K,4) float32 pixels xyxy,
@@ -28,7 +45,12 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
     try:
         for images, targets, indices, sizes in loader:
             images = images.to(device, non_blocking=True).float()   # uint8 codes from the loader
+            k = images.shape[0]
+            if k < pad_to:
+                images = torch.cat([images, images.new_zeros((pad_to - k,) + tuple(images.shape[1:]))])
             pred = model(images)
+            if k < pad_to:
+                pred = _first_rows(pred, k)
             if with_loss:
                 terms = model.loss(pred, targets.to(device))
                 for k, v in terms.items():
@@ -44,7 +66,8 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
 
 
 def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConfig.conf_thresh, nms_thresh: float = 0.5,
-                   max_detections: int = 100, coco: bool = False, keep_detections: bool = False) -> Dict[str, object]:
+                   max_detections: int = 100, coco: bool = False, keep_detections: bool = False,
+                   pad_to: int = 0) -> Dict[str, object]:
     """VOC mAP@0.5 of ``model`` on ``dataset`` (every image exactly once over all ranks), and with
     ``coco`` the COCO metrics too (pycocotools: gnetmdk.evaluation.coco.evaluate_coco).
 
@@ -52,9 +75,10 @@ def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConf
     "num_images"} and with ``coco`` "coco": {"map" (mAP@[.5:.95]), "ap50", "ap75", ...}. With
     ``keep_detections`` also what the numbers come from, for plots (gnetmdk.evaluation.plots):
     "detections" and "truths" (lists in dataset order, original-image pixels) and "curves" (per class
-    the recall / precision arrays of its AP).
+    the recall / precision arrays of its AP). ``pad_to``: every forward of that many images
+    (:func:`predict_loader`).
     """
-    dets, sums, n = predict_loader(model, loader, device, conf_thresh, nms_thresh, max_detections)
+    dets, sums, n = predict_loader(model, loader, device, conf_thresh, nms_thresh, max_detections, pad_to=pad_to)
     gathered = all_gather_object((dets, sums, n))
     all_dets: Dict[int, dict] = {}
     total: Dict[str, float] = {}

@@ -375,3 +375,23 @@ def test_run_stopped_before_any_evaluation_reports_no_best_map_device_cpu(workdi
     summary = Trainer(cfg).run()
     assert summary["best_map"] is None and summary["best_epoch"] is None
     assert not (tmp_path / "mi" / "step1" / "best.pth").exists() and (tmp_path / "mi" / "step1" / "last.pth").exists()
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def test_eval_voc_reports_the_map_training_recorded_device_cpu(workdir, tmp_path):
+    """Training evaluates in forwards of batch_size images, the last batch padded (7 val images: 4 + 3
+    padded to 4), and so does tools/eval_voc.py: its mAP of best.pth equals the best_map the stage
+    recorded, bit for bit (a threshold low enough that the one-epoch model has detections)."""
+    import json
+    from repo_paths import load_tool
+    _, path = workdir
+    over = ["max_val_images", 7, "conf_thresh", 1e-6, "num_epochs", 6, "max_train_images", 16, "learning_rate", 1e-2,
+            "eval_interval", 6]
+    summary = run_stage(_cfg(path, tmp_path, "ev", *over))
+    assert summary["best_map"] > 0
+    out = tmp_path / "ev.json"
+    best = str(tmp_path / "ev" / "step1" / "best.pth")
+    assert load_tool("eval_voc").main([best, "--config", path, "--json", str(out), *map(str, over)]) == 0
+    assert json.loads(out.read_text())["map"] == summary["best_map"]
+    with pytest.raises(ConfigError, match="eval_batch_size"):
+        _cfg(path, tmp_path, "ev2", "eval_batch_size", -1)

@@ -337,3 +337,48 @@ def test_format_ap_table():
     assert lines[-1].startswith("mAP") and "0.9167" in lines[-1]
     with pytest.raises(ValueError):
         format_ap_table(r, ["car"])
+
+
+def test_padded_evaluation_gives_each_image_the_same_outputs_on_any_split_device_cpu():
+    """predict_loader with pad_to: the detections of every image equal bit for bit whether the 20
+    images are evaluated in one process (batches 16 + 4, padded to 16) or split over 2 or 3 ranks
+    (ShardSampler: rank r takes r, r + W, ...), in loader batches of 16, 3 or 1 images padded to 16;
+    the mean loss terms are those of the real images. Every cell is kept as a detection (threshold 0,
+    no suppression), so any difference in the outputs shows; unpadded, batches of 1 and 3 differ here."""
+    from gnetmdk.dist.sampler import ShardSampler
+    from gnetmdk.engine.stages import STAGES, apply_stage
+    from gnetmdk.evaluation.evaluator import predict_loader
+    from gnetmdk.models.gnetdet.model import GNetDet
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = GNetDet(3, 224, 0.125, use_bn=False)
+    apply_stage(model, STAGES["step1"])
+    images = torch.randint(0, 32, (20, 3, 224, 224), dtype=torch.uint8)
+    targets = torch.zeros(20, 14, 14, 13)
+
+    def loader(world, rank, batch=16):
+        idx = list(ShardSampler(20, rank, world))
+        for i in range(0, len(idx), batch):
+            part = torch.tensor(idx[i:i + batch])
+            yield images[part], targets[part], part, torch.tensor([[640, 480]] * len(part))
+
+    ref, sums, n = predict_loader(model, [(images[:16], targets[:16], torch.arange(16), torch.tensor([[640, 480]] * 16))]
+                                  + list(loader(1, 0))[1:], "cpu", 0.0, 1.0, 1000, pad_to=16)
+    assert n == 20 and sorted(ref) == list(range(20))
+    for world, batch in ((2, 16), (3, 3), (1, 1)):     # oneDNN sums otherwise at batch 1 and 3 here
+        got = {}
+        for rank in range(world):
+            d, _, k = predict_loader(model, loader(world, rank, batch), "cpu", 0.0, 1.0, 1000, pad_to=16)
+            got.update(d)
+        assert sorted(got) == list(range(20))
+        for i in range(20):
+            for key in ("boxes", "scores", "labels"):
+                assert torch.equal(got[i][key], ref[i][key]), (world, i, key)
+    # the loss terms are those of the 4 real images of the padded batch, not of the blanks
+    _, s4, n4 = predict_loader(model, [(images[16:], targets[16:], torch.arange(16, 20),
+                                        torch.tensor([[640, 480]] * 4))], "cpu", 0.0, 1.0, 1000, pad_to=16)
+    model.eval()
+    with torch.no_grad():
+        padded = torch.cat([images[16:], torch.zeros(12, 3, 224, 224, dtype=torch.uint8)]).float()
+        plain = model.loss(model(padded)[:4], targets[16:])
+    assert n4 == 4 and s4 == {k: float(v) * 4 for k, v in plain.items()}
