@@ -25,16 +25,11 @@ import pytest
 import torch
 
 from dist_helpers import ROOT, TRAIN, TRAIN_DIST, make_workspace, run, wait_no_leftovers
+from repo_paths import load_tool
 
 torch.set_num_threads(1)
 
 
-def _load_tool(name):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _train(*argv) -> int:
@@ -73,7 +68,7 @@ def ws(tmp_path_factory):
            "model_root", os.path.join(base, "model"), "num_epochs", 1, "eval_before", "false"]
     for stage in (["--step", 1], ["--step", 2], ["--cal"], ["--step", 3], ["--step", 4]):
         assert _train("--config", cfg, *stage, *out) == 0
-    conv = _load_tool("convert_to_chip")
+    conv = load_tool("convert_to_chip")
     assert conv.main([os.path.join(base, "checkpoint", "step4", "best.pth"), "--out", os.path.join(base, "model"),
                       "--config", cfg]) == 0
     return {"root": root, "cfg": cfg, "base": base}
@@ -171,7 +166,7 @@ def test_converter_disk_full_keeps_the_previous_conversion(ws, tmp_path, monkeyp
     d = _copy(ws, tmp_path)
     before = _digest(os.path.join(d, "model"))
     _Faults(monkeypatch, errno.ENOSPC, after=3)      # chip_model.json, filter, bias written: then full
-    conv = _load_tool("convert_to_chip")
+    conv = load_tool("convert_to_chip")
     rc = conv.main([os.path.join(d, "checkpoint", "step4", "best.pth"), "--out", os.path.join(d, "model"),
                     "--config", ws["cfg"]])
     assert rc == 2
@@ -295,10 +290,10 @@ def test_a_chip_model_with_a_deleted_sublayer_is_refused(ws, tmp_path, capsys):
     with pytest.raises(ChipModelError, match="sublayer"):
         load_chip_model(str(bad))
     before = _digest(tmp_path)
-    assert _load_tool("chip_eval").main([str(bad), "--config", ws["cfg"], "--check",
+    assert load_tool("chip_eval").main([str(bad), "--config", ws["cfg"], "--check",
                                          os.path.join(ws["base"], "checkpoint", "step4", "best.pth")]) == 2
     _one_error(capsys, str(bad), "convert the checkpoint again")
-    assert _load_tool("predict").main([str(bad), os.path.join(ws["root"], "data", "shapes", "JPEGImages"),
+    assert load_tool("predict").main([str(bad), os.path.join(ws["root"], "data", "shapes", "JPEGImages"),
                                        "--out", str(tmp_path / "pred")]) == 2
     _one_error(capsys, str(bad))
     assert {k: v for k, v in _digest(tmp_path).items() if not k.startswith("pred")} == before
@@ -325,12 +320,12 @@ def test_malicious_pickles_are_never_executed(ws, tmp_path, capsys):
         ("train", lambda: _train("--config", ws["cfg"], "--step", 2, "load", evil, *_outs(d))),
         ("resume", lambda: (shutil.copy(evil, os.path.join(d, "checkpoint", "step3", "last.pth")),
                             _train("--config", ws["cfg"], "--step", 3, "--resume", *_outs(d)))[1]),
-        ("eval_voc", lambda: _load_tool("eval_voc").main([str(evil), "--config", ws["cfg"]])),
-        ("convert_to_chip", lambda: _load_tool("convert_to_chip").main([str(evil), "--out", os.path.join(d, "model"),
+        ("eval_voc", lambda: load_tool("eval_voc").main([str(evil), "--config", ws["cfg"]])),
+        ("convert_to_chip", lambda: load_tool("convert_to_chip").main([str(evil), "--out", os.path.join(d, "model"),
                                                                          "--config", ws["cfg"]])),
-        ("chip_eval", lambda: _load_tool("chip_eval").main([os.path.join(d, "model", "chip_model.json"), "--config",
+        ("chip_eval", lambda: load_tool("chip_eval").main([os.path.join(d, "model", "chip_model.json"), "--config",
                                                              ws["cfg"], "--check", str(evil)])),
-        ("predict", lambda: _load_tool("predict").main([str(evil), images, "--out", str(tmp_path / "pred")])),
+        ("predict", lambda: load_tool("predict").main([str(evil), images, "--out", str(tmp_path / "pred")])),
     ]
     for name, fn in runs:
         assert fn() == 2, name
@@ -409,14 +404,14 @@ def test_user_mistakes_end_in_one_error_line(ws, tmp_path, capsys):
         (lambda: _train("--config", ws["cfg"], "--step", 2, *_outs(d), "load", os.path.join(d, "checkpoint")),
          ["is a folder", "best.pth"]),
         (lambda: _train("--config", ws["cfg"], "--step", 2, *_outs(d), *reordered), ["VOC_CLASSES", "same order"]),
-        (lambda: _load_tool("eval_voc").main([ck4, "--config", ws["cfg"], *reordered]), ["VOC_CLASSES"]),
-        (lambda: _load_tool("eval_voc").main([ck4, "--config", ws["cfg"], "--batch-size", "-1"]),
+        (lambda: load_tool("eval_voc").main([ck4, "--config", ws["cfg"], *reordered]), ["VOC_CLASSES"]),
+        (lambda: load_tool("eval_voc").main([ck4, "--config", ws["cfg"], "--batch-size", "-1"]),
          ["--batch-size", "at least 0"]),
-        (lambda: _load_tool("chip_eval").main([chip, "--config", ws["cfg"], "--batch-size", "0"]),
+        (lambda: load_tool("chip_eval").main([chip, "--config", ws["cfg"], "--batch-size", "0"]),
          ["--batch-size", "at least 1"]),
-        (lambda: _load_tool("predict").main([ck4, images, "--batch-size", "0"]), ["--batch-size"]),
-        (lambda: _load_tool("predict").main([ck4, images, "--thresh", "5"]), ["--thresh", "[0, 1]"]),
-        (lambda: _load_tool("predict").main([ck4, images, "--nms", "-1"]), ["--nms", "(0, 1]"]),
+        (lambda: load_tool("predict").main([ck4, images, "--batch-size", "0"]), ["--batch-size"]),
+        (lambda: load_tool("predict").main([ck4, images, "--thresh", "5"]), ["--thresh", "[0, 1]"]),
+        (lambda: load_tool("predict").main([ck4, images, "--nms", "-1"]), ["--nms", "(0, 1]"]),
     ]
     for i, (fn, words) in enumerate(cases):
         rc = _call(fn)
@@ -449,7 +444,7 @@ def test_predict_goes_on_past_an_unreadable_image(ws, tmp_path, capsys):
     data = (folder / names[1]).read_bytes()
     (folder / names[1]).write_bytes(data[: len(data) // 2])            # truncated
     (folder / "noise.jpg").write_bytes(os.urandom(2000))               # not an image
-    rc = _load_tool("predict").main([os.path.join(ws["base"], "checkpoint", "step4", "best.pth"), str(folder),
+    rc = load_tool("predict").main([os.path.join(ws["base"], "checkpoint", "step4", "best.pth"), str(folder),
                                      "--out", str(tmp_path / "pred")])
     assert rc == 1
     err = capsys.readouterr().err

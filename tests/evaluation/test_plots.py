@@ -1,6 +1,5 @@
 """Plots (gnetmdk.evaluation.plots) and the tools' --plots options: files written atomically, PNGs that
 decode, JSON numbers equal to the printed ones, a hand-counted confusion matrix, refusals. Device cpu."""
-import importlib.util
 import json
 import os
 import sys
@@ -14,18 +13,13 @@ from chip_helpers import (DATASETS, REPO, build_step4_model, have, load_images, 
 
 from gnetmdk.evaluation import plots  # noqa: E402
 from gnetmdk.evaluation.voc import evaluate_detections, voc_ap  # noqa: E402
-from repo_paths import REPO
+from repo_paths import REPO, load_tool
 
 pytest.importorskip("matplotlib")
 
 CAT, DOG, BG = 0, 1, 2
 
 
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"plots_tool_{name}", os.path.join(REPO, "tools", name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def decodes_as_image(path):

@@ -28,7 +28,7 @@ from gnetmdk.gti.chip import (ChipEmulator, ChipModelError, ConversionError, che
                               padded_output_channels, rounding_shift)
 from gnetmdk.gti.chip.emulator import sublayer_codes  # noqa: E402
 from gnetmdk.gti.chip.model_file import ChipLayer  # noqa: E402
-from repo_paths import REPO
+from repo_paths import load_tool
 
 needs_data = pytest.mark.skipif(not (have("raccoon") and have("cards")), reason="shared datasets not present")
 
@@ -36,11 +36,6 @@ needs_data = pytest.mark.skipif(not (have("raccoon") and have("cards")), reason=
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(REPO, "tools", name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class Setup:
