@@ -621,3 +621,17 @@ def test_step_time_counts_the_operators_an_accelerator_launches_device_cpu():
     n1, n3 = bench.count_ops(f, batch), bench.count_ops(q, batch)
     assert 0 < n1 < n3 <= n1 + 200, (n1, n3)
     assert q.batch_weight_quant is None                 # the model's own setting is restored
+
+
+def test_gpu_check_hands_the_slowest_test_files_out_first_device_cpu(monkeypatch):
+    """With pytest-xdist the suite's command names the multi-process test files before the rest of
+    tests/ (pytest collects a path given twice once), so the workers start on them first; every named
+    file exists."""
+    gc = _load("gpu_check")
+    monkeypatch.setattr(gc, "have_xdist", lambda: True)
+    args = type("A", (), {"workers": 12})()
+    (cmd,) = gc.Check(args, cuda=True).commands("suite")
+    named = [w for w in cmd if w.startswith("tests")]
+    assert named == list(gc.SLOW_FIRST) + ["tests"]
+    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in gc.SLOW_FIRST)
+    assert cmd[cmd.index("-n") + 1] == "12" and cmd[cmd.index("not cuda") - 1] == "-m"
