@@ -74,13 +74,17 @@ def batch_moments(x: torch.Tensor):
     return local, dev
 
 
-def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d"):
+def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d", counts=None):
     """The global batch's count, mean and biased variance from every rank's :func:`batch_moments`.
 
     ``local``: this process's (2C + 1,) float64 ``[n, mean, M2]`` (or (k, 2C + 1), one row per rank
     of this process: its virtual ranks). With ``sync`` the rows of every process are all-gathered (one
     collective) and :func:`combine_table` combines the table in rank order on every rank, so every
     rank gets the same numbers and one process runs the same arithmetic on a table of one row.
+    ``counts``: without ``sync``, the host's own count of each row (Python ints, the ``n`` of each
+    :func:`batch_moments`), so that the global count is not read back from the device (on CUDA such a
+    read makes the host wait for the GPU at every BatchNorm layer); their sum is the fold of the
+    table's float64 counts exactly (integers below 2^53).
 
     Returns:
         (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
@@ -90,14 +94,16 @@ def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d
     table = local if local.dim() == 2 else local.unsqueeze(0)
     if sync:
         table = gather_process_rows(table)                          # (W, 2C + 1), rank order
-    return combine_table(table, who)
+        counts = None                                               # other processes' counts: on the device
+    return combine_table(table, who, None if counts is None else float(sum(int(k) for k in counts)))
 
 
-def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d"):
+def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d", n: float = None):
     """Count, mean and biased variance of the union of W ranks' batches from their (W, 2C + 1) float64
     rows ``[n, mean, M2]`` in rank order, with Chan et al.'s parallel formula
     ``M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2`` (Chan, Golub & LeVeque 1979); every sum over ranks
-    is the left fold in rank order (gnetmdk.dist.comm.fold_rows).
+    is the left fold in rank order (gnetmdk.dist.comm.fold_rows). ``n``: the total count when the
+    host knows it (:func:`combine_moments`), else it is read from the table.
 
     Returns:
         (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
@@ -106,7 +112,8 @@ def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d"):
     """
     c = (table.shape[1] - 1) // 2
     counts = table[:, :1]
-    n = float(fold_rows(counts)[0])
+    if n is None:
+        n = float(fold_rows(counts)[0])
     if n <= 1:
         raise ValueError(f"{who}: {int(n)} value(s) per channel in the batch; training needs more "
                          "than one (raise batch_size)")
@@ -194,7 +201,8 @@ class _SyncBNFunction(torch.autograd.Function):
         c = x0.shape[1]
         view = (1, c, 1, 1)
         moments = [batch_moments(x) for x in xs]
-        n, mean, var = combine_moments(torch.stack([m[0] for m in moments]), sync, "DistBatchNorm2d")
+        n, mean, var = combine_moments(torch.stack([m[0] for m in moments]), sync, "DistBatchNorm2d",
+                                       counts=[x.numel() // c for x in xs])
         if running_mean is not None:
             update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum, unbiased)
         mean_f = mean.to(x0.dtype)

@@ -142,6 +142,22 @@ def test_training_step_reads_nothing_back_on_the_device_path_device_cpu(method, 
     assert norm.dim() == 0 and torch.isfinite(norm)
 
 
+def test_step1_training_step_with_batchnorm_reads_nothing_back_device_cpu():
+    """Step 1 with the synchronised BatchNorm the trainer uses (DistBatchNorm2d), in one process:
+    forward, loss and backward read no tensor back to the host (the global count per channel comes
+    from the host's shapes, not from the device), so on CUDA the host queues a whole step ahead."""
+    from gnetmdk.dist.syncbn import convert_sync_batchnorm
+    torch.manual_seed(0)
+    m = convert_sync_batchnorm(GNetDet(3, 224, 0.0625, use_bn=True))
+    apply_stage(m, STAGES["step1"])
+    m.train()
+    x = torch.randint(0, 32, (2, 3, 224, 224)).float()
+    m(x)
+    with HostReads() as reads:
+        m.loss(m(x), _target())["total"].backward()
+    assert not reads.where, dict(reads.where)
+
+
 def test_device_path_training_step_equals_the_host_path_device_cpu():
     """The same two training steps of step 3 on both paths: the same weights bit for bit."""
     x = torch.randint(0, 32, (2, 3, 224, 224)).float()
