@@ -81,40 +81,48 @@ def combine_moments(local: torch.Tensor, sync: bool, who: str = "DistBatchNorm2d
     of this process: its virtual ranks). With ``sync`` the rows of every process are all-gathered (one
     collective) and :func:`combine_table` combines the table in rank order on every rank, so every
     rank gets the same numbers and one process runs the same arithmetic on a table of one row.
-    ``counts``: without ``sync``, the host's own count of each row (Python ints, the ``n`` of each
-    :func:`batch_moments`), so that the global count is not read back from the device (on CUDA such a
-    read makes the host wait for the GPU at every BatchNorm layer); their sum is the fold of the
-    table's float64 counts exactly (integers below 2^53).
+    ``counts``: the host's own count of each of this process's rows (Python ints, the ``n`` of each
+    :func:`batch_moments`), so that the global count is never read back from the device (on CUDA such
+    a read makes the host wait for the GPU, and with several processes for the slowest of them, at
+    every BatchNorm layer). Without ``sync`` their sum is the global count (the fold of the table's
+    float64 counts exactly: integers below 2^53); with ``sync`` the global count stays a 0-d float64
+    tensor on the device, the same value, and more than one local value already proves it above one.
 
     Returns:
-        (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
+        (n, mean, var): n a Python float (or, with ``sync`` and ``counts``, a 0-d float64 tensor of the
+        same value: every use of n divides by it or forms n / (n - 1), the same IEEE operations either
+        way), mean and var (C,) float64 tensors.
     Raises:
         ValueError: at most one value per channel over the global batch (``who`` names the layer).
     """
     table = local if local.dim() == 2 else local.unsqueeze(0)
+    own = None if counts is None else sum(int(k) for k in counts)
     if sync:
         table = gather_process_rows(table)                          # (W, 2C + 1), rank order
-        counts = None                                               # other processes' counts: on the device
-    return combine_table(table, who, None if counts is None else float(sum(int(k) for k in counts)))
+        return combine_table(table, who, device_count=own is not None and own > 1)
+    return combine_table(table, who, None if own is None else float(own))
 
 
-def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d", n: float = None):
+def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d", n: float = None,
+                  device_count: bool = False):
     """Count, mean and biased variance of the union of W ranks' batches from their (W, 2C + 1) float64
     rows ``[n, mean, M2]`` in rank order, with Chan et al.'s parallel formula
     ``M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2`` (Chan, Golub & LeVeque 1979); every sum over ranks
     is the left fold in rank order (gnetmdk.dist.comm.fold_rows). ``n``: the total count when the
-    host knows it (:func:`combine_moments`), else it is read from the table.
+    host knows it (:func:`combine_moments`), else the fold of the table's counts: read to the host,
+    or with ``device_count`` (the caller knows it is above one) left a 0-d tensor on the device.
 
     Returns:
-        (n, mean, var): n a Python float, mean and var (C,) float64 tensors.
+        (n, mean, var): n a Python float (a 0-d float64 tensor with ``device_count``), mean and var
+        (C,) float64 tensors.
     Raises:
         ValueError: at most one value per channel over the global batch (``who`` names the layer).
     """
     c = (table.shape[1] - 1) // 2
     counts = table[:, :1]
     if n is None:
-        n = float(fold_rows(counts)[0])
-    if n <= 1:
+        n = fold_rows(counts)[0] if device_count else float(fold_rows(counts)[0])
+    if not device_count and n <= 1:
         raise ValueError(f"{who}: {int(n)} value(s) per channel in the batch; training needs more "
                          "than one (raise batch_size)")
     means = table[:, 1:c + 1]
@@ -126,7 +134,7 @@ def combine_table(table: torch.Tensor, who: str = "DistBatchNorm2d", n: float = 
 
 def update_running_stats_(running_mean: torch.Tensor, running_var: torch.Tensor,
                           num_batches_tracked: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-                          n: float, momentum, unbiased: bool = True) -> None:
+                          n, momentum, unbiased: bool = True) -> None:
     """BatchNorm2d's running-statistics update, in place: ``num_batches_tracked += 1``, factor
     ``momentum`` (or ``1 / num_batches_tracked`` when momentum is None: cumulative average),
     ``running_mean = (1 - f) running_mean + f mean``, ``running_var = (1 - f) running_var + f var n / (n - 1)``
@@ -149,7 +157,7 @@ def channel_grad_sums(dy: torch.Tensor, dev_dy: torch.Tensor) -> torch.Tensor:
     return sums
 
 
-def input_grad_coefficients(total: torch.Tensor, n: float, weight, invstd: torch.Tensor):
+def input_grad_coefficients(total: torch.Tensor, n, weight, invstd: torch.Tensor):
     """Per-channel float64 coefficients of BatchNorm's input gradient (training statistics).
 
     From the global sums ``total = [sum dy, sum dy (x - m)]`` (all ranks) and the count n:

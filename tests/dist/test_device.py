@@ -158,6 +158,29 @@ def test_step1_training_step_with_batchnorm_reads_nothing_back_device_cpu():
     assert not reads.where, dict(reads.where)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_combined_moments_never_read_the_count_back_device_cpu(rows):
+    """combine_moments with the host's counts: without sync the global count is their sum, with sync
+    (the gathered table; here one process, so the table itself) it stays a device tensor; neither
+    reads anything back, and both give the count, mean and variance of the plain fold bit for bit.
+    A process whose own count is 1 still gets the one-line refusal when the global count is 1."""
+    from gnetmdk.dist.syncbn import batch_moments, combine_moments
+    g = torch.Generator().manual_seed(rows)
+    xs = [torch.randn(2 + i, 5, 3, 4, generator=g) * 3 + 1 for i in range(rows)]
+    table = torch.stack([batch_moments(x)[0] for x in xs])
+    counts = [x.numel() // 5 for x in xs]
+    ref = combine_moments(table, False, "t")                        # the count read from the table
+    for sync in (False, True):
+        with HostReads() as reads:
+            n, mean, var = combine_moments(table, sync, "t", counts=counts)
+        assert not reads.where, dict(reads.where)
+        assert float(n) == ref[0] and torch.equal(mean, ref[1]) and torch.equal(var, ref[2])
+    one = batch_moments(torch.randn(1, 5, 1, 1, generator=g))[0]
+    for sync in (False, True):
+        with pytest.raises(ValueError, match="t: 1 value"):
+            combine_moments(one, sync, "t", counts=[1])
+
+
 def test_device_path_training_step_equals_the_host_path_device_cpu():
     """The same two training steps of step 3 on both paths: the same weights bit for bit."""
     x = torch.randint(0, 32, (2, 3, 224, 224)).float()
