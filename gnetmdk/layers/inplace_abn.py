@@ -196,7 +196,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
             if batch_stats:
                 xs = x.float() if low else x
                 local, scratch = batch_moments(xs)
-                n, mean, var = combine_moments(local, sync, "BatchNormAct2d")
+                n, mean, var = combine_moments(local, sync, "BatchNormAct2d", counts=[xs.numel() // c])
                 if update:
                     update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, n, momentum,
                                           unbiased)

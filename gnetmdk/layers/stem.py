@@ -106,16 +106,17 @@ def _chunk_images(n: int, per_image: int) -> int:
     return max(1, min(n, CHUNK_ELEMENTS // max(1, per_image)))
 
 
-def _merge_moments(rows):
+def _merge_moments(rows, total: int):
     """One (2C + 1,) float64 ``[n, mean, M2]`` row from per-chunk rows (Chan et al.'s parallel formula,
-    as ``combine_moments`` merges ranks)."""
+    as ``combine_moments`` merges ranks); ``total``: the chunks' count of values per channel, known on
+    the host (no read-back of the rows' counts)."""
     table = torch.stack(rows)
     c = (table.shape[1] - 1) // 2
     counts = table[:, :1]
     n = counts.sum()
     out = torch.empty_like(table[0])
     out[0] = n
-    if float(n) == 0:
+    if total == 0:
         out[1:] = 0
         return out
     means = table[:, 1:c + 1]
@@ -174,7 +175,7 @@ class _StemFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             xs, w, b = _conv_operands(x, weight, conv_bias, amp_dtype)
             n = x.shape[0]
-            convs, rows = [], []
+            convs, rows, counted = [], [], 0
             step = _chunk_images(n, weight.shape[0] * _conv_out_pixels(x, weight, spec))
             for i in range(0, max(n, 1), step):      # an empty batch (a rank without images) runs once
                 c = F.conv2d(xs[i:i + step], w, b, spec.stride, spec.padding, spec.dilation)
@@ -182,10 +183,12 @@ class _StemFunction(torch.autograd.Function):
                     local, scratch = batch_moments(c.float() if c.dtype in _LOW else c)
                     del scratch
                     rows.append(local)
+                    counted += c.numel() // c.shape[1]
                 convs.append(c)
             cdt = torch.float32 if convs[0].dtype in _LOW else convs[0].dtype
             if batch_stats:
-                nn_, mean, var = combine_moments(_merge_moments(rows), spec.sync, "recomputed stem")
+                nn_, mean, var = combine_moments(_merge_moments(rows, counted), spec.sync, "recomputed stem",
+                                                 counts=[counted])
                 if update:
                     update_running_stats_(running_mean, running_var, num_batches_tracked, mean, var, nn_,
                                           spec.momentum, spec.unbiased)

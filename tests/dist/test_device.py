@@ -142,13 +142,19 @@ def test_training_step_reads_nothing_back_on_the_device_path_device_cpu(method, 
     assert norm.dim() == 0 and torch.isfinite(norm)
 
 
-def test_step1_training_step_with_batchnorm_reads_nothing_back_device_cpu():
-    """Step 1 with the synchronised BatchNorm the trainer uses (DistBatchNorm2d), in one process:
-    forward, loss and backward read no tensor back to the host (the global count per channel comes
-    from the host's shapes, not from the device), so on CUDA the host queues a whole step ahead."""
+@pytest.mark.parametrize("stem", [False, True])
+def test_step1_training_step_with_batchnorm_reads_nothing_back_device_cpu(stem):
+    """Step 1 with the synchronised BatchNorm the trainer uses (DistBatchNorm2d; and with the memory
+    switch's recomputed stem), in one process: forward, loss and backward read no tensor back to the
+    host (the global count per channel comes from the host's shapes, not from the device), so on CUDA
+    the host queues a whole step ahead. (InPlace-ABN reads one flag per layer by design: its check of
+    ill-conditioned channels, gnetmdk.layers.inplace_abn._ill_conditioned.)"""
     from gnetmdk.dist.syncbn import convert_sync_batchnorm
+    from gnetmdk.layers.stem import convert_recompute_stem
     torch.manual_seed(0)
     m = convert_sync_batchnorm(GNetDet(3, 224, 0.0625, use_bn=True))
+    if stem:
+        assert convert_recompute_stem(m) > 0
     apply_stage(m, STAGES["step1"])
     m.train()
     x = torch.randint(0, 32, (2, 3, 224, 224)).float()
