@@ -71,7 +71,6 @@ def tf32_mode(value) -> str:
     raise ValueError(f"tf32 must be auto, on or off, got {value!r}")
 
 
-
 def _annotated_fields(klass) -> Dict[str, Any]:
     """Every annotated field name of ``klass`` and its bases, mapped to its declared type."""
     types: Dict[str, Any] = {}
