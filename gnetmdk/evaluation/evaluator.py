@@ -45,12 +45,12 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
     try:
         for images, targets, indices, sizes in loader:
             images = images.to(device, non_blocking=True).float()   # uint8 codes from the loader
-            k = images.shape[0]
-            if k < pad_to:
-                images = torch.cat([images, images.new_zeros((pad_to - k,) + tuple(images.shape[1:]))])
+            real = images.shape[0]
+            if real < pad_to:       # blank images up to pad_to: every forward of one size
+                images = torch.cat([images, images.new_zeros((pad_to - real,) + tuple(images.shape[1:]))])
             pred = model(images)
-            if k < pad_to:
-                pred = _first_rows(pred, k)
+            if real < pad_to:
+                pred = _first_rows(pred, real)
             if with_loss:
                 terms = model.loss(pred, targets.to(device))
                 for k, v in terms.items():
