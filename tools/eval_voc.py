@@ -60,7 +60,7 @@ def main(argv) -> int:
     from torch.utils.data import DataLoader
     from gnetmdk.config import load_config
     from gnetmdk.dataset.dataset import build_dataset, collate
-    from gnetmdk.evaluation.evaluator import evaluate_model
+    from gnetmdk.evaluation.evaluator import eval_batch, evaluate_model
     from gnetmdk.evaluation.voc import format_ap_table
     cfg = load_config(args.config, overrides)
     if cfg.threads > 0:
@@ -72,7 +72,7 @@ def main(argv) -> int:
     model.to(device)
     # forwards of one size, the last batch padded, as the trainer evaluates (evaluator.predict_loader):
     # the same outputs per image, so this mAP is the one training recorded for the checkpoint
-    batch = args.batch_size or cfg.eval_batch_size or cfg.batch_size
+    batch = args.batch_size or eval_batch(cfg)
     loader = DataLoader(dataset, batch_size=batch, collate_fn=collate, num_workers=cfg.num_workers)
     if args.plots is not None:                # refused before the evaluation, not after it
         from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib

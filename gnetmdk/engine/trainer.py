@@ -42,7 +42,7 @@ from gnetmdk.dist.parallel import wrap_ddp
 from gnetmdk.layers.prepare import prepare_model
 from .device import configure_backends, resolve_device
 from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler, check_batch_split
-from gnetmdk.evaluation.evaluator import evaluate_model
+from gnetmdk.evaluation.evaluator import eval_batch, evaluate_model
 from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
 from .resume import restore_run, rng_state
@@ -313,7 +313,7 @@ class Trainer:
     @property
     def eval_batch(self) -> int:
         """Images per evaluation forward on every rank: ``eval_batch_size``, or ``batch_size`` when 0."""
-        return int(self.cfg.eval_batch_size) or int(self.cfg.batch_size)
+        return eval_batch(self.cfg)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, epoch: int, iteration: int, full: bool) -> Dict[str, object]:

@@ -10,6 +10,13 @@ from gnetmdk.dist.comm import all_gather_object, is_main_process
 from .voc import evaluate_detections
 
 
+def eval_batch(cfg) -> int:
+    """Images per evaluation forward on every rank (the ``pad_to`` of :func:`predict_loader`):
+    ``eval_batch_size``, or ``batch_size`` when it is 0. The trainer and tools/eval_voc.py both use it,
+    so a tool reports the mAP training recorded."""
+    return int(cfg.eval_batch_size) or int(cfg.batch_size)
+
+
 def _first_rows(pred, k: int):
     """A model's output (a tensor, or a list / tuple / dict of tensors with the batch first) cut to the
     first ``k`` images."""
