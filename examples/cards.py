@@ -44,7 +44,7 @@ class Config(BaseConfig):
         # (GTI's rule d = mean|w|/4, weight_scale gti, sends step 2's entry to mAP 0 on cards), the MSE-best
         # 5-bit cap per layer (the 99.99th percentile, cap_method percentile, had dropped seed 2 from 0.894
         # to 0.250 at calibration, MSE caps to 0.865), the output layer's cap at most 2 (docs/results.md)
-        # weight schemes per major layer: the chip default is 3-bit everywhere but the last major layer
+        # weight formats per major layer: the chip default is 3-bit everywhere but the last major layer
         # (8-bit); here the first major layer (two convs, 2.7k weights) is 8-bit too. Quantizing the step-1
         # model without training cost 1.5-6.9 points with the default and at most 1.9 with this (five
         # seeds); after steps 2-4, step 4 was within 2 points of step 1 in five seeds of five, mean -0.0

@@ -83,7 +83,7 @@ def main(argv) -> int:
           f"{'f32 exact':>9}")
     for i, l in enumerate(cm.layers):
         print(f"{i + 1:<6} {f'{l.major + 1}.{l.index_in_major + 1}':<9} {f'{l.in_channels}->{l.out_channels}':>11} "
-              f"{l.scheme:>4} {l.shift:>5} {'yes' if l.pool_after else '':>4} {l.max_abs_acc():>10} "
+              f"{l.weight_format:>4} {l.shift:>5} {'yes' if l.pool_after else '':>4} {l.max_abs_acc():>10} "
               f"{'yes' if l.float32_exact() else 'NO':>9}")
     if cm.output_channels > cm.used_channels:
         print(f"output: {cm.used_channels} channels (10 + {cm.num_classes} classes) padded with zero filters to "

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Per-layer quantization sensitivity of a GNetDet model, and the weight schemes it suggests.
+"""Per-layer quantization sensitivity of a GNetDet model, and the weight formats it suggests.
 
     python3 tools/sensitivity.py --config examples/cards.py                  # step1/best.pth, step2/cal.pth
     python3 tools/sensitivity.py --config C --weights CKPT --cal CAL --plots plots/sens --tolerance 0.01
 
 The float model is the step-1 checkpoint (--weights) with its BatchNorm folded. Four tables on the
 valid split (gnetmdk.gti.sensitivity): mAP@0.5 and output error with only one sublayer's weights
-quantized (its scheme from the model's mask_bits); with only one major layer's weights quantized, for
-each scheme the chip has; with only one layer's activation quantized to 5-bit codes, with the caps of
+quantized (its weight format from the model's mask_bits); with only one major layer's weights quantized, for
+each weight format the chip has; with only one layer's activation quantized to 5-bit codes, with the caps of
 the calibration checkpoint (--cal; left out when there is none); and, with those caps, with only the box
 centres, only the box sizes or only the scores on the output layer's 5-bit code grid (which of the
 outputs that layer's resolution costs; box sizes are fractions of the input side, so small boxes
@@ -38,7 +38,7 @@ def parse_args(argv):
     p.add_argument("--split", choices=["valid", "train"], default="valid")
     p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--tolerance", type=fraction(high_open=True), default=0.005,
-                   help="mAP a scheme may lose, in [0, 1) (default 0.005)")
+                   help="mAP a weight format may lose, in [0, 1) (default 0.005)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write sensitivity.png/.json in DIR")
     return p.parse_with_overrides(argv)
 

@@ -472,7 +472,7 @@ def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
         title: figure title.
 
     JSON written: ``{"base_map", "layers": [{"name", "major", "weights_map", "weights_err", "acts_map",
-    "acts_err"}], "outputs": {group: [map, err]}, "output_cap", "schemes": {major: {scheme: [map, err]}},
+    "acts_err"}], "outputs": {group: [map, err]}, "output_cap", "weight_formats": {major: {weight_format: [map, err]}},
     "current", "suggested"}`` (null where not measured; "outputs" empty without caps).
 
     Returns:
@@ -490,8 +490,9 @@ def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
     data = {"base_map": _finite_or_none(sens.base_map), "layers": layers,
             "outputs": {k: [_finite_or_none(v[0]), _finite_or_none(v[1])] for k, v in sens.outputs.items()},
             "output_cap": _finite_or_none(sens.output_cap),
-            "schemes": {str(m + 1): {str(s): [_finite_or_none(v[0]), _finite_or_none(v[1])] for s, v in by.items()}
-                        for m, by in sens.schemes.items()},
+            "weight_formats": {str(m + 1): {str(s): [_finite_or_none(v[0]), _finite_or_none(v[1])]
+                                            for s, v in by.items()}
+                               for m, by in sens.weight_formats.items()},
             "current": list(sens.current), "suggested": list(suggested) if suggested is not None else None}
     fig = _new_figure((max(6.5, 0.55 * len(layers) + 2.0), 4.5))
     ax = fig.add_subplot()

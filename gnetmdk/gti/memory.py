@@ -42,7 +42,7 @@ def coefficient_divisor(mask_bits: int) -> int:
     """How many kernels of ``mask_bits`` share one coefficient unit (4, 2 or 1; :data:`COEF_DIVISOR`).
 
     Raises:
-        ChipSpecError: a scheme none of the chips has.
+        ChipSpecError: a weight format none of the chips has.
     """
     try:
         return COEF_DIVISOR[int(mask_bits)]
@@ -59,7 +59,7 @@ class MemoryLayer:
         in_channels, out_channels: channel counts as stored (padded ones included).
         in_height, in_width: the input feature map's size in values (pixels).
         out_height, out_width: the output's size as written (after the 2x2 pool when one follows).
-        mask_bits: the conv's weight scheme (1, 2, 3, 5, 8 or 12).
+        mask_bits: the conv's weight format (1, 2, 3, 5, 8 or 12).
         name: how messages name the layer, e.g. "conv 3 (major layer 2, sublayer 1)".
         major: 0-based major layer, or None when the caller has no major layers (no mask_bits advice).
     """
@@ -145,7 +145,7 @@ def memory_report(layers: Sequence[MemoryLayer], spec: ChipSpec) -> MemoryReport
     Returns:
         a MemoryReport (the amounts and the limits; nothing is raised).
     Raises:
-        ChipSpecError: an empty list, or a layer with a scheme of unknown size.
+        ChipSpecError: an empty list, or a layer with a weight format of unknown size.
     """
     if not layers:
         raise ChipSpecError("no layers to count")
@@ -156,7 +156,7 @@ def memory_report(layers: Sequence[MemoryLayer], spec: ChipSpec) -> MemoryReport
 
 
 def _majors(layers: Sequence[MemoryLayer]) -> Optional[List[int]]:
-    """The scheme of each major layer, or None when the layers carry no major layers."""
+    """The weight format of each major layer, or None when the layers carry no major layers."""
     if any(l.major is None for l in layers):
         return None
     out: Dict[int, int] = {}
@@ -166,20 +166,20 @@ def _majors(layers: Sequence[MemoryLayer]) -> Optional[List[int]]:
 
 
 def suggest_mask_bits(layers: Sequence[MemoryLayer], spec: ChipSpec) -> Optional[List[int]]:
-    """Schemes per major layer that fit the coefficient budget, chosen greedily: the widest scheme in use
+    """Weight formats per major layer that fit the coefficient budget, chosen greedily: the widest weight format in use
     is lowered first (8-bit before 3-bit; among equals the major layer with the largest coefficient
-    share), one scheme of the chip at a time, until the total is below the budget. Major layers must be
+    share), one weight format of the chip at a time, until the total is below the budget. Major layers must be
     numbered 0, 1, 2, ... (as GNetDet's and the converter's layers are).
 
     Returns:
         the mask_bits list, or None (no major layers given, no budget, or no list of the chip's
-        schemes fits).
+        weight formats fits).
     """
-    schemes = _majors(layers)
-    if schemes is None or spec.max_coef_memory is None:
+    weight_formats = _majors(layers)
+    if weight_formats is None or spec.max_coef_memory is None:
         return None
-    lower = sorted(s for s in spec.schemes if s in COEF_DIVISOR)
-    bits = list(schemes)
+    lower = sorted(s for s in spec.weight_formats if s in COEF_DIVISOR)
+    bits = list(weight_formats)
 
     def total(b):
         return sum(Fraction(l.in_channels * l.out_channels, coefficient_divisor(b[l.major])) for l in layers)
@@ -234,13 +234,13 @@ def check_chip_memory(layers: Sequence[MemoryLayer], spec: ChipSpec, where: str 
                 at = i
                 break
         l = rep.layers[at]
-        schemes, bits = _majors(rep.layers), suggest_mask_bits(rep.layers, spec)
-        eight = sum(1 for s in (schemes or []) if coefficient_divisor(s) == 1)
+        weight_formats, bits = _majors(rep.layers), suggest_mask_bits(rep.layers, spec)
+        eight = sum(1 for s in (weight_formats or []) if coefficient_divisor(s) == 1)
         advice = (f"mask_bits {bits} ({'fewer 8-bit major layers' if eight else 'narrower kernels'}) or {width_fix}"
                   if bits is not None else width_fix)
         raise ChipSpecError(
             f"{pre}coefficient memory {fmt(rep.coefficient_total)}"
-            + (f" with mask_bits {schemes}" if schemes is not None else "")
+            + (f" with mask_bits {weight_formats}" if weight_formats is not None else "")
             + f" is not below chip {spec.name}'s budget of {fmt(spec.max_coef_memory)} (sum of in x out channels / 4 "
             f"for 1-bit, / 2 for 3-bit, / 1 for 8-bit kernels; the running sum reaches it at "
             f"{l.name or f'layer {at + 1}'}): use " + advice)
@@ -249,7 +249,7 @@ def check_chip_memory(layers: Sequence[MemoryLayer], spec: ChipSpec, where: str 
 
 def chip_layers_memory(layers, input_size: int, used_out: Optional[int] = None) -> List[MemoryLayer]:
     """MemoryLayers of a converted chip model's layers (gnetmdk.gti.chip.model_file.ChipLayer: channels as
-    stored, ``input_size`` per sublayer, ``pool_after``, ``scheme``, ``major``, ``index_in_major``).
+    stored, ``input_size`` per sublayer, ``pool_after``, ``weight_format``, ``major``, ``index_in_major``).
 
     Args:
         layers: the ChipLayers in order.
@@ -262,7 +262,7 @@ def chip_layers_memory(layers, input_size: int, used_out: Optional[int] = None) 
         size = int(getattr(l, "input_size", size))
         o = size // 2 if l.pool_after else size
         cout = int(l.out_channels) if used_out is None or i < len(layers) - 1 else min(int(used_out), int(l.out_channels))
-        out.append(MemoryLayer(int(l.in_channels), cout, size, size, o, o, int(l.scheme),
+        out.append(MemoryLayer(int(l.in_channels), cout, size, size, o, o, int(l.weight_format),
                                f"conv {i + 1} (major layer {l.major + 1}, sublayer {l.index_in_major + 1})",
                                int(l.major)))
         size = o

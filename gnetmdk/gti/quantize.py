@@ -1,6 +1,6 @@
 """The chip's quantization math as pure functions with straight-through gradients.
 
-Every formula here is written out in docs/quantization.md ("Notation", "Weight schemes (mask bits)",
+Every formula here is written out in docs/quantization.md ("Notation", "Weight formats (mask bits)",
 "Activations", "Straight-through estimator"); their source is GTI's PyTorch MDK (gnetmdk/gti/quantize.py
 there). Notation:
 
@@ -20,8 +20,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-#: weight schemes (mask bits) this module knows
-WEIGHT_SCHEMES = (1, 2, 3, 5, 8, 12)
+#: weight formats (mask bits) this module knows
+WEIGHT_FORMATS = (1, 2, 3, 5, 8, 12)
 #: the largest shift the chip accepts
 MAX_SHIFT = 12
 #: 5-bit activation codes are 0..ACT_MAX
@@ -193,7 +193,7 @@ def compute_shift(weight: torch.Tensor, bias: torch.Tensor | None, weight_bits: 
     Args:
         weight: (O, I, 3, 3) float weights of the sublayer (before quantization).
         bias: (O,) float bias or None.
-        weight_bits / bias_bits: register widths Bw / Bb of the scheme (gnetmdk.gti.spec).
+        weight_bits / bias_bits: register widths Bw / Bb of the weight format (gnetmdk.gti.spec).
         as_tensor: return s as a 0-d int64 tensor on the weights' device, computed there without
             reading anything back to the host: s = the number of k in 1..12 with 2^k <= r, where
             r = min((2^(Bw-1) - 1) / max|W|, (2^(Bb-1) - 1) / max|b|) in float64 (that count is
@@ -228,7 +228,7 @@ def _shift_from_max(wmax: float, bmax: float, weight_bits: int, bias_bits: int) 
     return int(min(max(s, 0), MAX_SHIFT))
 
 
-# ------------------------------------------------------------------ weight schemes
+# ------------------------------------------------------------------ weight formats
 _LEVELS = {1: (1.0,), 2: (0.0, 1.0), 3: (0.0, 1.0, 2.0, 4.0), 5: tuple(float(i) for i in range(16))}
 
 
@@ -265,7 +265,7 @@ def _prefix_sum(x: torch.Tensor) -> torch.Tensor:
 _SWEEP_CHUNK_VALUES = 1 << 20
 
 
-def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -> torch.Tensor:
+def _mse_scale(w: torch.Tensor, weight_format: int, shift: int, candidates: int = 32) -> torch.Tensor:
     """Per-kernel d in {Q_s(f * max|w| / top level)}, f = 0.15..1 (``candidates`` values), minimising
     ||w - w_q||^2 with every weight at its nearest level (a tie goes to the lower one; a zero weight
     stays 0). The first d wins a tie.
@@ -273,7 +273,7 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     Runs once per conv per training step, so it is written for speed. The error of candidate d is
     d (d sum q^2 - 2 sum q |w|) plus the constant sum |w|^2 (the sign cancels), formed in float64 from
     two sums per candidate:
-      * schemes with at most three midpoints (1, 2, 3-bit): the candidates ascend, so a weight is above
+      * weight formats with at most three midpoints (1, 2, 3-bit): the candidates ascend, so a weight is above
         midpoint m for exactly the first t of them, t = the count of d < |w| / m (one searchsorted).
         A weight adds its level steps to the sums of those t candidates: one scatter per kernel and a
         prefix sum, (K, M * 9) values instead of (K, C, 9). 2-4x faster than the direct form below.
@@ -286,13 +286,13 @@ def _mse_scale(w: torch.Tensor, scheme: int, shift: int, candidates: int = 32) -
     float32 ulp of a midpoint, where the two levels' errors are equal to that precision.
 
     Args:
-        w: (O, I, 3, 3) float weights; scheme: 1, 2, 3 or 5; shift: the sublayer's shift.
+        w: (O, I, 3, 3) float weights; weight format: 1, 2, 3 or 5; shift: the sublayer's shift.
     Returns:
         (O, I, 1, 1) scales of w's dtype, already quantized to multiples of 2^-shift.
     """
     o, i = w.shape[:2]
     a = _kernel_rows(w).abs()
-    return _mse_scale_rows(a, scheme, shift_scale(shift, a), candidates).reshape(o, i, 1, 1)
+    return _mse_scale_rows(a, weight_format, shift_scale(shift, a), candidates).reshape(o, i, 1, 1)
 
 
 def _kernel_rows(w: torch.Tensor) -> torch.Tensor:
@@ -314,12 +314,12 @@ def _candidate_fractions(candidates: int, dtype: torch.dtype, device: torch.devi
     return t
 
 
-def _mse_scale_rows(a: torch.Tensor, scheme: int, scale, candidates: int = 32) -> torch.Tensor:
+def _mse_scale_rows(a: torch.Tensor, weight_format: int, scale, candidates: int = 32) -> torch.Tensor:
     """_mse_scale on kernels as rows: a (K, n) = |w| per kernel, ``scale`` = 2^s as a Python float, a
     0-d tensor or a (K, 1) tensor (each row's sublayer shift: several sublayers in one pass, see
     quantize_conv_values). Every row is computed on its own (the result of a row does not depend on the
     other rows). Returns (K, 1) scales of a's dtype."""
-    levels = _LEVELS[scheme]
+    levels = _LEVELS[weight_format]
     k, n = a.shape
     dev = a.device
     f = _candidate_fractions(candidates, a.dtype, dev)
@@ -363,11 +363,11 @@ def _mse_scale_rows(a: torch.Tensor, scheme: int, scale, candidates: int = 32) -
     return d.gather(1, err.argmin(dim=1, keepdim=True))
 
 
-def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits: int,
+def quantize_weight_value(w: torch.Tensor, weight_format: int, shift: int, weight_bits: int,
                           method: str = "gti") -> torch.Tensor:
     """Quantized weights w_q (no gradient handling): every value is an integer multiple of 2^-shift.
 
-    Schemes (docs/quantization.md, "Per-kernel levels"), statistics per 3x3 kernel:
+    Weight formats (docs/quantization.md, "Per-kernel levels"), statistics per 3x3 kernel:
       * 1-bit:  w_q = sign(w) * Q_s(mean|w|)
       * 2-bit:  m = Q_s(mean|w|), w_q = sign(w) * m * [|w| >= m/4]
       * 3-bit:  d = mean|w|/4, c = floor(|w|/d), c >= 3 -> 4, w_q = sign(w) * c * Q_s(d)
@@ -380,41 +380,41 @@ def quantize_weight_value(w: torch.Tensor, scheme: int, shift: int, weight_bits:
 
     Args:
         w: (O, I, kh, kw) float weights.
-        scheme: mask bits, one of WEIGHT_SCHEMES.
+        weight_format: mask bits, one of WEIGHT_FORMATS.
         shift: the sublayer's shift s (compute_shift): an int, or a 0-d integer tensor on w's device.
-        weight_bits: Bw of the scheme on the chip.
+        weight_bits: Bw of the weight format on the chip.
         method: "gti" or "mse".
     Raises:
-        ValueError: unknown scheme or method.
+        ValueError: unknown weight format or method.
     """
-    if scheme not in WEIGHT_SCHEMES:
-        raise ValueError(f"unknown weight scheme {scheme}: use one of {WEIGHT_SCHEMES}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format}: use one of {WEIGHT_FORMATS}")
     if method not in ("gti", "mse"):
         raise ValueError(f"unknown weight scale method '{method}': use 'gti' or 'mse'")
     rows = _kernel_rows(w.detach())
-    return _quantize_weight_rows(rows, scheme, shift_scale(shift, rows), weight_bits, method).reshape(w.shape)
+    return _quantize_weight_rows(rows, weight_format, shift_scale(shift, rows), weight_bits, method).reshape(w.shape)
 
 
-def _quantize_weight_rows(w: torch.Tensor, scheme: int, scale, weight_bits: int, method: str) -> torch.Tensor:
+def _quantize_weight_rows(w: torch.Tensor, weight_format: int, scale, weight_bits: int, method: str) -> torch.Tensor:
     """quantize_weight_value on kernels as rows: w (K, n) float, one kernel per row (_kernel_rows);
     ``scale`` = 2^s as a Python float, a 0-d tensor, or a (K, 1) tensor holding each row's sublayer
     shift (several sublayers in one pass: quantize_conv_values). Every operation is elementwise or a
     reduction within a row, so a row's result does not depend on the rows beside it. Returns (K, n)."""
     sign = torch.sign(w)
     absw = w.abs()
-    if scheme in (8, 12):
+    if weight_format in (8, 12):
         wq = _scaled_round(w, scale)
     elif method == "mse":
-        d = _mse_scale_rows(absw, scheme, scale)
+        d = _mse_scale_rows(absw, weight_format, scale)
         safe = torch.where(d > 0, d, torch.ones_like(d))
-        wq = sign * _nearest_level(absw / safe, _LEVELS[scheme]) * d
+        wq = sign * _nearest_level(absw / safe, _LEVELS[weight_format]) * d
     else:
-        if scheme == 1:
+        if weight_format == 1:
             wq = sign * _scaled_round(absw.mean(1, keepdim=True), scale)
-        elif scheme == 2:
+        elif weight_format == 2:
             m = _scaled_round(absw.mean(1, keepdim=True), scale)
             wq = sign * m * (absw >= m / 4).to(w.dtype)
-        elif scheme == 3:
+        elif weight_format == 3:
             d = absw.mean(1, keepdim=True) / 4
             safe = torch.where(d > 0, d, torch.ones_like(d))
             c = torch.floor(absw / safe)
@@ -441,14 +441,14 @@ def quantize_bias_value(b: torch.Tensor, shift, bias_bits: int) -> torch.Tensor:
     return torch.clamp(chip_round(b.detach() * scale), -limit, limit) / scale
 
 
-def quantize_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme: int, weight_bits: int,
+def quantize_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, weight_format: int, weight_bits: int,
                          bias_bits: int, method: str = "gti"):
     """Quantize one sublayer's conv parameters with straight-through gradients.
 
     Args:
         weight: (O, I, 3, 3) float32 parameter.
         bias: (O,) float32 parameter or None.
-        scheme, weight_bits, bias_bits: the scheme and its registers (gnetmdk.gti.spec.register_bits).
+        weight_format, weight_bits, bias_bits: the weight format and its registers (gnetmdk.gti.spec.register_bits).
         method: "gti" (GTI's rule) or "mse" (MSE-best per-kernel scale), see quantize_weight_value.
     Returns:
         (w_q, b_q, shift): w_q and b_q carry identity gradients to weight and bias; shift is an int,
@@ -456,12 +456,12 @@ def quantize_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme
         weights' device, so that no step waits for the device; ``int(shift)`` reads it.
     """
     shift = compute_shift(weight, bias, weight_bits, bias_bits, as_tensor=device_path(weight))
-    w_q = ste(weight, quantize_weight_value(weight, scheme, shift, weight_bits, method))
+    w_q = ste(weight, quantize_weight_value(weight, weight_format, shift, weight_bits, method))
     b_q = None if bias is None else ste(bias, quantize_bias_value(bias, shift, bias_bits))
     return w_q, b_q, shift
 
 
-def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], scheme: int,
+def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]], weight_format: int,
                          weight_bits: int, bias_bits: int, method: str = "gti",
                          gains: Optional[Sequence[Tuple[float, float]]] = None):
     """Quantize several sublayers of one weight format in one pass: the values of quantize_conv_params
@@ -477,7 +477,7 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
     Args:
         weights: L float tensors (O_l, I_l, kh, kw) of one dtype, device and kernel size (read detached).
         biases: L tensors (O_l,) or None, of the weights' dtype.
-        scheme, weight_bits, bias_bits, method: the format shared by the L sublayers (see
+        weight_format, weight_bits, bias_bits, method: the format shared by the L sublayers (see
             quantize_weight_value).
         gains: None, or L pairs (cap_in, cap_out) of Python floats: quantize the gain-edited values
             W cap_in / cap_out and b 31 / cap_out (float64 products, then the weights' dtype), as
@@ -487,10 +487,10 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
         where the bias is None), and L shifts: ints, or on the device path (device_path) 0-d int64
         tensors on the weights' device.
     Raises:
-        ValueError: unknown scheme or method, or sublayers that differ in dtype, device or kernel size.
+        ValueError: unknown weight format or method, or sublayers that differ in dtype, device or kernel size.
     """
-    if scheme not in WEIGHT_SCHEMES:
-        raise ValueError(f"unknown weight scheme {scheme}: use one of {WEIGHT_SCHEMES}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format}: use one of {WEIGHT_FORMATS}")
     if method not in ("gti", "mse"):
         raise ValueError(f"unknown weight scale method '{method}': use 'gti' or 'mse'")
     n_layers = len(weights)
@@ -534,7 +534,8 @@ def quantize_conv_values(weights: Sequence[torch.Tensor], biases: Sequence[Optio
         bm = maxima[1] if with_bias else [0.0] * n_layers
         shifts = [_shift_from_max(a, b, weight_bits, bias_bits) for a, b in zip(maxima[0], bm)]
         layer_scale = torch.tensor([float(2 ** s) for s in shifts], dtype=dtype, device=dev)
-    wq = _quantize_weight_rows(w_all, scheme, layer_scale.index_select(0, kidx).unsqueeze(1), weight_bits, method)
+    wq = _quantize_weight_rows(w_all, weight_format, layer_scale.index_select(0, kidx).unsqueeze(1), weight_bits,
+                               method)
     w_out = [q.reshape(w.shape) for q, w in zip(wq.split(kernels), weights)]
     b_out: List[Optional[torch.Tensor]] = [None] * n_layers
     if with_bias:
@@ -581,11 +582,11 @@ def _row_index(counts: Sequence[int], device: torch.device) -> torch.Tensor:
     return t
 
 
-def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, scheme: int, weight_bits: int,
+def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, weight_format: int, weight_bits: int,
                         bias_bits: int, method: str = "gti"):
     """The integers the chip stores for one sublayer: (W_int int64 (O,I,3,3), b_int int64 (O,), shift)."""
     w_q, b_q, shift = quantize_conv_params(weight.detach(), None if bias is None else bias.detach(),
-                                           scheme, weight_bits, bias_bits, method)
+                                           weight_format, weight_bits, bias_bits, method)
     shift = int(shift)
     scale = float(2 ** shift)
     w_int = torch.round(w_q.detach().double() * scale).to(torch.int64)

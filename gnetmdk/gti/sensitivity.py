@@ -1,12 +1,12 @@
 """Per-layer quantization sensitivity of GNetDet: which sublayer's weights or activations cost accuracy
-when quantized alone, and the weight schemes (``mask_bits``) that follow from it.
+when quantized alone, and the weight formats (``mask_bits``) that follow from it.
 
 Four measurements on one split, each against the float model (BatchNorm folded, nothing quantized):
 
-* **weights, one sublayer at a time**: only that conv's weights quantized with its scheme (the
+* **weights, one sublayer at a time**: only that conv's weights quantized with its weight format (the
   model's ``mask_bits``) and the model's ``weight_scale`` rule; activations float;
-* **weights, one major layer at a time, every scheme the chip has**: the major layer's convs share
-  one scheme on the chip (docs/quantization.md, "Weight schemes (mask bits)"), so this is the table
+* **weights, one major layer at a time, every weight format the chip has**: the major layer's convs share
+  one weight format on the chip (docs/quantization.md, "Weight formats (mask bits)"), so this is the table
   ``mask_bits`` is chosen from;
 * **activations, one layer at a time**: only that ReLU capped with its calibrated cap and quantized
   to 5-bit codes (needs a calibrated checkpoint); weights float.
@@ -22,8 +22,8 @@ Four measurements on one split, each against the float model (BatchNorm folded, 
 Each cell holds the val mAP@0.5 and the output error: the relative L2 difference ``||y - y_float|| /
 ||y_float||`` of the model's outputs over every image (values, as ``forward`` returns them).
 
-:func:`suggest_mask_bits` picks per major layer the scheme with the fewest bits whose mAP lies within
-``tolerance`` of the float model's, else the scheme with the best mAP; the suggestion is what a user
+:func:`suggest_mask_bits` picks per major layer the weight format with the fewest bits whose mAP lies within
+``tolerance`` of the float model's, else the weight format with the best mAP; the suggestion is what a user
 passes as ``gnetdet.mask_bits``. (Jacob et al. 2018 and the HAWQ line of work, Dong et al. 2019, rank
 layers by such sensitivities; this is the measured, one-layer-at-a-time form.)
 """
@@ -68,8 +68,8 @@ class Sensitivity:
         base_map / base_err: the float model's mAP (error 0 by definition).
         layers: sublayer names "major.sub" (1-based), in order; ``majors`` the major index of each.
         weights: per sublayer (mAP, output error) with only its weights quantized.
-        schemes: {major (0-based): {scheme: (mAP, output error)}} with only that major layer's
-            weights quantized with that scheme.
+        weight_formats: {major (0-based): {weight_format: (mAP, output error)}} with only that major layer's
+            weights quantized with that weight format.
         acts: per sublayer (mAP, output error) with only its activation quantized; empty without caps.
         outputs: {group of OUTPUT_GROUPS: (mAP, output error)} with only that group of outputs on the
             output layer's code grid; ``output_cap`` that layer's cap; both empty / 0 without caps.
@@ -80,7 +80,7 @@ class Sensitivity:
     layers: List[str]
     majors: List[int]
     weights: List[Tuple[float, float]]
-    schemes: Dict[int, Dict[int, Tuple[float, float]]]
+    weight_formats: Dict[int, Dict[int, Tuple[float, float]]]
     acts: List[Tuple[float, float]] = field(default_factory=list)
     current: List[int] = field(default_factory=list)
     weights_per_major: List[int] = field(default_factory=list)
@@ -101,7 +101,7 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
             and restored to "nothing quantized".
         evaluate: ``model -> (mAP, outputs)`` over the split (outputs: list of (N, S, S, 10 + C) float
             tensors in a fixed image order).
-        chip: the chip whose schemes are tried.
+        chip: the chip whose weight formats are tried.
         caps: calibrated caps, one per ReLU (from a cal checkpoint), or None to skip activations.
         progress: wraps the list of cases, ``progress(list, description)``.
 
@@ -137,19 +137,19 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
         convs[i].enable_fake_quant()
         weights.append(run())
         convs[i].disable_fake_quant()
-    schemes: Dict[int, Dict[int, Tuple[float, float]]] = {}
+    weight_formats: Dict[int, Dict[int, Tuple[float, float]]] = {}
     spec = get_chip_spec(chip)
-    cases = [(m, s) for m in sorted(set(majors)) for s in sorted(spec.schemes)]
-    for m, scheme in progress(cases, "weights per major layer and scheme"):
+    cases = [(m, s) for m in sorted(set(majors)) for s in sorted(spec.weight_formats)]
+    for m, weight_format in progress(cases, "weights per major layer and weight format"):
         idx = [i for i, mm in enumerate(majors) if mm == m]
-        saved = [(convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits) for i in idx]
-        bw, bb = register_bits(chip, scheme)
+        saved = [(convs[i].weight_format, convs[i].weight_bits, convs[i].bias_bits) for i in idx]
+        bw, bb = register_bits(chip, weight_format)
         for i in idx:
-            convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits = scheme, bw, bb
+            convs[i].weight_format, convs[i].weight_bits, convs[i].bias_bits = weight_format, bw, bb
             convs[i].enable_fake_quant()
-        schemes.setdefault(m, {})[scheme] = run()
+        weight_formats.setdefault(m, {})[weight_format] = run()
         for i, (s0, w0, b0) in zip(idx, saved):
-            convs[i].scheme, convs[i].weight_bits, convs[i].bias_bits = s0, w0, b0
+            convs[i].weight_format, convs[i].weight_bits, convs[i].bias_bits = s0, w0, b0
             convs[i].disable_fake_quant()
     acts = []
     if caps is not None:
@@ -172,21 +172,22 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
                 hook.remove()
     nothing_quantized()
     per_major = [sum(convs[i].weight.numel() for i, mm in enumerate(majors) if mm == m) for m in sorted(set(majors))]
-    return Sensitivity(float(base_map), names, majors, weights, schemes, acts, list(model.mask_bits()), per_major,
+    return Sensitivity(float(base_map), names, majors, weights, weight_formats, acts, list(model.mask_bits()),
+                       per_major,
                        outputs, float(caps[-1]) if caps is not None else 0.0,
                        str(getattr(model, "size_head", "linear")), float(getattr(model, "size_min", 1.0 / 64)))
 
 
 def suggest_mask_bits(sens: Sensitivity, tolerance: float = 0.005) -> List[int]:
-    """Per major layer, the scheme with the fewest bits whose mAP is at least ``base_map - tolerance``
-    (mAP units: 0.005 = half a point), else the scheme with the highest mAP (fewer bits on a tie).
+    """Per major layer, the weight format with the fewest bits whose mAP is at least ``base_map - tolerance``
+    (mAP units: 0.005 = half a point), else the weight format with the highest mAP (fewer bits on a tie).
 
     Returns:
-        one scheme per major layer, in order (a valid ``gnetdet.mask_bits`` for the measured chip).
+        one weight format per major layer, in order (a valid ``gnetdet.mask_bits`` for the measured chip).
     """
     out = []
-    for m in sorted(sens.schemes):
-        by = sens.schemes[m]
+    for m in sorted(sens.weight_formats):
+        by = sens.weight_formats[m]
         ok = [s for s in sorted(by) if by[s][0] >= sens.base_map - tolerance]
         out.append(ok[0] if ok else max(sorted(by), key=lambda s: (by[s][0], -s)))
     return out
@@ -195,18 +196,18 @@ def suggest_mask_bits(sens: Sensitivity, tolerance: float = 0.005) -> List[int]:
 def format_sensitivity(sens: Sensitivity, tolerance: float = 0.005) -> str:
     """The tables as text (mAP, its change from the float model in points, output error in %)."""
     lines = [f"float model (BatchNorm folded, nothing quantized): mAP {sens.base_map:.4f}", "",
-             "weights quantized in one sublayer only (its scheme from mask_bits):",
-             f"{'layer':<7} {'scheme':>6} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
+             "weights quantized in one sublayer only (its weight format from mask_bits):",
+             f"{'layer':<7} {'format':>6} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
     for name, m, (mp, err) in zip(sens.layers, sens.majors, sens.weights):
         lines.append(f"{name:<7} {sens.current[m]:>6} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} "
                      f"{100 * err:>9.2f}")
-    schemes = sorted({s for by in sens.schemes.values() for s in by})
-    lines += ["", "weights quantized in one major layer only, each scheme of the chip (mAP / d mAP in points):",
-              f"{'major':<6} {'weights':>8} " + " ".join(f"{f'{s}-bit':>16}" for s in schemes)]
-    for m in sorted(sens.schemes):
+    weight_formats = sorted({s for by in sens.weight_formats.values() for s in by})
+    lines += ["", "weights quantized in one major layer only, each weight format of the chip (mAP / d mAP in points):",
+              f"{'major':<6} {'weights':>8} " + " ".join(f"{f'{s}-bit':>16}" for s in weight_formats)]
+    for m in sorted(sens.weight_formats):
         cells = []
-        for s in schemes:
-            mp = sens.schemes[m].get(s, (float("nan"), 0.0))[0]
+        for s in weight_formats:
+            mp = sens.weight_formats[m].get(s, (float("nan"), 0.0))[0]
             cells.append(f"{mp:.4f} ({100 * (mp - sens.base_map):+.2f})".rjust(16))
         lines.append(f"{m + 1:<6} {sens.weights_per_major[m]:>8} " + " ".join(cells))
     if sens.acts:

@@ -1,5 +1,5 @@
-"""Per-chip limits and weight schemes ("mask bits") of the Lightspeeur chips (docs/quantization.md,
-"Chip limits" and "Weight schemes (mask bits)"; the memory limits: docs/chip.md, "Memory limits",
+"""Per-chip limits and weight formats ("mask bits") of the Lightspeeur chips (docs/quantization.md,
+"Chip limits" and "Weight formats (mask bits)"; the memory limits: docs/chip.md, "Memory limits",
 checked by gnetmdk.gti.memory)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gnetmdk.config.base import ConfigError
 
 
 class ChipSpecError(ConfigError):
-    """An unknown chip, a scheme the chip does not have, or a network over the chip's memory."""
+    """An unknown chip, a weight format the chip does not have, or a network over the chip's memory."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ChipSpec:
 
     Attributes:
         name: "2801", "2803" or "5801".
-        schemes: mask bits -> (weight register bits Bw, bias register bits Bb).
+        weight_formats: mask bits -> (weight register bits Bw, bias register bits Bb).
         input_sizes: accepted square input sizes in pixels.
         min_channels / max_channels: channel limits of every conv (powers of 2 only).
         max_major_layers / max_sublayers: structure limits.
@@ -32,7 +32,7 @@ class ChipSpec:
             limits"); GTI's material for the 2801 and 2803 states neither.
     """
     name: str
-    schemes: Dict[int, Tuple[int, int]]
+    weight_formats: Dict[int, Tuple[int, int]]
     input_sizes: Tuple[int, ...] = (224, 448)
     min_channels: int = 16
     max_channels: int = 1024
@@ -63,13 +63,14 @@ def get_chip_spec(chip: str | int) -> ChipSpec:
     return CHIPS[key]
 
 
-def register_bits(chip: str | int, scheme: int) -> Tuple[int, int]:
-    """(Bw, Bb) of ``scheme`` on ``chip``.
+def register_bits(chip: str | int, weight_format: int) -> Tuple[int, int]:
+    """(Bw, Bb) of ``weight_format`` on ``chip``.
 
     Raises:
-        ChipSpecError: the chip has no such scheme.
+        ChipSpecError: the chip has no such weight format.
     """
     spec = get_chip_spec(chip)
-    if scheme not in spec.schemes:
-        raise ChipSpecError(f"chip {spec.name} has no {scheme}-bit weight scheme; it has {sorted(spec.schemes)}")
-    return spec.schemes[scheme]
+    if weight_format not in spec.weight_formats:
+        raise ChipSpecError(f"chip {spec.name} has no {weight_format}-bit weight format; "
+                            f"it has {sorted(spec.weight_formats)}")
+    return spec.weight_formats[weight_format]

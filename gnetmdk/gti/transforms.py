@@ -56,7 +56,7 @@ def equalize_channel_ranges(convs, ranges, alpha: float = 0.5, max_scale: float 
     outputs do not change; channel c's range becomes r_c s_c <= R, so the layer's one 5-bit cap
     (per-tensor, docs/quantization.md "Activations") spends more of its codes on the smaller
     channels. The weights keep their quantizers: per-kernel scales absorb a channel's factor in the
-    3- and 5-bit schemes. This is the cross-layer equalization of Nagel et al. 2019 ("Data-Free
+    3- and 5-bit weight formats. This is the cross-layer equalization of Nagel et al. 2019 ("Data-Free
     Quantization Through Weight Equalization and Bias Correction", ICCV), whose factor sqrt(r1 / r2)
     balances two weight ranges; here the factor balances activation ranges within a layer, ``alpha``
     sets how far (0: none, 1: every channel to R), and ``max_scale`` bounds it. The last conv's outputs

@@ -4,7 +4,7 @@ exact evaluation in torch.
 :func:`build_program` reads the weights, biases and calibrated ranges once and writes plain data (a
 dict of ints, lists and numpy arrays: no torch objects, nothing to unpickle), which
 :func:`run_program` evaluates and gnetmdk.intq.onnx_export writes as ONNX. Arithmetic (the package
-docstring gives the scheme):
+docstring gives the weight format):
 
 * every activation tensor is uint8 codes ``q`` with (scale ``s``, zero point ``z``);
 * conv: ``acc = sum W_q (q - z_in) + b_q`` in integers (int8 weights, int32 bias and accumulator;

@@ -1,6 +1,6 @@
 """Quantized conv and capped-ReLU layers whose quantizers switch on per step.
 
-Both layers keep their state (scheme, cap) as attributes/buffers and are fake quantizers in torch.ao's
+Both layers keep their state (weight format, cap) as attributes/buffers and are fake quantizers in torch.ao's
 terms: ``fake_quant_enabled`` (and, for the ReLU, ``observer_enabled``) with ``enable_*`` / ``disable_*``
 methods, as intq's ActQuant and torch.ao's FakeQuantize have. The family's ``prepare_stage`` sets them
 from the stage table (gnetmdk.models.stages) on every process alike, so they agree across DDP ranks;
@@ -24,8 +24,8 @@ class QConv2d(nn.Conv2d):
 
     Args:
         in_channels, out_channels: channel counts.
-        scheme: mask bits of the major layer (1, 2, 3, 5, 8, 12).
-        weight_bits, bias_bits: the registers of that scheme on the chip (Bw, Bb).
+        weight_format: mask bits of the major layer (1, 2, 3, 5, 8, 12).
+        weight_bits, bias_bits: the registers of that weight format on the chip (Bw, Bb).
         method: "gti" or "mse" per-kernel scale (see gnetmdk.gti.quantize.quantize_weight_value).
 
     Switches:
@@ -52,10 +52,10 @@ class QConv2d(nn.Conv2d):
     Input (N, in_channels, H, W) float; output (N, out_channels, H, W) of the same dtype.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, scheme: int = 8, weight_bits: int = 12,
+    def __init__(self, in_channels: int, out_channels: int, weight_format: int = 8, weight_bits: int = 12,
                  bias_bits: int = 20, method: str = "gti"):
         super().__init__(in_channels, out_channels, kernel_size=3, stride=1, padding=1, bias=True)
-        self.scheme = int(scheme)
+        self.weight_format = int(weight_format)
         self.weight_bits = int(weight_bits)
         self.bias_bits = int(bias_bits)
         self.method = method
@@ -89,13 +89,13 @@ class QConv2d(nn.Conv2d):
             b_val = (self.bias.detach().double() * ACT_MAX / cap_out).to(self.bias.dtype)
             # ... quantized as in step 4 (the gradient reaches weight and bias through the gain)
             return quantize_conv_params(ste(self.weight * gw, w_val), ste(self.bias * gb, b_val),
-                                        self.scheme, self.weight_bits, self.bias_bits, self.method)
-        return quantize_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
+                                        self.weight_format, self.weight_bits, self.bias_bits, self.method)
+        return quantize_conv_params(self.weight, self.bias, self.weight_format, self.weight_bits,
                                     self.bias_bits, self.method)
 
     def integer_params(self):
         """(W_int int64 (O,I,3,3), b_int int64 (O,), shift): what the chip stores."""
-        return integer_conv_params(self.weight, self.bias, self.scheme, self.weight_bits,
+        return integer_conv_params(self.weight, self.bias, self.weight_format, self.weight_bits,
                                    self.bias_bits, self.method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ class QConv2d(nn.Conv2d):
     def calculate_qparams(self):
         """(scale, zero point) of the stored integer weights, as torch.ao's fake quantizers give them:
         scale 2^-shift (0-d float32; one per layer: the per-kernel scale and the weight format only
-        decide which integers a kernel may hold, docs/quantization.md, "Weight schemes"), zero point 0
+        decide which integers a kernel may hold, docs/quantization.md, "Weight formats"), zero point 0
         (0-d int32). The weights the chip stores are W_int = w_q / scale (:meth:`integer_params`)."""
         _, _, shift = self.integer_params()
         return (torch.tensor(2.0 ** -shift, dtype=torch.float32, device=self.weight.device),
@@ -146,9 +146,9 @@ class QConv2d(nn.Conv2d):
         return bool(bound < 2 ** 24)
 
     def extra_repr(self) -> str:
-        """Conv2d's fields plus the quantization scheme, weight and bias bits (Bw, Bb) and method."""
-        return (f"{super().extra_repr()}, scheme={self.scheme}, Bw={self.weight_bits}, Bb={self.bias_bits}, "
-                f"method={self.method}")
+        """Conv2d's fields plus the weight format, weight and bias bits (Bw, Bb) and method."""
+        return (f"{super().extra_repr()}, weight_format={self.weight_format}, Bw={self.weight_bits}, "
+                f"Bb={self.bias_bits}, method={self.method}")
 
 
 class QReLU(nn.Module):
@@ -250,7 +250,7 @@ def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
     training step of a quantized model then costs a fixed number of quantizer operations however many
     convs it has (on an accelerator, kernel launches).
 
-    Convs are grouped by (scheme, registers, method, dtype, device, kernel size, bias or not, gain or
+    Convs are grouped by (weight format, registers, method, dtype, device, kernel size, bias or not, gain or
     not); a conv without ``fake_quant_enabled`` gets (weight, bias, None) as quantized_params gives it. The
     straight-through gradients are the per-conv ones: identity to weight and bias, times the gain where
     there is one (QConv2d.quantized_params). Runs with autocast off, as QConv2d.forward runs them.
@@ -264,18 +264,18 @@ def quantize_convs(convs: Sequence[QConv2d]) -> List[tuple]:
         if not c.fake_quant_enabled:
             out[i] = (c.weight, c.bias, None)
             continue
-        key = (c.scheme, c.weight_bits, c.bias_bits, c.method, c.weight.dtype, c.weight.device,
+        key = (c.weight_format, c.weight_bits, c.bias_bits, c.method, c.weight.dtype, c.weight.device,
                tuple(c.weight.shape[2:]), c.bias is None, c.gain is None)
         groups.setdefault(key, []).append(i)
     if not groups:
         return out
     dev_type = convs[next(iter(groups.values()))[0]].weight.device.type
     with torch.autocast(dev_type, enabled=False):
-        for (scheme, bw, bb, method, *_rest), idx in groups.items():
+        for (weight_format, bw, bb, method, *_rest), idx in groups.items():
             members = [convs[i] for i in idx]
             gains = None if members[0].gain is None else [tuple(float(g) for g in c.gain) for c in members]
             w_vals, b_vals, shifts = quantize_conv_values([c.weight for c in members], [c.bias for c in members],
-                                                          scheme, bw, bb, method, gains)
+                                                          weight_format, bw, bb, method, gains)
             if not any(c.gain_tensors is not None for c in members):
                 # fixed gains (or none): every straight-through estimator of the group in one autograd
                 # node, the gains applied to the gradients in one _foreach_mul (ste_many: the same

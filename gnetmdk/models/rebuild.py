@@ -18,7 +18,7 @@ def build_model_from_checkpoint(ckpt: Dict[str, Any], cfg=None, path: str = "?",
 
     The architecture comes from ``ckpt["model_meta"]``; with ``cfg`` the run's training settings apply
     as the family decides (DetectorFamily.rebuild: e.g. GNetDet's loss weights from the config, its
-    weight schemes from the checkpoint once quantized). ``weights``: "eval" loads the weights the
+    weight formats from the checkpoint once quantized). ``weights``: "eval" loads the weights the
     checkpoint was evaluated with, the EMA (``ckpt["ema"]["model"]``) when ``ckpt["eval_weights"] ==
     "ema"`` (a run with ``ema true``), else the raw weights; "model" always loads the raw weights (resume).
 

@@ -204,7 +204,7 @@ def test_non_string_passes_through():
     (["learning_rate", "-1e-3"], "learning_rate"),
     (["learning_rate", "0"], "learning_rate"),
     (["chip", "9999"], "9999"),
-    (["mask_bits", "3,3,5,3,3,8"], "mask_bits"),        # 5801 has no 5-bit scheme
+    (["mask_bits", "3,3,5,3,3,8"], "mask_bits"),        # 5801 has no 5-bit weight format
     (["chip", "2801", "image_size", "300"], "image_size"),
     (["cap_percentile", "0"], "cap_percentile"),
     (["cap_percentile", "100.5"], "cap_percentile"),

@@ -89,12 +89,12 @@ def test_device_path_quantizes_like_the_host_path_device_cpu(method):
     for _ in range(30):
         w = torch.randn(6, 4, 3, 3, generator=g) * 10.0 ** float(torch.empty(1).uniform_(-3, 1, generator=g))
         b = torch.randn(6, generator=g) * 10.0 ** float(torch.empty(1).uniform_(-3, 1, generator=g))
-        for scheme, bw, bb in ((1, 8, 20), (2, 12, 12), (3, 8, 20), (5, 12, 16), (8, 8, 20), (12, 12, 20)):
-            wq, bq, s = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+        for weight_format, bw, bb in ((1, 8, 20), (2, 12, 12), (3, 8, 20), (5, 12, 16), (8, 8, 20), (12, 12, 20)):
+            wq, bq, s = Q.quantize_conv_params(w, b, weight_format, bw, bb, method)
             with Q.force_device_path():
-                wq2, bq2, s2 = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+                wq2, bq2, s2 = Q.quantize_conv_params(w, b, weight_format, bw, bb, method)
             assert isinstance(s, int) and isinstance(s2, torch.Tensor) and int(s2) == s
-            assert torch.equal(wq, wq2) and torch.equal(bq, bq2), (scheme, method)
+            assert torch.equal(wq, wq2) and torch.equal(bq, bq2), (weight_format, method)
 
 
 def _tiny_model(method, stage):

@@ -152,7 +152,7 @@ def _refused(r, *words):
     (["learning_rate", "-0.1"], ["learning_rate", "positive"]),
     (["batch_size", "0"], ["batch_size"]),
     (["chip", "9999"], ["9999"]),
-    (["mask_bits", "2,2,2,2,2,2"], ["mask_bits", "scheme 2"]),
+    (["mask_bits", "2,2,2,2,2,2"], ["mask_bits", "weight format 2"]),
     (["accumulate", "3"], ["batch_size 4", "multiple of 3"]),
     (["disk_reserve_mb", "1e12"], ["not enough free disk"]),
     (["--resume", "VOC_CLASSES", "nine,ten,jack,queen,king,ace,joker"], ["num_classes: checkpoint 6", "config 7"]),

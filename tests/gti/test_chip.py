@@ -238,7 +238,20 @@ def test_chip_model_file_roundtrip_and_refusals(raccoon, tmp_path):
     assert back.calibrated_caps() == pytest.approx(s.caps)
     assert back.class_names == ["raccoon"] and back.input_size == 224 and back.chip == "5801"
     d = json.load(open(path))
-    assert d["format"] == "gnetmdk-chip-model" and d["version"] == 1
+    assert d["format"] == "gnetmdk-chip-model" and d["version"] == 2
+    assert [l["weight_format"] for l in d["layers"]] == [l.weight_format for l in s.chip.layers]
+    # a version-1 file names the weight format "scheme": it is read as before
+    old = json.loads(json.dumps(d))
+    old["version"] = 1
+    for l in old["layers"]:
+        l["scheme"] = l.pop("weight_format")
+    json.dump(old, open(tmp_path / "v1.json", "w"))
+    assert [l.weight_format for l in load_chip_model(str(tmp_path / "v1.json")).layers] == \
+        [l.weight_format for l in s.chip.layers]
+    old["layers"][0].pop("scheme")
+    json.dump(old, open(tmp_path / "v1bad.json", "w"))
+    with pytest.raises(ChipModelError, match="missing field 'scheme'"):
+        load_chip_model(str(tmp_path / "v1bad.json"))
     # a corrupted tensor
     bad = json.loads(json.dumps(d))
     data = bad["layers"][3]["weight"]["data"]
@@ -337,7 +350,7 @@ def test_extreme_registers_onnx_and_emulator(raccoon):
 
 @needs_data
 def test_onnx_and_emulator_with_12_bit_registers(raccoon):
-    """Chip 2803 (5-bit and 12-bit schemes, 12-bit weight registers): W_int beyond int8 goes through
+    """Chip 2803 (5-bit and 12-bit weight formats, 12-bit weight registers): W_int beyond int8 goes through
     the ONNX Hi/Lo split; model, emulator and onnxruntime agree on every layer."""
     pytest.importorskip("onnxruntime")
     from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
@@ -345,7 +358,7 @@ def test_onnx_and_emulator_with_12_bit_registers(raccoon):
     model, caps = build_step4_model(1, s.images[:4], seed=3, chip="2803")
     cm = chip_model_from_gnetdet(model, ["raccoon"], calibrated_caps=caps)
     assert max(int(np.abs(l.weight).max()) for l in cm.layers) > 127
-    assert [l.scheme for l in cm.layers][-1] == 12
+    assert [l.weight_format for l in cm.layers][-1] == 12
     imgs = s.images[:3]
     rep = check_bit_exact(model, ChipEmulator(cm).run, cm, images=imgs)
     assert rep.ok, rep.format()
@@ -422,7 +435,7 @@ def test_converter_refusals(raccoon, tmp_path):
         (variant("big", meta={"chip": "2801", "image_size": 448, "mask_bits": []}), "7 major layers, chip 2801 allows at most 6"),
         (variant("classes", meta={"num_classes": 7}), "do not fit the 16 channels"),
         (variant("many", meta={"num_classes": 250}), "at most 256"),
-        (variant("bits", meta={"mask_bits": [3, 3, 3, 3, 3, 5]}), "scheme 5 not on chip 5801"),
+        (variant("bits", meta={"mask_bits": [3, 3, 3, 3, 3, 5]}), "weight format 5 not on chip 5801"),
     ]
     for path, msg in cases:
         with pytest.raises(ConversionError, match=msg):

@@ -17,9 +17,9 @@ from gnetmdk.gti.spec import CHIPS
 SETTINGS = settings(max_examples=50, deadline=None)
 FEW = settings(max_examples=25, deadline=None)
 
-# every (scheme, Bw, Bb) some chip has, plus the 2-bit/5-bit/12-bit schemes with 8-bit registers
-REGISTERS = sorted({(scheme, bw, bb) for spec in CHIPS.values() for scheme, (bw, bb) in spec.schemes.items()})
-SCHEMES = (1, 2, 3, 5, 8, 12)
+# every (weight format, Bw, Bb) some chip has, plus the 2-bit/5-bit/12-bit weight formats with 8-bit registers
+REGISTERS = sorted({(fmt, bw, bb) for spec in CHIPS.values() for fmt, (bw, bb) in spec.weight_formats.items()})
+WEIGHT_FORMATS = (1, 2, 3, 5, 8, 12)
 
 
 def exact_round(v: float) -> int:
@@ -180,12 +180,12 @@ def test_compute_shift_formula(seed, o, i, log_std, zero_frac, bias_log, bias_ze
         assert wmax * 2 ** s <= 2 ** (bw - 1) - 1 and bmax * 2 ** s <= 2 ** (bb - 1) - 1
 
 
-# ------------------------------------------------------------------ weight schemes
+# ------------------------------------------------------------------ weight formats
 def _int_codes(wq: torch.Tensor, shift: int) -> np.ndarray:
     return (wq.double() * 2.0 ** shift).numpy()
 
 
-def _check_levels(scheme, method, w, wint, shift, bw):
+def _check_levels(weight_format, method, w, wint, shift, bw):
     """Per-kernel level structure of the integer codes ``wint`` (O, I, 3, 3) int64 numpy."""
     limit = 2 ** (bw - 1) - 1
     scale = 2.0 ** shift
@@ -201,20 +201,20 @@ def _check_levels(scheme, method, w, wint, shift, bw):
             nz = sorted(set(mags[mags > 0].tolist()))
             # the sign of every nonzero code is the sign of its weight
             assert np.all(np.sign(k[mags > 0]) == np.sign(w64[a, b].reshape(-1)[mags > 0]))
-            if scheme == 1:
+            if weight_format == 1:
                 assert len(nz) <= 1
                 if method == "gti":
                     m = min(exact_round(float(np.float32(mean[a, b]) * np.float32(scale))), limit)
                     expect = np.where(w64[a, b].reshape(-1) != 0, m, 0)
                     assert np.array_equal(mags, expect)
-            elif scheme == 2:
+            elif weight_format == 2:
                 assert len(nz) <= 1
                 if method == "gti":
                     m = exact_round(float(np.float32(mean[a, b]) * np.float32(scale)))
                     mf = np.float32(m / scale)
                     keep = absw[a, b].reshape(-1) >= mf / np.float32(4)
                     assert np.array_equal(mags, np.where(keep, min(m, limit), 0))
-            elif scheme == 3:
+            elif weight_format == 3:
                 assert len(nz) <= 3
                 if method == "gti":
                     d = np.float32(mean[a, b]) / np.float32(4)
@@ -223,7 +223,7 @@ def _check_levels(scheme, method, w, wint, shift, bw):
                     ds = sorted({m // f for m in nz for f in (1, 2, 4) if m % f == 0} | {1})
                 ok = any(set(nz) <= {D, 2 * D, min(4 * D, limit)} for D in ds if D > 0) or not nz
                 assert ok, (nz, ds)
-            elif scheme == 5:
+            elif weight_format == 5:
                 assert len(nz) <= 15
                 if method == "gti":
                     d = np.float32(amax[a, b]) / np.float32(15)
@@ -241,13 +241,13 @@ def _check_levels(scheme, method, w, wint, shift, bw):
 
 
 @pytest.mark.parametrize("method", ["gti", "mse"])
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
 @FEW
 @given(**weight_args, bw=st.sampled_from([8, 12]))
-def test_weight_quantization_properties(scheme, method, seed, o, i, log_std, zero_frac, bw):
+def test_weight_quantization_properties(weight_format, method, seed, o, i, log_std, zero_frac, bw):
     w = weights(seed, o, i, log_std, zero_frac)
     shift = Q.compute_shift(w, None, bw, 20)
-    wq = Q.quantize_weight_value(w, scheme, shift, bw, method)
+    wq = Q.quantize_weight_value(w, weight_format, shift, bw, method)
     assert wq.dtype == torch.float32 and wq.shape == w.shape
     scaled32 = wq * 2.0 ** shift
     # every w_q * 2^s is an integer, in float32 and in float64
@@ -258,7 +258,7 @@ def test_weight_quantization_properties(scheme, method, seed, o, i, log_std, zer
     wint = scaled64.numpy().astype(np.int64)
     limit = 2 ** (bw - 1) - 1
     assert np.abs(wint).max() <= limit
-    _check_levels(scheme, method, w, wint, shift, bw)
+    _check_levels(weight_format, method, w, wint, shift, bw)
 
 
 # a kernel worked by hand: mean|w| = 1.9 / 9, max|w| = 0.45, Bw = 8 -> s = floor(log2(127/0.45)) = 8
@@ -278,16 +278,16 @@ HAND_EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("scheme", sorted(HAND_EXPECTED))
-def test_weight_schemes_by_hand(scheme):
+@pytest.mark.parametrize("weight_format", sorted(HAND_EXPECTED))
+def test_weight_formats_by_hand(weight_format):
     w = torch.tensor(HAND_KERNEL).reshape(1, 1, 3, 3)
     b = torch.tensor([0.3])
-    wq, bq, shift = Q.quantize_conv_params(w, b, scheme, 8, 20, "gti")
+    wq, bq, shift = Q.quantize_conv_params(w, b, weight_format, 8, 20, "gti")
     assert shift == 8
-    assert (wq.detach().double() * 256).reshape(-1).tolist() == HAND_EXPECTED[scheme]
+    assert (wq.detach().double() * 256).reshape(-1).tolist() == HAND_EXPECTED[weight_format]
     assert float(bq) * 256 == 77                      # R(0.3 * 256) = R(76.8)
-    wint, bint, s2 = Q.integer_conv_params(w, b, scheme, 8, 20, "gti")
-    assert s2 == 8 and wint.reshape(-1).tolist() == HAND_EXPECTED[scheme] and bint.tolist() == [77]
+    wint, bint, s2 = Q.integer_conv_params(w, b, weight_format, 8, 20, "gti")
+    assert s2 == 8 and wint.reshape(-1).tolist() == HAND_EXPECTED[weight_format] and bint.tolist() == [77]
 
 
 def test_3bit_gti_rule_on_one_kernel_generic():
@@ -325,22 +325,22 @@ def test_bias_clamped_to_bias_register():
     assert (Q.quantize_bias_value(torch.tensor([0.6, -0.6, 0.1]), 12, 12) * 4096).tolist() == [2047, -2047, 410]
 
 
-def test_weight_scheme_refusals():
+def test_weight_format_refusals():
     w = torch.randn(1, 1, 3, 3)
-    with pytest.raises(ValueError, match="scheme"):
+    with pytest.raises(ValueError, match="unknown weight format 4"):
         Q.quantize_weight_value(w, 4, 8, 8)
     with pytest.raises(ValueError, match="method"):
         Q.quantize_weight_value(w, 3, 8, 8, method="l1")
 
 
-def _definition_mse_scale(kernel, scheme, shift, candidates=32):
+def _definition_mse_scale(kernel, weight_format, shift, candidates=32):
     """The MSE-best d of one 3x3 kernel, straight from its definition: for each candidate
     d = Q_s(f max|w| / top), f = linspace(0.15, 1, candidates), every weight takes the level of
-    scheme's set nearest to |w| / d (the lower one on a tie; a zero weight is 0), and the first d with
+    weight format's set nearest to |w| / d (the lower one on a tie; a zero weight is 0), and the first d with
     the least sum of (sign(w) level d - w)^2 wins. Plain Python: d and |w| / d in the kernel's dtype,
     the errors in exact rational arithmetic."""
     dt = kernel.dtype
-    levels = {1: [1.0], 2: [0.0, 1.0], 3: [0.0, 1.0, 2.0, 4.0], 5: [float(k) for k in range(16)]}[scheme]
+    levels = {1: [1.0], 2: [0.0, 1.0], 3: [0.0, 1.0, 2.0, 4.0], 5: [float(k) for k in range(16)]}[weight_format]
     ws = kernel.reshape(-1).tolist()
     amax = torch.tensor(max(abs(v) for v in ws), dtype=dt)
     base = amax / levels[-1]
@@ -365,14 +365,14 @@ def _definition_mse_scale(kernel, scheme, shift, candidates=32):
     return float(best_d)
 
 
-@pytest.mark.parametrize("scheme", [1, 2, 3, 5])
+@pytest.mark.parametrize("weight_format", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shift", [2, 4, 10])
-def test_mse_scale_matches_the_definition(scheme, dtype, shift):
+def test_mse_scale_matches_the_definition(weight_format, dtype, shift):
     """The vectorised per-kernel MSE scale picks the d of the definition for every kernel: random
     kernels over three decades, kernels on a coarse grid (ties between levels and between
     candidates), and all-zero and one-nonzero kernels; small shifts give many d = 0 candidates."""
-    g = torch.Generator().manual_seed(scheme)
+    g = torch.Generator().manual_seed(weight_format)
     w = torch.randn(12, 12, 3, 3, generator=g, dtype=torch.float64)
     w = w * torch.logspace(-2, 1, 12, dtype=torch.float64).view(12, 1, 1, 1)
     w[10] = torch.round(w[10] * 4) / 4
@@ -380,11 +380,11 @@ def test_mse_scale_matches_the_definition(scheme, dtype, shift):
     w[11, 1] = 0.0
     w[11, 1, 1, 1] = 0.75
     w = w.to(dtype)
-    got = Q._mse_scale(w, scheme, shift)
+    got = Q._mse_scale(w, weight_format, shift)
     assert got.shape == (12, 12, 1, 1) and got.dtype == dtype
     for o in range(12):
         for i in range(12):
-            assert float(got[o, i]) == _definition_mse_scale(w[o, i], scheme, shift), (o, i)
+            assert float(got[o, i]) == _definition_mse_scale(w[o, i], weight_format, shift), (o, i)
     assert float(got[11, 0]) == 0.0                  # an all-zero kernel gets d = 0
     assert len(torch.unique(got)) > (50 if shift == 10 else 5)     # the kernels do get different scales
 
@@ -435,12 +435,12 @@ def test_mse_error_not_above_gti_for_3bit(seed, o, i, log_std, bw):
 @FEW
 @given(**weight_args, bias_log=st.floats(-3, 2), with_bias=st.booleans())
 def test_integer_params_agree_with_quantized(regs, method, seed, o, i, log_std, zero_frac, bias_log, with_bias):
-    scheme, bw, bb = regs
+    weight_format, bw, bb = regs
     w = weights(seed, o, i, log_std, zero_frac)
     b = (torch.randn(o, generator=torch.Generator().manual_seed(seed ^ 5)) * 10.0 ** bias_log
          if with_bias else None)
-    wq, bq, shift = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
-    wint, bint, s2 = Q.integer_conv_params(w, b, scheme, bw, bb, method)
+    wq, bq, shift = Q.quantize_conv_params(w, b, weight_format, bw, bb, method)
+    wint, bint, s2 = Q.integer_conv_params(w, b, weight_format, bw, bb, method)
     assert s2 == shift
     assert wint.dtype == torch.int64 and bint.dtype == torch.int64 and bint.shape == (o,)
     assert torch.equal(wint.double() / 2.0 ** shift, wq.double())
@@ -456,12 +456,12 @@ def test_integer_params_agree_with_quantized(regs, method, seed, o, i, log_std, 
 
 
 @pytest.mark.parametrize("method", ["gti", "mse"])
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantize_conv_params_gradient_is_identity(scheme, method):
-    g = torch.Generator().manual_seed(scheme)
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+def test_quantize_conv_params_gradient_is_identity(weight_format, method):
+    g = torch.Generator().manual_seed(weight_format)
     w = (torch.randn(3, 2, 3, 3, generator=g) * 0.1).requires_grad_()
     b = (torch.randn(3, generator=g) * 0.1).requires_grad_()
-    wq, bq, shift = Q.quantize_conv_params(w, b, scheme, 12, 20, method)
+    wq, bq, shift = Q.quantize_conv_params(w, b, weight_format, 12, 20, method)
     assert not torch.equal(wq.detach(), w.detach())              # it did quantize
     gw = torch.randn(3, 2, 3, 3, generator=g)
     gb = torch.randn(3, generator=g)
@@ -616,10 +616,10 @@ def test_image_to_codes_all_values():
     assert np.array_equal(Q.image_to_codes(img)[2], expect.reshape(16, 16))
 
 
-@pytest.mark.parametrize("scheme", [1, 2, 3, 5])
-def test_nearest_level_matches_brute_force_with_ties_to_the_lower_level(scheme):
-    levels = Q._LEVELS[scheme]
-    g = torch.Generator().manual_seed(scheme)
+@pytest.mark.parametrize("weight_format", [1, 2, 3, 5])
+def test_nearest_level_matches_brute_force_with_ties_to_the_lower_level(weight_format):
+    levels = Q._LEVELS[weight_format]
+    g = torch.Generator().manual_seed(weight_format)
     r = torch.cat([torch.rand(20000, generator=g) * (levels[-1] + 3),
                    torch.tensor([(a + b) / 2 for a, b in zip(levels[:-1], levels[1:])] + list(levels) + [0.0])])
     lv = torch.tensor(levels)
@@ -833,24 +833,24 @@ def _sublayers(seed, n, dtype=torch.float32, channels_last=False):
 
 @pytest.mark.parametrize("device_path", [False, True])
 @pytest.mark.parametrize("method", ["gti", "mse"])
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantize_conv_values_equals_each_sublayer_alone(scheme, method, device_path, monkeypatch):
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+def test_quantize_conv_values_equals_each_sublayer_alone(weight_format, method, device_path, monkeypatch):
     """Several sublayers in one pass give each one's quantize_conv_params values bit for bit: weights,
     bias and shift, on the host and the device path, with gain-edited values, float32 and float64,
     channels_last kernels beside contiguous ones, and the MSE sweep's chunks straddling sublayers
     (device cpu)."""
     monkeypatch.setattr(Q, "_SWEEP_CHUNK_VALUES", 5 * 27)          # 5 kernels per pass
-    bw, bb = (12, 20) if scheme != 8 else (8, 12)
+    bw, bb = (12, 20) if weight_format != 8 else (8, 12)
     for seed, dtype, gains in ((0, torch.float32, None), (1, torch.float64, None),
                                (2, torch.float32, [(31.0, 2.5), (2.5, 0.75), (0.75, 3.1), (3.1, 1.3), (1.3, 7.0)])):
         ws, bs = _sublayers(seed, 5, dtype, channels_last=seed == 0)
         with (Q.force_device_path() if device_path else torch.no_grad()):
-            got_w, got_b, got_s = Q.quantize_conv_values(ws, bs, scheme, bw, bb, method, gains)
+            got_w, got_b, got_s = Q.quantize_conv_values(ws, bs, weight_format, bw, bb, method, gains)
             for k, (w, b) in enumerate(zip(ws, bs)):
                 if gains is not None:     # QConv2d's gain-edited values (float64 products)
                     w = (w.double() * gains[k][0] / gains[k][1]).to(dtype)
                     b = (b.double() * Q.ACT_MAX / gains[k][1]).to(dtype)
-                wq, bq, s = Q.quantize_conv_params(w, b, scheme, bw, bb, method)
+                wq, bq, s = Q.quantize_conv_params(w, b, weight_format, bw, bb, method)
                 assert isinstance(got_s[k], torch.Tensor) == device_path
                 assert int(got_s[k]) == int(s), (seed, k)
                 assert got_w[k].shape == w.shape and got_w[k].dtype == dtype
@@ -874,5 +874,5 @@ def test_quantize_conv_values_without_bias_and_refusals():
         Q.quantize_conv_values(ws[:2], [torch.zeros(ws[0].shape[0]), None], 3, 8, 20)
     with pytest.raises(ValueError, match="differ in dtype"):
         Q.quantize_conv_values([ws[0], ws[1].double()], [None, None], 3, 8, 20)
-    with pytest.raises(ValueError, match="unknown weight scheme 4"):
+    with pytest.raises(ValueError, match="unknown weight format 4"):
         Q.quantize_conv_values(ws, [None] * 3, 4, 8, 20)

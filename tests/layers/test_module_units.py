@@ -437,7 +437,7 @@ def test_gnetdet_family_build_takes_config_and_overrides_device_cpu():
 
 
 def test_gnetdet_family_rebuild_keeps_a_quantized_checkpoints_settings_device_cpu(capsys):
-    """GNetDetFamily.rebuild: a step-1 checkpoint takes the config's weight rule, schemes and gain_aware;
+    """GNetDetFamily.rebuild: a step-1 checkpoint takes the config's weight rule, weight formats and gain_aware;
     a step-3 one keeps its own (gain_aware False when it predates the option), with notes on stderr."""
     fam = gfamily.GNetDetFamily()
     cfg = _gnetdet_cfg("weight_scale", "gti")                 # gain_aware true, mask_bits [] (chip default)

@@ -44,7 +44,7 @@ def test_conv_fake_quant_switch_device_cpu():
     """Off: the float convolution. On: the convolution with the chip's quantized weights (integer
     multiples of 2^-shift), different from the float one."""
     torch.manual_seed(1)
-    c = QConv2d(3, 4, scheme=3, weight_bits=12, bias_bits=20)
+    c = QConv2d(3, 4, weight_format=3, weight_bits=12, bias_bits=20)
     x = torch.rand(1, 3, 6, 6) * 31
     assert torch.equal(c(x), F.conv2d(x, c.weight, c.bias, 1, 1))
     assert c.enable_fake_quant() is c
@@ -102,7 +102,7 @@ def test_observers_of_both_targets_observe_and_calculate_qparams_device_cpu():
     mm = MinMaxObserver(mins, maxs, 0)
     mm.observe(x)
     assert mm.calculate_qparams() == act_qparams(float(x.min()), float(x.max()))
-    c = QConv2d(3, 4, scheme=3, weight_bits=12, bias_bits=20).enable_fake_quant()
+    c = QConv2d(3, 4, weight_format=3, weight_bits=12, bias_bits=20).enable_fake_quant()
     w_int, _, shift = c.integer_params()
     step, czp = c.calculate_qparams()
     w_q, _, _ = c.quantized_params()

@@ -15,8 +15,8 @@ def test_layer_lists_follow_gti_structure():
     assert sum(l.pool_after for l in l448) == 5 and len({l.major for l in l448}) == 7
     l224 = gnetdet_layers(224, 20)
     assert sum(l.pool_after for l in l224) == 4 and len({l.major for l in l224}) == 6
-    # default 5801 schemes: 3-bit, last major layer 8-bit
-    assert [l.scheme for l in l448][-3:] == [8, 8, 8] and l448[0].scheme == 3
+    # default 5801 weight formats: 3-bit, last major layer 8-bit
+    assert [l.weight_format for l in l448][-3:] == [8, 8, 8] and l448[0].weight_format == 3
     # width multiplier rounds to powers of 2, at least the chip minimum
     assert [l.out_channels for l in gnetdet_layers(224, 6, 0.25)][:5] == [16, 16, 32, 32, 64]
 
@@ -31,8 +31,8 @@ def test_output_shape_and_grid():
     (dict(num_classes=3, image_size=448, chip="2801"), "7 major layers, chip 2801 allows at most 6"),
     (dict(num_classes=250, image_size=224), "260 output channels"),
     (dict(num_classes=3, image_size=320), "224 or 448"),
-    (dict(num_classes=3, image_size=224, mask_bits=[3, 3]), "one scheme per major layer"),
-    (dict(num_classes=3, image_size=224, chip="2803", mask_bits=[3] * 6), "scheme 3 not on chip 2803"),
+    (dict(num_classes=3, image_size=224, mask_bits=[3, 3]), "one weight format per major layer"),
+    (dict(num_classes=3, image_size=224, chip="2803", mask_bits=[3] * 6), "weight format 3 not on chip 2803"),
 ])
 def test_chip_limits_refused_with_layer_and_limit(kwargs, needle):
     with pytest.raises(ChipLimitError) as e:

@@ -264,20 +264,20 @@ def test_cap_lr_refusals(workdir):
 def test_mask_bits_set_after_step1_reach_step2(pipeline, tmp_path, capsys):
     """mask_bits do not touch a float model, so a step-1 checkpoint takes the config's (set in
     configs.py after step 1, they used to be dropped in favour of the step-1 checkpoint's); a
-    quantized checkpoint keeps the schemes it was trained with and says so."""
+    quantized checkpoint keeps the weight formats it was trained with and says so."""
     root, path, _ = pipeline
     step1 = os.path.join(root, "checkpoint/step1/best.pth")
     cfg = _cfg(path, "mask_bits", "8,3,3,3,3,8", step=2)
     assert load_checkpoint(step1)["model_meta"]["mask_bits"] == [3, 3, 3, 3, 3, 8]
     m = build_model_from_checkpoint(load_checkpoint(step1), cfg)
-    assert m.mask_bits() == [8, 3, 3, 3, 3, 8] and [c.scheme for c in m.convs()][:3] == [8, 8, 3]
+    assert m.mask_bits() == [8, 3, 3, 3, 3, 8] and [c.weight_format for c in m.convs()][:3] == [8, 8, 3]
     assert build_model_from_checkpoint(load_checkpoint(step1), _cfg(path, step=2)).mask_bits() == [3, 3, 3, 3, 3, 8]
     # a step-2 run from step 1 trains with them, and its checkpoint records them
     out = str(tmp_path)
     run_stage(_cfg(path, "mask_bits", "8,3,3,3,3,8", "load", step1, "checkpoint_root", out + "/ck",
                    "log_root", out + "/log", "model_root", out + "/model", step=2))
     assert load_checkpoint(os.path.join(out, "ck/step2/last.pth"))["model_meta"]["mask_bits"] == [8, 3, 3, 3, 3, 8]
-    # a quantized checkpoint keeps its own schemes, with a note, also when the config asks for the
+    # a quantized checkpoint keeps its own weight formats, with a note, also when the config asks for the
     # chip's default ([]) and the checkpoint has others
     capsys.readouterr()
     m2 = build_model_from_checkpoint(load_checkpoint(os.path.join(root, "checkpoint/step2/best.pth")), cfg, "s2.pth")
@@ -287,7 +287,7 @@ def test_mask_bits_set_after_step1_reach_step2(pipeline, tmp_path, capsys):
     assert build_model_from_checkpoint(other, _cfg(path, step=2), "o.pth").mask_bits() == [8, 3, 3, 3, 3, 8]
     assert "(step2) was trained with mask_bits [8, 3, 3, 3, 3, 8]; keeping them (the config's [3, 3, 3, 3, 3, 8]" \
         in capsys.readouterr().err
-    # a float checkpoint that recorded other schemes says the config's apply; equal ones say nothing
+    # a float checkpoint that recorded other weight formats says the config's apply; equal ones say nothing
     rec = load_checkpoint(step1)
     rec["model_meta"]["mask_bits"] = [8, 3, 3, 3, 3, 8]
     assert build_model_from_checkpoint(rec, _cfg(path, step=2), "f.pth").mask_bits() == [3, 3, 3, 3, 3, 8]

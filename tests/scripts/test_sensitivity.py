@@ -24,7 +24,7 @@ def _tool():
 
 def test_suggest_mask_bits_takes_the_fewest_bits_within_the_tolerance():
     s = Sensitivity(base_map=0.80, layers=["1.1", "2.1", "3.1"], majors=[0, 1, 2], weights=[(0.8, 0.0)] * 3,
-                    schemes={0: {1: (0.70, 0.3), 3: (0.797, 0.1), 8: (0.80, 0.0)},
+                    weight_formats={0: {1: (0.70, 0.3), 3: (0.797, 0.1), 8: (0.80, 0.0)},
                              1: {1: (0.799, 0.2), 3: (0.80, 0.1), 8: (0.80, 0.0)},
                              2: {1: (0.5, 0.5), 3: (0.6, 0.4), 8: (0.7, 0.3)}},
                     current=[3, 3, 8], weights_per_major=[10, 20, 30])
@@ -36,7 +36,7 @@ def test_format_names_the_code_step_of_the_models_size_head():
     """The output-group table states what one code step does to a box size: a fraction of the input side
     (linear head) or a factor size_min ** (-cap / 31) (log head)."""
     from gnetmdk.gti.sensitivity import OUTPUT_GROUPS, format_sensitivity
-    kw = dict(base_map=0.5, layers=["1.1"], majors=[0], weights=[(0.5, 0.0)], schemes={0: {8: (0.5, 0.0)}},
+    kw = dict(base_map=0.5, layers=["1.1"], majors=[0], weights=[(0.5, 0.0)], weight_formats={0: {8: (0.5, 0.0)}},
               current=[8], weights_per_major=[10], outputs={g: (0.4, 0.1) for g in OUTPUT_GROUPS}, output_cap=1.24)
     lin = format_sensitivity(Sensitivity(**kw))
     assert "steps of 0.04; box sizes are fractions of the input side, a step of 0.04 of it" in lin
@@ -59,7 +59,7 @@ def test_quantize_output_channels_rounds_only_the_named_channels_device_cpu():
 def test_sensitivity_tool_tables_plot_and_suggestion_device_cpu(tmp_path_factory, capsys):
     """One step-1 epoch, a step-2 entry and calibration, then the tool: every sublayer appears in the
     weight and activation tables; the one-sublayer row equals an independent evaluation of the model
-    with only that conv quantized; the JSON holds the suggested mask_bits, one allowed scheme per major."""
+    with only that conv quantized; the JSON holds the suggested mask_bits, one allowed weight format per major."""
     torch.set_num_threads(1)
     root, path = make_cards_workdir(tmp_path_factory, "sens")
     klass = load_config_class(path)

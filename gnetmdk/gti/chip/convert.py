@@ -66,7 +66,7 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
 
     Checks: the stage is "step4"; the model is GNetDet; its layer list for (image_size, classes,
     width_mult, chip, mask_bits) passes the chip's limits (input size, major layers, sublayers,
-    schemes, channel counts, last-layer outputs) and its memory limits (per-layer input + output,
+    weight_formats, channel counts, last-layer outputs) and its memory limits (per-layer input + output,
     coefficient memory; gnetmdk.gti.memory, docs/chip.md "Memory limits").
 
     Raises:
@@ -170,7 +170,7 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
                 w = np.concatenate([w, np.zeros((out_ch - ls.out_channels,) + w.shape[1:], np.int64)])
                 b = np.concatenate([b, np.zeros(out_ch - ls.out_channels, np.int64)])
         layers.append(ChipLayer(major=ls.major, index_in_major=ls.index_in_major, in_channels=ls.in_channels,
-                                out_channels=out_ch, scheme=ls.scheme, weight_bits=sub.conv.weight_bits,
+                                out_channels=out_ch, weight_format=ls.weight_format, weight_bits=sub.conv.weight_bits,
                                 bias_bits=sub.conv.bias_bits, shift=int(shift), pool_after=bool(ls.pool_after),
                                 input_size=size, weight=w, bias=b,
                                 calibrated_cap=None if calibrated_caps is None else float(calibrated_caps[i])))

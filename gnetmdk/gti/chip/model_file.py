@@ -25,7 +25,8 @@ from gnetmdk.config.base import BaseConfig, ConfigError
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 
 FORMAT = "gnetmdk-chip-model"
-VERSION = 1
+#: 2: a layer's weight format is stored as "weight_format" (version 1 named it "scheme"; both are read)
+VERSION = 2
 #: partial sums below this are exact in float32 (24-bit significand); docs/quantization.md, "Integer semantics"
 FLOAT32_EXACT_LIMIT = 2 ** 24
 
@@ -92,7 +93,7 @@ class ChipLayer:
         major, index_in_major: 0-based major layer and position inside it.
         in_channels, out_channels: channel counts as stored (the last conv is padded, see
             gnetmdk.gti.chip.convert.padded_output_channels).
-        scheme, weight_bits, bias_bits: mask bits and register widths (Bw, Bb) of the major layer.
+        weight_format, weight_bits, bias_bits: mask bits and register widths (Bw, Bb) of the major layer.
         shift: s, 0..12: out = clamp(R((sum W_int * a + b_int) / 2^s), 0, 31).
         pool_after: a 2x2/2 max pool on the codes follows.
         input_size: spatial side (pixels) of this sublayer's input.
@@ -104,7 +105,7 @@ class ChipLayer:
     index_in_major: int
     in_channels: int
     out_channels: int
-    scheme: int
+    weight_format: int
     weight_bits: int
     bias_bits: int
     shift: int
@@ -204,7 +205,7 @@ class ChipModel:
         majors = []
         for m, idx in enumerate(self.major_layers()):
             first, last = self.layers[idx[0]], self.layers[idx[-1]]
-            majors.append({"major_layer": m + 1, "coef_bits": first.scheme, "image_size": first.input_size,
+            majors.append({"major_layer": m + 1, "coef_bits": first.weight_format, "image_size": first.input_size,
                            "input_channels": first.in_channels, "output_channels": last.out_channels,
                            "pooling": bool(last.pool_after), "sublayer_number": len(idx),
                            "scaling": [self.layers[i].shift for i in idx]})
@@ -233,7 +234,7 @@ class ChipModel:
         d["layers"] = [{
             "name": f"conv{i + 1}", "major": l.major + 1, "sublayer": l.index_in_major + 1,
             "in_channels": l.in_channels, "out_channels": l.out_channels, "input_size": l.input_size,
-            "scheme": l.scheme, "weight_bits": l.weight_bits, "bias_bits": l.bias_bits, "shift": l.shift,
+            "weight_format": l.weight_format, "weight_bits": l.weight_bits, "bias_bits": l.bias_bits, "shift": l.shift,
             "pool_after": bool(l.pool_after), "cap": float(ACT_MAX), "calibrated_cap": l.calibrated_cap,
             "max_abs_acc": l.max_abs_acc(), "float32_exact": l.float32_exact(),
             "weight": encode_tensor(l.weight, "int16"), "bias": encode_tensor(l.bias, "int32"),
@@ -342,7 +343,8 @@ def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipMo
         layers.append(ChipLayer(
             major=int(_field(ld, "major", lw)) - 1, index_in_major=int(_field(ld, "sublayer", lw)) - 1,
             in_channels=int(_field(ld, "in_channels", lw)), out_channels=int(_field(ld, "out_channels", lw)),
-            scheme=int(_field(ld, "scheme", lw)), weight_bits=int(_field(ld, "weight_bits", lw)),
+            weight_format=int(_field(ld, "weight_format" if version >= 2 else "scheme", lw)),
+            weight_bits=int(_field(ld, "weight_bits", lw)),
             bias_bits=int(_field(ld, "bias_bits", lw)), shift=int(_field(ld, "shift", lw)),
             pool_after=bool(_field(ld, "pool_after", lw)), input_size=int(_field(ld, "input_size", lw)),
             weight=decode_tensor(_field(ld, "weight", lw), lw + ".weight"),

@@ -25,7 +25,7 @@ class GNetDetConfig(ConfigSection):
     width_mult: float = 1.0                 # channel multiplier; widths rounded to powers of 2
     use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
     chip: str = "5801"                      # 2801, 2803 or 5801
-    mask_bits: List[int] = []               # weight scheme per major layer; [] = chip default (docs/quantization.md)
+    mask_bits: List[int] = []               # weight format per major layer; [] = chip default (docs/quantization.md)
     weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
     output_cap_percentile: float = 100.0    # the same for the output layer (100 = max: scores keep their order)
@@ -190,13 +190,14 @@ def check_gnetdet_config(cfg) -> None:
         raise ConfigError(f"config field 'image_size' = {cfg.image_size!r}: chip {g.chip} accepts input sizes "
                           f"{list(spec.input_sizes)}")
     for i, bits in enumerate(g.mask_bits):
-        if bits not in spec.schemes:
-            bad("mask_bits", f"major layer {i + 1} asks for scheme {bits}, chip {g.chip} has {sorted(spec.schemes)}")
+        if bits not in spec.weight_formats:
+            bad("mask_bits", f"major layer {i + 1} asks for weight format {bits}, chip {g.chip} has "
+                             f"{sorted(spec.weight_formats)}")
     if g.mask_bits and cfg.image_size in (224, 448):
         from gnetmdk.models.gnetdet.model import GNETDET_224, GNETDET_448
         majors = len(GNETDET_224 if cfg.image_size == 224 else GNETDET_448)
         if len(g.mask_bits) != majors:
-            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one scheme per "
+            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one weight format per "
                 f"major layer, or [] for the chip's default")
     if cfg.image_size in (224, 448):
         check_gnetdet_memory(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits),
@@ -212,7 +213,7 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
 
     Args:
         image_size: 224 or 448 (pixels); num_classes: C; width_mult, chip: as the gnetdet section;
-        mask_bits: the schemes per major layer ([] = the chip's default).
+        mask_bits: the weight formats per major layer ([] = the chip's default).
         where: a prefix naming the source of the model in the message.
     Returns:
         the gnetmdk.gti.memory.MemoryReport, when the model fits.
@@ -222,7 +223,7 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
     """
     from gnetmdk.gti.memory import check_chip_memory, memory_report
     from gnetmdk.gti.spec import get_chip_spec
-    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_schemes
+    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_weight_formats
     spec = get_chip_spec(chip)
     specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
     layers = gnetdet_memory_layers(specs, image_size, chip, padded=False)
@@ -231,7 +232,7 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
         w = width_mult
         for _ in range(8):                          # halve the width until the model fits (widths are powers of 2)
             w /= 2
-            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_schemes(specs))
+            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_weight_formats(specs))
             if memory_report(gnetdet_memory_layers(narrow, image_size, chip, padded=False), spec).fits:
                 width_fix = f"width_mult {w:g}"
                 break
@@ -249,7 +250,7 @@ def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, ch
     """
     from gnetmdk.gti.memory import fmt, memory_report
     from gnetmdk.gti.spec import get_chip_spec
-    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_schemes
+    from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_weight_formats
     spec = get_chip_spec(chip)
     if spec.max_coef_memory is None or image_size not in (224, 448):
         return ""
@@ -259,6 +260,6 @@ def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, ch
     if not used.fits or padded.fits:
         return ""
     return (f"chip {spec.name} memory: coefficient memory {fmt(used.coefficient_total)} with mask_bits "
-            f"{major_schemes(specs)} is below the budget of {fmt(spec.max_coef_memory)}, but "
+            f"{major_weight_formats(specs)} is below the budget of {fmt(spec.max_coef_memory)}, but "
             f"{fmt(padded.coefficient_total)} if the output layer's zero filters count; GTI's own GNetDet-448 for "
             f"this chip is in the same case (docs/chip.md, \"Memory limits\"); fewer 8-bit major layers leave no doubt")

@@ -8,7 +8,7 @@ import numpy as np
 import torch.nn as nn
 
 from gnetmdk.models.base import ALL_STAGES, DetectorFamily
-from .model import GNetDet, gnetdet_layers, major_schemes
+from .model import GNetDet, gnetdet_layers, major_weight_formats
 
 #: stages whose weights were fine-tuned under a weight scale rule
 QUANTIZED_STAGES = ("step2", "cal", "step3", "step4")
@@ -83,7 +83,7 @@ class GNetDetFamily(DetectorFamily):
 
     def rebuild(self, meta: Dict[str, Any], cfg=None, stage: Optional[str] = None, path: str = "?") -> nn.Module:
         """The architecture of a GNetDet checkpoint. With ``cfg``: its training settings apply; the weight
-        scale rule (weight_scale) and the weight schemes (mask_bits) come from the config for a step-1
+        scale rule (weight_scale) and the weight formats (mask_bits) come from the config for a step-1
         checkpoint, while a checkpoint of a quantized stage keeps those it was trained with (a note on
         stderr when the config differs); a step-3 checkpoint keeps its ``gain_aware`` setting (one from
         before the option: GTI's flow), any other takes the config's."""
@@ -103,7 +103,7 @@ class GNetDetFamily(DetectorFamily):
                       f"(the config's {g.weight_scale!r} applies to step-1 models)", file=sys.stderr)
             else:
                 meta["weight_scale"] = g.weight_scale
-            # the weight schemes (mask_bits) likewise: a float model takes the config's (its weights do
+            # the weight formats (mask_bits) likewise: a float model takes the config's (its weights do
             # not depend on them; set after step 1, they must not be dropped), a quantized one its own
             recorded = [int(b) for b in meta.get("mask_bits", [])]
             wanted = self._config_mask_bits(cfg, meta)
@@ -132,12 +132,12 @@ class GNetDetFamily(DetectorFamily):
 
     @staticmethod
     def _config_mask_bits(cfg, meta: Dict[str, Any]):
-        """The schemes per major layer the config asks for, the chip's default filled in for ``[]``;
+        """The weight formats per major layer the config asks for, the chip's default filled in for ``[]``;
         None when that cannot be worked out (a size the table lacks)."""
         if cfg.gnetdet.mask_bits:
             return [int(b) for b in cfg.gnetdet.mask_bits]
         try:
-            return major_schemes(gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]),
+            return major_weight_formats(gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]),
                                                 float(meta["width_mult"]), str(meta["chip"]), ()))
         except Exception:
             return None

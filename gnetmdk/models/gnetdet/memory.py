@@ -16,7 +16,7 @@ from gnetmdk.gti.memory import fmt, memory_report
 from gnetmdk.gti.spec import get_chip_spec
 
 from .config import GNetDetConfig
-from .model import gnetdet_layers, gnetdet_memory_layers, major_schemes
+from .model import gnetdet_layers, gnetdet_memory_layers, major_weight_formats
 
 
 def _gnetdet_row(label: str, image_size: int, num_classes: int, width_mult: float, chip: str,
@@ -28,7 +28,7 @@ def _gnetdet_row(label: str, image_size: int, num_classes: int, width_mult: floa
     pad = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=True), spec)
     big = rep.layers[rep.largest_layer]
     return {"config": label, "size": image_size, "width": width_mult, "chip": chip,
-            "mask_bits": major_schemes(specs), "default": not mask_bits, "largest_io": rep.largest_io,
+            "mask_bits": major_weight_formats(specs), "default": not mask_bits, "largest_io": rep.largest_io,
             "largest_layer": big.name.split(" (")[0], "coef": rep.coefficient_total,
             "coef_padded": pad.coefficient_total, "io_limit": spec.max_layer_io, "coef_limit": spec.max_coef_memory,
             "fits": rep.fits, "padded_fits": pad.fits, "io_fits": rep.io_fits, "coef_fits": rep.coefficients_fit}
@@ -66,7 +66,7 @@ def memory_table(config_files: Sequence[str] = ()) -> List[Dict[str, object]]:
         if g.mask_bits:
             examples_bits.setdefault(cfg.image_size, list(g.mask_bits))
     for size in (224, 448):
-        majors = len(major_schemes(gnetdet_layers(size, 20, 1.0, "5801", [])))
+        majors = len(major_weight_formats(gnetdet_layers(size, 20, 1.0, "5801", [])))
         for bits in [[]] + ([examples_bits[size]] if size in examples_bits else []) + [[3] * majors]:
             rows.append(_gnetdet_row(f"GNetDet-{size} full width", size, 20, 1.0, "5801", bits))
     return rows

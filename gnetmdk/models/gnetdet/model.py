@@ -34,7 +34,7 @@ GNETDET_224: List[Tuple[List[object], bool]] = [
     ([64, 64], True), ([128, 128], True), ([256, 256, 256], True), ([256, 256, 256], True),
     ([256, 256, 256], False), ([256, 256, "OUT"], False)]
 
-DEFAULT_SCHEMES = {"5801": (3, 8), "2801": (3, 3), "2803": (5, 12)}   # (first major layers, last one)
+DEFAULT_WEIGHT_FORMATS = {"5801": (3, 8), "2801": (3, 3), "2803": (5, 12)}   # (first major layers, last one)
 
 
 def _pow2(c: float) -> int:
@@ -43,12 +43,12 @@ def _pow2(c: float) -> int:
 
 @dataclass
 class LayerSpec:
-    """One sublayer: its major layer (0-based), channels, scheme, and whether a pool follows it."""
+    """One sublayer: its major layer (0-based), channels, weight format, and whether a pool follows it."""
     major: int
     index_in_major: int
     in_channels: int
     out_channels: int
-    scheme: int
+    weight_format: int
     pool_after: bool
 
 
@@ -61,7 +61,7 @@ def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, c
 
     Raises:
         ChipLimitError: unsupported input size, or ``mask_bits`` whose length is not the number of
-        major layers, or a scheme the chip lacks.
+        major layers, or a weight format the chip lacks.
     """
     spec = get_chip_spec(chip)
     if image_size == 448:
@@ -74,11 +74,11 @@ def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, c
     if mask_bits:
         if len(mask_bits) != n_major:
             raise ChipLimitError(f"mask_bits has {len(mask_bits)} entries but GNetDet-{image_size} has "
-                                 f"{n_major} major layers: give one scheme per major layer")
-        schemes = [int(b) for b in mask_bits]
+                                 f"{n_major} major layers: give one weight format per major layer")
+        weight_formats = [int(b) for b in mask_bits]
     else:
-        first, last = DEFAULT_SCHEMES[spec.name]
-        schemes = [first] * (n_major - 1) + [last]
+        first, last = DEFAULT_WEIGHT_FORMATS[spec.name]
+        weight_formats = [first] * (n_major - 1) + [last]
     layers: List[LayerSpec] = []
     cin = 3
     for m, (chans, pool) in enumerate(table):
@@ -87,16 +87,16 @@ def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, c
                 cout = 10 + num_classes
             else:
                 cout = min(spec.max_channels, max(spec.min_channels, _pow2(float(c) * width_mult)))
-            layers.append(LayerSpec(m, j, cin, cout, schemes[m], pool and j == len(chans) - 1))
+            layers.append(LayerSpec(m, j, cin, cout, weight_formats[m], pool and j == len(chans) - 1))
             cin = cout
     return layers
 
 
-def major_schemes(layers: Sequence[LayerSpec]) -> List[int]:
-    """The weight scheme of each major layer, in order (the ``mask_bits`` list of a layer list)."""
+def major_weight_formats(layers: Sequence[LayerSpec]) -> List[int]:
+    """The weight format of each major layer, in order (the ``mask_bits`` list of a layer list)."""
     out: Dict[int, int] = {}
     for ls in layers:
-        out[ls.major] = ls.scheme
+        out[ls.major] = ls.weight_format
     return [out[m] for m in sorted(out)]
 
 
@@ -118,13 +118,13 @@ def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: i
         if len(subs) > spec.max_sublayers:
             raise ChipLimitError(f"major layer {m + 1} has {len(subs)} sublayers, chip {spec.name} "
                                  f"allows at most {spec.max_sublayers}")
-        if len({l.scheme for l in subs}) != 1:
-            raise ChipLimitError(f"major layer {m + 1} mixes weight schemes; all its sublayers must share one")
+        if len({l.weight_format for l in subs}) != 1:
+            raise ChipLimitError(f"major layer {m + 1} mixes weight formats; all its sublayers must share one")
     for n, l in enumerate(layers):
         name = f"conv {n + 1} (major layer {l.major + 1}, sublayer {l.index_in_major + 1})"
-        if l.scheme not in spec.schemes:
-            raise ChipLimitError(f"{name}: scheme {l.scheme} not on chip {spec.name} "
-                                 f"(has {sorted(spec.schemes)})")
+        if l.weight_format not in spec.weight_formats:
+            raise ChipLimitError(f"{name}: weight format {l.weight_format} not on chip {spec.name} "
+                                 f"(has {sorted(spec.weight_formats)})")
         last = n == len(layers) - 1
         if last:
             if l.out_channels > spec.max_output_channels:
@@ -164,7 +164,7 @@ def gnetdet_memory_layers(layers: Sequence[LayerSpec], image_size: int, chip: st
             width = others[-1] if others else max(1 << max(0, math.ceil(math.log2(max(cout, 1)))), spec.min_channels)
             cout = max(cout, width)
         o = size // 2 if l.pool_after else size
-        out.append(MemoryLayer(l.in_channels, cout, size, size, o, o, l.scheme,
+        out.append(MemoryLayer(l.in_channels, cout, size, size, o, o, l.weight_format,
                                f"conv {n + 1} (major layer {l.major + 1}, sublayer {l.index_in_major + 1})", l.major))
         size = o
     return out
@@ -175,8 +175,8 @@ class Sublayer(ConvBNQReLU):
 
     def __init__(self, ls: LayerSpec, chip: str, use_bn: bool, method: str, percentile: float):
         super().__init__()
-        bw, bb = register_bits(chip, ls.scheme)
-        self.conv = QConv2d(ls.in_channels, ls.out_channels, ls.scheme, bw, bb, method)
+        bw, bb = register_bits(chip, ls.weight_format)
+        self.conv = QConv2d(ls.in_channels, ls.out_channels, ls.weight_format, bw, bb, method)
         self.bn: Optional[nn.BatchNorm2d] = nn.BatchNorm2d(ls.out_channels) if use_bn else None
         self.relu = QReLU(percentile)
         self.pool_after = ls.pool_after
@@ -219,7 +219,7 @@ class GNetDet(nn.Module):
         image_size: 224 or 448 (input is (N, 3, image_size, image_size) float, 5-bit chip codes 0..31, BGR).
         width_mult: channel multiplier (0.25 gives widths 16..64, a CPU-trainable model).
         use_bn: BatchNorm after each hidden conv (step 1 only; folded on entry to step 2).
-        chip: "2801", "2803" or "5801"; mask_bits: scheme per major layer ([] = chip default).
+        chip: "2801", "2803" or "5801"; mask_bits: weight format per major layer ([] = chip default).
         weight_scale: "gti" or "mse"; cap_percentile: calibration percentile (hidden layers);
         output_cap_percentile: the output layer's (100 = max, so the largest scores are not clipped).
         l_coord, l_noobj, l_class, l_range: loss weights; score_loss: "smooth_l1" or "bce"; box_slots: 1 or 2
@@ -322,8 +322,8 @@ class GNetDet(nn.Module):
                 "size_head": self.size_head, "size_min": self.size_min}
 
     def mask_bits(self) -> List[int]:
-        """The weight scheme (mask bits) of each major layer, in order."""
-        return major_schemes(self.specs)
+        """The weight format (mask bits) of each major layer, in order."""
+        return major_weight_formats(self.specs)
 
     def convs(self) -> List[QConv2d]:
         """The QConv2d of every sublayer, in order."""
