@@ -694,27 +694,47 @@ def _code_table():
 _CODE_TABLE = _code_table()
 
 
-def value_histogram(x: torch.Tensor, bins: int, vmax: float) -> torch.Tensor:
-    """Counts of the positive values of ``x`` in ``bins`` equal bins over [0, vmax], as float64.
+def value_histogram(x: torch.Tensor, bins: int, vmax: float, vmin: float = 0.0,
+                    outside: str = "drop") -> torch.Tensor:
+    """The histogram both calibrations count: ``bins`` equal bins over [vmin, vmax], as float64 counts.
 
-    The bins are torch.histc's (bins, min=0, max=vmax) on the CPU, value for value: a value v with
-    0 < v <= vmax goes to bin trunc(v * bins / vmax) in float32 arithmetic (vmax rounded to float32),
-    the last bin holding vmax itself; values above vmax, zeros, negatives and NaN are left out. Written
-    out rather than calling histc because histc on CUDA has no deterministic kernel (it raises under
-    torch.use_deterministic_algorithms) and because selecting the positive values first would read
+    A value v goes to bin trunc((v - vmin) * bins / (vmax - vmin)) in float32 arithmetic (vmin, vmax
+    and their difference rounded to float32), the last bin also holding vmax itself. What happens to
+    the other values depends on ``outside``:
+
+    * "drop" (the chip's caps, vmin = 0): only vmin < v <= vmax is counted; zeros, negatives, values
+      above vmax and NaN are left out (the ReLU maps v <= 0 to 0 exactly, whatever the cap). With
+      vmin = 0 the bins are torch.histc's (bins, min=0, max=vmax) on the CPU, value for value.
+    * "clamp" (the int8 ranges, over the range pass's [min, max]): every value but NaN is counted,
+      those below vmin in the first bin and those above vmax in the last.
+
+    Written out rather than calling histc because histc on CUDA has no deterministic kernel (it
+    raises under torch.use_deterministic_algorithms) and because selecting the values first would read
     their count back to the host; here the counting is a float64 scatter-add (exact for counts below
-    2^53, so its order does not matter) and nothing waits for the device.
+    2^53, so its order does not matter, and all-reducing the counts over processes is exact too) and
+    nothing waits for the device.
 
     Args:
-        x: float tensor, any shape (pre-activation values), any device.
-        bins: number of bins (>= 1); vmax: upper edge (> 0).
+        x: float tensor, any shape, any device.
+        bins: number of bins (>= 1); vmin < vmax: the edges (Python floats).
+        outside: "drop" or "clamp" (above).
     Returns:
         (bins,) float64 counts on x's device.
+    Raises:
+        ValueError: ``outside`` not "drop" or "clamp", or vmax <= vmin.
     """
+    if outside not in ("drop", "clamp"):
+        raise ValueError(f"value_histogram: outside must be 'drop' or 'clamp', not {outside!r}")
+    if not float(vmax) > float(vmin):
+        raise ValueError(f"value_histogram: vmax ({vmax}) must be above vmin ({vmin})")
     v = x.detach().float().reshape(-1)
+    lo = torch.tensor(float(vmin), dtype=torch.float32)
     hi = torch.tensor(float(vmax), dtype=torch.float32)            # histc's edge: vmax as float32
-    pos = torch.mul(v, float(bins)).div_(hi).to(torch.int64).clamp_(0, bins - 1)
-    keep = torch.gt(v, 0).logical_and_(torch.le(v, hi))
+    pos = torch.sub(v, lo).mul_(float(bins)).div_(hi - lo).clamp_(0, bins - 1).to(torch.int64)
+    if outside == "drop":
+        keep = torch.gt(v, lo).logical_and_(torch.le(v, hi))
+    else:
+        keep = torch.isnan(v).logical_not_()
     pos = torch.where(keep, pos, torch.full((), bins, dtype=torch.int64, device=v.device))  # bin `bins`: dropped
     counts = torch.zeros(bins + 1, dtype=torch.float64, device=v.device)
     counts.scatter_add_(0, pos, torch.ones((), dtype=torch.float64, device=v.device).expand(pos.shape))

@@ -3,8 +3,9 @@
 Two passes over the training data, the weights fake-quantized and the activations float:
 
 1. each quantizer's input minimum and maximum (all-reduced with MIN / MAX over the ranks);
-2. a histogram of each input over ``[min, max]`` (:data:`RANGE_HIST_BINS` bins; counts all-reduced by sum,
-   exact in float64), from which the range is chosen:
+2. a histogram of each input over ``[min, max]`` widened to hold 0 (:data:`RANGE_HIST_BINS` bins; the
+   counting of gnetmdk.gti.quantize.value_histogram, which the chip's caps use too; counts all-reduced
+   by sum, exact in float64), from which the range is chosen:
 
    * "mse": the range ``a [min, max]`` (``a`` in :data:`RANGE_SHRINK_RATIOS`; both ends shrink together, the
      zero point moves with them) whose uint8 quantization of the histogram's bin centres has the least
@@ -26,7 +27,7 @@ import torch.nn as nn
 
 from gnetmdk.dist.comm import all_reduce
 from gnetmdk.dist.virtual import forward_batch
-from gnetmdk.gti.quantize import histogram_mse_argmin
+from gnetmdk.gti.quantize import histogram_mse_argmin, value_histogram
 
 from .fake import ACT_QMAX, act_qparams, round_half_up
 
@@ -185,8 +186,10 @@ class MinMaxObserver:
 
 class HistogramObserver:
     """The histogram pass's observer of quantizer ``i``: counts each input's values into row ``i`` of
-    ``counts`` over ``[lo, hi]`` (:data:`RANGE_HIST_BINS` equal bins, values outside into the end
-    bins); :meth:`range` is :func:`range_from_histogram` of the row with ``method`` / ``percentile``.
+    ``counts`` (gnetmdk.gti.quantize.value_histogram, the histogram the chip's caps count too, with
+    :data:`RANGE_HIST_BINS` equal bins and values outside into the end bins) over the range pass's
+    ``[lo, hi]`` widened to hold 0, the range :func:`range_from_histogram` reads the bins against;
+    :meth:`range` is :func:`range_from_histogram` of the row with ``method`` / ``percentile``.
 
     Args:
         counts: ``(quantizers, RANGE_HIST_BINS)`` float64 (integer counts: exact when all-reduced).
@@ -195,14 +198,14 @@ class HistogramObserver:
 
     def __init__(self, counts: torch.Tensor, i: int, lo: float, hi: float, method: str = "mse",
                  percentile: float = 99.99):
-        self.counts, self.i, self.lo, self.hi = counts, int(i), float(lo), float(hi)
+        self.counts, self.i = counts, int(i)
+        self.lo, self.hi = min(float(lo), 0.0), max(float(hi), 0.0)
         self.method, self.percentile = method, float(percentile)
-        self.scale = RANGE_HIST_BINS / (self.hi - self.lo) if self.hi > self.lo else 0.0
 
     def __call__(self, x: torch.Tensor) -> None:
-        """Observe ``x`` (any shape, float)."""
-        idx = torch.clamp(((x.float() - self.lo) * self.scale).floor(), 0, RANGE_HIST_BINS - 1).long().flatten()
-        self.counts[self.i] += torch.bincount(idx, minlength=RANGE_HIST_BINS).double()
+        """Observe ``x`` (any shape, float); nothing to count when the range is a single point (0)."""
+        if self.hi > self.lo:
+            self.counts[self.i] += value_histogram(x, RANGE_HIST_BINS, self.hi, self.lo, outside="clamp")
 
     forward = observe = __call__
 

@@ -112,7 +112,8 @@ class PercentileObserver(Observer):
 
 class HistogramObserver(Observer):
     """Counts of the positive values over [0, ``vmax``] in ``bins`` equal bins, summed over batches
-    ((bins,) float64; gnetmdk.gti.quantize.value_histogram: torch.histc's bins, exact counts)."""
+    ((bins,) float64; gnetmdk.gti.quantize.value_histogram with ``outside "drop"``, the counting the
+    int8 ranges use too: torch.histc's bins, exact counts)."""
 
     def __init__(self, vmax: float, bins: int = 4096):
         self.vmax = float(vmax)

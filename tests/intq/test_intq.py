@@ -145,6 +145,34 @@ def test_range_from_histogram_device_cpu():
         range_from_histogram(counts, 0.0, 1.0, "percentile", 20.0)
 
 
+def test_histogram_counts_over_the_range_it_is_read_against_device_cpu():
+    """The int8 observer counts over the observed [min, max] widened to hold 0, the range whose bins
+    range_from_histogram reads (inputs all in [1, 3]: bins of [0, 3], not of [1, 3]), with the counting
+    the chip's caps use (gnetmdk.gti.quantize.value_histogram, values outside into the end bins)."""
+    from gnetmdk.gti.quantize import value_histogram
+    from gnetmdk.intq.calibrate import RANGE_HIST_BINS, HistogramObserver
+    b = RANGE_HIST_BINS
+    k = torch.cat([torch.arange(683, 700), torch.arange(1900, b).repeat(20)])      # bins of [0, 3]
+    x = torch.cat([((k.double() + 0.5) * 3.0 / b).float(), torch.tensor([3.0])])   # bin centres, and 3 itself
+    want = torch.bincount(torch.cat([k, torch.tensor([b - 1])]), minlength=b).double()
+    for method in ("mse", "percentile", "minmax"):
+        counts = torch.zeros((2, b), dtype=torch.float64)
+        obs = HistogramObserver(counts, 1, float(x.min()), float(x.max()), method, 99.0)
+        obs(x[:100])
+        obs(x[100:])
+        assert torch.equal(counts[1], want) and float(counts[0].sum()) == 0
+        assert obs.range() == range_from_histogram(want, 0.0, 3.0, method, 99.0)
+    # the shared counting: "clamp" keeps every value, "drop" (the caps) only vmin < v <= vmax
+    v = torch.tensor([-5.0, -1.0, 0.0, 0.5, 1.0, 9.0, float("inf"), float("nan")])
+    assert value_histogram(v, 4, 1.0, -1.0, outside="clamp").tolist() == [2, 0, 1, 4]
+    assert value_histogram(v, 4, 1.0, -1.0).tolist() == [0, 0, 1, 2]
+    assert value_histogram(v, 4, 1.0).tolist() == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="outside"):
+        value_histogram(v, 4, 1.0, outside="wrap")
+    with pytest.raises(ValueError, match="above vmin"):
+        value_histogram(v, 4, 1.0, 1.0)
+
+
 def test_mse_range_is_the_candidate_of_least_error_device_cpu():
     """The int8 "mse" range is the shrunk range whose uint8 fake quantizer (scale, zero point, ties up)
     has the least counts-weighted squared error over the bin centres, computed here candidate by
