@@ -7,7 +7,7 @@
 Every row runs the same network on the same batch of 8-bit images at the same input size:
   pytorch float32   the model with step-1 switches (float weights, plain ReLU), float32 conv
   pytorch step4     the step-4 model in eval mode (quantized weights, integer codes, float64 conv)
-  emulator gemm     gnetmdk.gti.chip.ChipEmulator, int8 im2col GEMM (the default backend)
+  emulator gemm     gnetmdk.chip.ChipEmulator, int8 im2col GEMM (the default backend)
   emulator conv     the same with integer conv2d
   onnxruntime       the exported ONNX model (ConvInteger), CPUExecutionProvider
 Without --checkpoint the weights are random (He init) and the caps are calibrated on the images;
@@ -55,7 +55,7 @@ def load_images(n: int, size: int) -> tuple:
 def build_models(args, images):
     """(float32 model, step-4 model, chip model)."""
     from gnetmdk.engine.stages import STAGES, apply_stage
-    from gnetmdk.gti.chip import chip_model_from_gnetdet, convert_checkpoint
+    from gnetmdk.chip import chip_model_from_gnetdet, convert_checkpoint
     from gnetmdk.gti.quantize import image_to_codes
     from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
@@ -128,8 +128,8 @@ def main(argv) -> int:
     p.add_argument("--skip", default="", help="comma-separated rows to skip (e.g. 'emulator conv')")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from gnetmdk.gti.chip import ChipEmulator
-    from gnetmdk.gti.chip.emulator import int8_gemm_exact
+    from gnetmdk.chip import ChipEmulator
+    from gnetmdk.chip.emulator import int8_gemm_exact
     from gnetmdk.gti.quantize import image_to_codes
     images, what = load_images(args.batch, args.size)
     flt, step4, chip = build_models(args, images)
@@ -145,7 +145,7 @@ def main(argv) -> int:
             ("emulator gemm", ChipEmulator(chip, "gemm", batch_size=args.batch).run),
             ("emulator conv", ChipEmulator(chip, "conv", batch_size=args.batch).run)]
     try:
-        from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
+        from gnetmdk.chip.onnx_export import OnnxChipRunner
         rows.append(("onnxruntime", OnnxChipRunner(chip, threads=args.threads).run))
     except Exception as exc:  # onnxruntime missing
         print(f"onnxruntime row skipped: {exc}")

@@ -78,7 +78,7 @@ def test_every_stage_on_the_gpu_matches_the_cpu(lane, cap_method):
         assert 0.0 <= s4["best_map"] <= 1.0
     assert caps[DEV] == pytest.approx(caps["cpu"], rel=CAP_RTOL[cap_method])
     # step 4 from the CPU's step-3 checkpoint, evaluated on both devices: float64 with integer values
-    from gnetmdk.gti.chip.cli_util import load_eval_model
+    from gnetmdk.chip.cli_util import load_eval_model
     cfg = _cfg(path, root, "cpu", f"{cap_method}-cpu", step=4)
     model, _ = load_eval_model(os.path.join(root, f"{cap_method}-cpu", "checkpoint", "step4", "best.pth"), cfg)
     x = torch.randint(0, 32, (2, 3, 224, 224)).float()

@@ -57,13 +57,13 @@ def parse_args(argv):
 def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(argv)
-    from gnetmdk.gti.chip.cli_util import eval_device
+    from gnetmdk.chip.cli_util import eval_device
     import torch
     from gnetmdk.config import load_config
     from gnetmdk.config.overrides import known_fields, parse_overrides
     from gnetmdk.dataset.dataset import build_dataset
     from gnetmdk.evaluation.voc import format_ap_table
-    from gnetmdk.gti.chip import ChipEmulator, ChipModelError, check_bit_exact, evaluate_chip, load_chip_model
+    from gnetmdk.chip import ChipEmulator, ChipModelError, check_bit_exact, evaluate_chip, load_chip_model
     cfg = load_config(args.config, overrides)
     threads = args.threads or cfg.threads
     if threads > 0:
@@ -85,7 +85,7 @@ def main(argv) -> int:
     dataset = build_dataset(cfg, args.split)
     dataset.augment = False                   # evaluation: the train split without augmentation too
     if args.backend == "onnx":
-        from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
+        from gnetmdk.chip.onnx_export import OnnxChipRunner
         if args.onnx:
             if not os.path.isfile(args.onnx):
                 raise FileNotFoundError(f"ONNX model '{args.onnx}' does not exist: export it with "
@@ -98,7 +98,7 @@ def main(argv) -> int:
         runner = ChipEmulator(cm)
     model = None
     if args.check is not None:
-        from gnetmdk.gti.chip.cli_util import load_eval_model
+        from gnetmdk.chip.cli_util import load_eval_model
         ckpt_path = cm.source.get("checkpoint") if args.check == _CHECK_DEFAULT else args.check
         if not ckpt_path:
             raise ChipModelError(f"chip model '{path}' does not name its checkpoint: pass --check CHECKPOINT")
@@ -152,7 +152,7 @@ def write_chip_plots(folder, predictions, cm, dataset, batch_size, conf, nms, ma
     them, so the curves and the confusion matrix are of exactly the detections whose mAP was printed."""
     from gnetmdk.evaluation.plots import write_eval_plots
     from gnetmdk.evaluation.voc import evaluate_detections
-    from gnetmdk.gti.chip.host import decode_predictions
+    from gnetmdk.chip.host import decode_predictions
     n = len(dataset)
     detections = []
     for start in range(0, n, batch_size):

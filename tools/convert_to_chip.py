@@ -44,9 +44,9 @@ def main(argv) -> int:
     args, overrides = parse_args(argv)
     from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, text_writer
     from gnetmdk.config import load_config
-    from gnetmdk.gti.chip import ChipEmulator, check_bit_exact, convert_checkpoint
-    from gnetmdk.gti.chip.model_file import FLOAT32_EXACT_LIMIT
-    from gnetmdk.gti.export import gti_file_names, gti_file_texts
+    from gnetmdk.chip import ChipEmulator, check_bit_exact, convert_checkpoint
+    from gnetmdk.chip.model_file import FLOAT32_EXACT_LIMIT
+    from gnetmdk.chip.export import gti_file_names, gti_file_texts
     cfg = None
     if args.checkpoint is None or args.out is None or overrides:
         cfg = load_config(args.config, overrides)
@@ -65,7 +65,7 @@ def main(argv) -> int:
     gti = gti_file_texts(cm, out, data_file=os.path.basename(cm_path))
     writers.update({p: text_writer(t) for p, t in gti.items()})
     if not args.no_onnx:
-        from gnetmdk.gti.chip.onnx_export import onnx_bytes
+        from gnetmdk.chip.onnx_export import onnx_bytes
         data = onnx_bytes(cm)
         writers[onnx_path] = lambda fh: fh.write(data)
     try:

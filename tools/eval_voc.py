@@ -55,7 +55,7 @@ def parse_args(argv):
 def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(argv)
-    from gnetmdk.gti.chip.cli_util import eval_device, load_eval_model
+    from gnetmdk.chip.cli_util import eval_device, load_eval_model
     import torch
     from torch.utils.data import DataLoader
     from gnetmdk.config import load_config

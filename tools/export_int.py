@@ -98,7 +98,7 @@ class OnnxModel:
 def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed, 2 user error)."""
     args, overrides = parse_args(argv)
-    from gnetmdk.gti.chip.cli_util import load_eval_model
+    from gnetmdk.chip.cli_util import load_eval_model
     if args.check:
         from gnetmdk.intq.onnx_export import check_provider
         try:

@@ -53,7 +53,7 @@ def main(argv) -> int:
     import torch
     from gnetmdk.checkpoint.io import atomic_write_text
     from gnetmdk.dataset.dataset import ImageReadError, decode_image, preprocess_image
-    from gnetmdk.gti.chip.predictor import (detection_records, draw_detections, iter_video, list_inputs,
+    from gnetmdk.chip.predictor import (detection_records, draw_detections, iter_video, list_inputs,
                                             load_predictor)
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -61,8 +61,8 @@ def drift_plot(klass, overrides, folder, max_images=64):
     without the chip's stages, or when fewer than two stages are there to compare)."""
     from gnetmdk.dataset.dataset import build_dataset
     from gnetmdk.evaluation.plots import plot_layer_drift
-    from gnetmdk.gti.chip import convert_checkpoint
-    from gnetmdk.gti.chip.report import layer_drift
+    from gnetmdk.chip import convert_checkpoint
+    from gnetmdk.chip.report import layer_drift
     cfg = build_config(klass, overrides, step=4)
     from gnetmdk.models import get_family
     if get_family(cfg.model_name).name != "gnetdet":

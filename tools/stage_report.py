@@ -55,8 +55,8 @@ def main(argv) -> int:
     import torch
     from gnetmdk.config import load_config
     from gnetmdk.dataset.dataset import build_dataset
-    from gnetmdk.gti.chip import ChipModelError, convert_checkpoint, load_chip_model
-    from gnetmdk.gti.chip.report import format_report, stage_report
+    from gnetmdk.chip import ChipModelError, convert_checkpoint, load_chip_model
+    from gnetmdk.chip.report import format_report, stage_report
     if args.plots is not None:                 # refused before the evaluation, not after it
         from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
         prepare_plot_dir(args.plots)
@@ -94,7 +94,7 @@ def main(argv) -> int:
                         args.batch_size, cfg)
     drift = None
     if args.drift_images > 0:
-        from gnetmdk.gti.chip.report import layer_drift
+        from gnetmdk.chip.report import layer_drift
         drift = layer_drift(dataset, ckpts, chip, min(args.batch_size, 4), cfg, args.drift_images)
     missing = [k for k, v in ckpts.items() if v is None]
     print(f"stage report: {cfg.DS_NAME} {args.split} split, {len(dataset)} images, decode conf {cfg.conf_thresh:g} "
@@ -103,7 +103,7 @@ def main(argv) -> int:
         print(f"chip model: {chip_note}")
     print(format_report(rows))
     if drift is not None:
-        from gnetmdk.gti.chip.report import format_drift
+        from gnetmdk.chip.report import format_drift
         print()
         print(format_drift(drift))
     if args.plots is not None:

@@ -2,7 +2,7 @@
 
 One place decides, for the trainer and the tools: ``device`` auto / cpu / cuda, TF32, cuDNN's
 algorithm search, and the deterministic mode of alignment runs (``--deterministic``). It sits low (it
-needs only the config), so that the chip tools (gnetmdk.gti.chip.cli_util) set the backends as
+needs only the config), so that the chip tools (gnetmdk.chip.cli_util) set the backends as
 training does; gnetmdk.engine.device re-exports it.
 """
 from __future__ import annotations

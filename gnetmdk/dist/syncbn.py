@@ -3,7 +3,7 @@
 With N processes each holding B/N images, a BatchNorm that normalises with its own shard's mean
 and variance computes something else than one process holding all B images. Synchronising the
 statistics over the processes makes them the statistics of the global batch, so N x B/N equals
-1 x B (alignment.md). ``torch.nn.SyncBatchNorm`` does this on CUDA only (it refuses CPU
+1 x B (docs/alignment.md). ``torch.nn.SyncBatchNorm`` does this on CUDA only (it refuses CPU
 tensors); :class:`DistBatchNorm2d` does it anywhere, as an autograd Function whose forward
 gathers every rank's per-channel moments and whose backward gathers every rank's per-channel gradient
 sums (what an autograd-aware all-reduce such as ``torch.distributed.nn.functional.all_reduce``,

@@ -78,11 +78,11 @@ def _worker_entry(recipe: dict) -> None:
 
 def user_errors() -> Tuple[type, ...]:
     """Exception kinds that are the user's to fix, for every tool, train.py and train-dist.py: the chip
-    tools' kinds (gnetmdk.gti.chip.cli_util.user_errors: a bad path, config, checkpoint, dataset or chip
+    tools' kinds (gnetmdk.chip.cli_util.user_errors: a bad path, config, checkpoint, dataset or chip
     model), the launcher's (LaunchError) and the trainer's (TrainingError). Each is reported as one line
     ``error: ...`` with exit status 2 (or the error's ``exit_code``)."""
     from gnetmdk.dist.launch import LaunchError
-    from gnetmdk.gti.chip.cli_util import user_errors as tool_errors
+    from gnetmdk.chip.cli_util import user_errors as tool_errors
     from .trainer import TrainingError
     return tool_errors() + (LaunchError, TrainingError)
 

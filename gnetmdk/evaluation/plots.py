@@ -391,7 +391,7 @@ def plot_layer_drift(layers: Sequence[str], drift: Mapping[str, Sequence[float]]
     Args:
         layers: sublayer names, in network order.
         drift: stage name -> per-layer relative L2 error from ``reference`` (floats >= 0, one per layer;
-            what gnetmdk.gti.chip.report.layer_drift computes), in pipeline order. The reference's own
+            what gnetmdk.chip.report.layer_drift computes), in pipeline order. The reference's own
             line (all 0) is not drawn.
         path: the PNG file (``.png``); the JSON goes beside it with the same stem.
         reference: the stage the errors are measured from.

@@ -17,7 +17,7 @@ How the project counts (the choices docs/chip.md explains, with what stays uncer
 * the image's 3 channels count as 3 (GTI's VGG16 example needs it), and the last conv's outputs as
   used (``10 + C``): a network over the budget by that count is over by any reading of the rule, and is
   refused. Counted as the converter stores them (padded with zero filters to the width of the major
-  layer, gnetmdk.gti.chip.convert.padded_output_channels), GTI's own 5801 GNetDet-448 would be over
+  layer, gnetmdk.chip.convert.padded_output_channels), GTI's own 5801 GNetDet-448 would be over
   the budget, so a network over only by that count is noted (:func:`memory_note`,
   gnetmdk.models.gnetdet.config.gnetdet_memory_note), not refused.
 
@@ -248,7 +248,7 @@ def check_chip_memory(layers: Sequence[MemoryLayer], spec: ChipSpec, where: str 
 
 
 def chip_layers_memory(layers, input_size: int, used_out: Optional[int] = None) -> List[MemoryLayer]:
-    """MemoryLayers of a converted chip model's layers (gnetmdk.gti.chip.model_file.ChipLayer: channels as
+    """MemoryLayers of a converted chip model's layers (gnetmdk.chip.model_file.ChipLayer: channels as
     stored, ``input_size`` per sublayer, ``pool_after``, ``weight_format``, ``major``, ``index_in_major``).
 
     Args:
@@ -270,7 +270,7 @@ def chip_layers_memory(layers, input_size: int, used_out: Optional[int] = None) 
 
 
 def memory_note(cm) -> str:
-    """One line when a chip model (gnetmdk.gti.chip.model_file.ChipModel) fits its chip's coefficient
+    """One line when a chip model (gnetmdk.chip.model_file.ChipModel) fits its chip's coefficient
     budget counted with the output layer's used channels but not with its zero filters (the reading
     docs/chip.md, "Memory limits", leaves open), else "".
     """

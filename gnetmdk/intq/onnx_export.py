@@ -18,7 +18,7 @@ Graph (opset 13; integer operators from the image to the head's accumulators):
 
 The rounding offset 2^61 keeps the dividend non-negative (``|acc M| < 2^60``, checked when the
 program is built), so integer Div (which truncates) floors. Weights are stored as uint8 with zero
-point 128 (as the chip model's export, gnetmdk.gti.chip.onnx_export). The program's tensor names
+point 128 (as the chip model's export, gnetmdk.chip.onnx_export). The program's tensor names
 become the graph's; ``all_layers`` adds every op's codes as outputs (the per-layer check).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@
 | step4 | yes        | yes, integer   | 31        | step3/best.pth         | gain editing                 |
 
 (docs/quantization.md, "Stages"; docs/pipeline.md.) The trainer reads the table; no ``if step == 3`` elsewhere.
-The table sits with the models, below the chip model (gnetmdk.gti.chip), which sets a step-4
+The table sits with the models, below the chip model (gnetmdk.chip), which sets a step-4
 checkpoint's switches with it; gnetmdk.engine.stages re-exports it for the trainer and its hooks.
 """
 from __future__ import annotations

@@ -315,7 +315,7 @@ def test_device_auto_is_cuda_only_where_torch_sees_a_gpu_and_the_suite_refuses_i
     from gnetmdk.config import ConfigError
     from gnetmdk.config.base import cuda_wanted
     from gnetmdk.dist.launch import spec_from_args
-    from gnetmdk.gti.chip.cli_util import eval_device
+    from gnetmdk.chip.cli_util import eval_device
 
     class Cfg:
         device, threads, dist_timeout, batch_size, tf32 = "auto", 1, 60.0, 4, False

@@ -278,7 +278,7 @@ def test_a_worker_killed_by_a_signal_is_named_with_its_rank(ws, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- corrupt chip model
 def test_a_chip_model_with_a_deleted_sublayer_is_refused(ws, tmp_path, capsys):
-    from gnetmdk.gti.chip import ChipModelError, load_chip_model
+    from gnetmdk.chip import ChipModelError, load_chip_model
     src = os.path.join(ws["base"], "model", "chip_model.json")
     d = json.load(open(src))
     # delete a sublayer whose neighbours keep the channel chain (in == out), renumber nothing else

@@ -145,7 +145,7 @@ def _setup(tmp_path_factory, name):
         pytest.skip(f"shared {name} dataset not present")
     from gnetmdk.config import load_config
     from gnetmdk.dataset.dataset import build_dataset
-    from gnetmdk.gti.chip import chip_model_from_gnetdet
+    from gnetmdk.chip import chip_model_from_gnetdet
     torch.set_num_threads(1)
     folder = str(tmp_path_factory.mktemp(f"plots_{name}"))
     config = write_config(folder, name, max_val_images=8)

@@ -1,6 +1,6 @@
 """Units of the modules that the other tests reach only through subprocesses or package re-exports:
-gnetmdk.config.recipe, gnetmdk.dist.virtual, gnetmdk.gti.chip.check, gnetmdk.gti.chip.predictor,
-gnetmdk.gti.export, gnetmdk.models.gnetdet.family, gnetmdk.models.ppyolo.head / quant / resnet_vd.
+gnetmdk.config.recipe, gnetmdk.dist.virtual, gnetmdk.chip.check, gnetmdk.chip.predictor,
+gnetmdk.chip.export, gnetmdk.models.gnetdet.family, gnetmdk.models.ppyolo.head / quant / resnet_vd.
 
 Every model is tiny (GNetDet-224 at width 0.0625, ResNet-vd on 32..64 px inputs, a PP-YOLO r18vd with
 narrow neck) and every test runs on the CPU (device cpu).
@@ -25,12 +25,12 @@ from chip_helpers import build_step4_model  # noqa: E402
 from gnetmdk.config import BaseConfig, ConfigError, build_config  # noqa: E402
 import gnetmdk.config.recipe as recipe  # noqa: E402
 import gnetmdk.dist.virtual as virtual  # noqa: E402
-import gnetmdk.gti.chip.check as check  # noqa: E402
-import gnetmdk.gti.chip.predictor as predictor  # noqa: E402
-import gnetmdk.gti.export as export  # noqa: E402
-from gnetmdk.gti.chip.convert import chip_model_from_gnetdet  # noqa: E402
-from gnetmdk.gti.chip.emulator import ChipEmulator  # noqa: E402
-from gnetmdk.gti.chip.model_file import ChipModelError  # noqa: E402
+import gnetmdk.chip.check as check  # noqa: E402
+import gnetmdk.chip.predictor as predictor  # noqa: E402
+import gnetmdk.chip.export as export  # noqa: E402
+from gnetmdk.chip.convert import chip_model_from_gnetdet  # noqa: E402
+from gnetmdk.chip.emulator import ChipEmulator  # noqa: E402
+from gnetmdk.chip.model_file import ChipModelError  # noqa: E402
 import gnetmdk.models.gnetdet.family as gfamily  # noqa: E402
 import gnetmdk.models.ppyolo.head as yhead  # noqa: E402
 import gnetmdk.models.ppyolo.quant as yquant  # noqa: E402
@@ -189,7 +189,7 @@ def test_combine_gradients_is_the_rank_order_mean_device_cpu():
     assert m.unused.grad is None
 
 
-# ------------------------------------------------------------------ gnetmdk.gti.chip.check
+# ------------------------------------------------------------------ gnetmdk.chip.check
 def test_check_report_counts_and_verdict():
     """CheckReport: total = mismatches + non-zero padding; ok needs no mismatch and equal outputs; the
     table lists every layer and the totals."""
@@ -260,7 +260,7 @@ def test_check_bit_exact_counts_each_planted_difference_device_cpu(step4):
     assert not model.training                                              # left in the mode it came in
 
 
-# ------------------------------------------------------------------ gnetmdk.gti.chip.predictor
+# ------------------------------------------------------------------ gnetmdk.chip.predictor
 def test_draw_detections_draws_only_around_the_box_device_cpu():
     """draw_detections returns a copy; pixels change on the box outline and its label, the rest of the
     image and the input stay as they were."""
@@ -351,7 +351,7 @@ def test_load_predictor_chip_model_matches_the_step4_model_device_cpu(step4, tmp
         predictor.load_predictor(str(tmp_path / "model.bin"))
 
 
-# ------------------------------------------------------------------ gnetmdk.gti.export
+# ------------------------------------------------------------------ gnetmdk.chip.export
 def test_gti_files_hold_the_chip_models_integers_device_cpu(step4, tmp_path):
     """write_gti_files: filter.txt / bias.txt are W_int / 2^s and b_int / 2^s per layer in OIHW order
     (exact), relu_cap.txt the calibrated caps, the dat / model JSON describe the major layers and output."""

@@ -141,7 +141,7 @@ def test_converter_refuses_before_writing_device_cpu():
     """The converter's first check (check_checkpoint_for_chip) and its check on the integerised layers."""
     import torch
     from gnetmdk.engine.stages import STAGES, apply_stage
-    from gnetmdk.gti.chip import ConversionError, check_checkpoint_for_chip, chip_model_from_gnetdet
+    from gnetmdk.chip import ConversionError, check_checkpoint_for_chip, chip_model_from_gnetdet
     from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
     meta = {"name": "gnetdet", "use_bn": False, "chip": "5801", "image_size": 448, "num_classes": 20,
@@ -182,7 +182,7 @@ def test_converted_layers_count_as_configured_device_cpu():
     """The config-time count (layer list + padding rule) equals the count of the layers the converter writes."""
     import torch
     from gnetmdk.engine.stages import STAGES, apply_stage
-    from gnetmdk.gti.chip import chip_model_from_gnetdet
+    from gnetmdk.chip import chip_model_from_gnetdet
     from gnetmdk.gti.transforms import fold_requant_multipliers
     from gnetmdk.models.gnetdet.model import GNetDet
     for size, width, classes, bits in ((224, 0.0625, 3, [8, 3, 3, 3, 3, 8]), (448, 0.125, 6, [])):

@@ -165,9 +165,9 @@ def log_head_step4():
 def test_log_head_chip_model_equals_step4_device_cpu(log_head_step4, tmp_path):
     """The chip model records the size head; its decoded detections equal the step-4 model's, box for box;
     a chip-model file with a head the host cannot apply is refused."""
-    from gnetmdk.gti.chip import ChipEmulator, ChipModelError, load_chip_model
-    from gnetmdk.gti.chip.convert import chip_model_from_gnetdet
-    from gnetmdk.gti.chip.host import codes_to_predictions, decode_predictions
+    from gnetmdk.chip import ChipEmulator, ChipModelError, load_chip_model
+    from gnetmdk.chip.convert import chip_model_from_gnetdet
+    from gnetmdk.chip.host import codes_to_predictions, decode_predictions
     from gnetmdk.gti.quantize import image_to_codes
     model, caps, images = log_head_step4
     cm = chip_model_from_gnetdet(model, ["a", "b", "c"], calibrated_caps=caps)

@@ -158,7 +158,7 @@ def test_step4_is_gain_edited_integer_model(pipeline):
     assert load_checkpoint(os.path.join(root, "checkpoint/step4/last.pth"))["calibrated_caps"] == \
         pytest.approx(s3["caps"], rel=1e-7)
     # ... so the converter needs no relu_cap.txt from calibration to write the chip's
-    from gnetmdk.gti.chip.convert import convert_checkpoint
+    from gnetmdk.chip.convert import convert_checkpoint
     cm, _ = convert_checkpoint(os.path.join(root, "checkpoint/step4/best.pth"),
                                cap_file=os.path.join(root, "no-such-dir", "relu_cap.txt"))
     assert cm.calibrated_caps() == pytest.approx(s3["caps"], rel=1e-6)
@@ -181,7 +181,7 @@ def test_step4_starts_from_exactly_the_step3_model(pipeline):
     mAP is step 3's best mAP."""
     import copy
     from gnetmdk.dataset.dataset import build_dataset
-    from gnetmdk.gti.chip.cli_util import load_eval_model
+    from gnetmdk.chip.cli_util import load_eval_model
     root, path, summaries = pipeline
     cfg = _cfg(path, step=3)
     m3, ck3 = load_eval_model(os.path.join(root, "checkpoint/step3/best.pth"), cfg)
@@ -212,7 +212,7 @@ def test_step3_learns_the_caps_with_cap_lr(pipeline, tmp_path):
     outputs bit for bit with those caps."""
     import copy
     from gnetmdk.dataset.dataset import build_dataset
-    from gnetmdk.gti.chip.cli_util import load_eval_model
+    from gnetmdk.chip.cli_util import load_eval_model
     root, path, _ = pipeline
     out = str(tmp_path)
     over = ["cap_lr", "0.05", "num_epochs", "2", "load", os.path.join(root, "checkpoint/step2/cal.pth"),
@@ -380,8 +380,8 @@ def test_logit_head_mse_scale_pipeline_to_bit_exact_chip(tmp_path_factory):
     from torch.utils.data import DataLoader
     from gnetmdk.dataset.dataset import build_dataset, collate
     from gnetmdk.evaluation.evaluator import evaluate_model
-    from gnetmdk.gti.chip import ChipEmulator, evaluate_chip
-    from gnetmdk.gti.chip.convert import chip_model_from_gnetdet
+    from gnetmdk.chip import ChipEmulator, evaluate_chip
+    from gnetmdk.chip.convert import chip_model_from_gnetdet
     root, path = make_cards_workdir(tmp_path_factory, "logit_mse")
     torch.set_num_threads(1)
     over = ["score_head", "logit", "score_offset", "0.5", "score_scale", "10", "weight_scale", "mse",
@@ -420,9 +420,9 @@ def test_layer_drift_from_step1_to_the_chip_device_cpu(pipeline, tmp_path, capsy
     writes the chart whose JSON holds the printed numbers."""
     import numpy as np
     from gnetmdk.dataset.dataset import build_dataset
-    from gnetmdk.gti.chip import convert_checkpoint
-    from gnetmdk.gti.chip.cli_util import load_eval_model
-    from gnetmdk.gti.chip.report import layer_drift
+    from gnetmdk.chip import convert_checkpoint
+    from gnetmdk.chip.cli_util import load_eval_model
+    from gnetmdk.chip.report import layer_drift
     root, path, _ = pipeline
     cfg = _cfg(path, step=4)
     ckpts = {f"step{k}": os.path.join(root, "checkpoint", f"step{k}", "best.pth") for k in range(1, 5)}

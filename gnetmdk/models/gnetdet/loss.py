@@ -7,7 +7,7 @@ image (0..1) in the targets, and in the predictions either the same ("linear" si
 log-space code of it ("log" size head, see output_sizes). A target cell holding an object carries the box in both slots, conf 1 and the one-hot
 class; every other target cell is all zero.
 
-Alignment rule (alignment.md): every term is a sum over the cells of one image, then a mean over
+Alignment rule (docs/alignment.md): every term is a sum over the cells of one image, then a mean over
 the images of the batch, with no normaliser that depends on how a batch is split, so N processes
 with B/N images each average to exactly the loss of one process with B images.
 """

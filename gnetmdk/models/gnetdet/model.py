@@ -143,7 +143,7 @@ def gnetdet_memory_layers(layers: Sequence[LayerSpec], image_size: int, chip: st
     input and output sides in pixels (the output after its pool), and the last conv's ``10 + C`` outputs,
     padded as the converter pads them when ``padded`` (to the width of the other sublayers of the last
     major layer; with none, the next power of 2, at least the chip's minimum; never below ``10 + C``;
-    gnetmdk.gti.chip.convert.padded_output_channels), else as used. The image's 3 channels count as 3.
+    gnetmdk.chip.convert.padded_output_channels), else as used. The image's 3 channels count as 3.
     Which of the two counts the chip applies is not settled (docs/chip.md, "Memory limits").
 
     Args:

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from gnetmdk.gti.quantize import ACT_MAX
-from gnetmdk.gti.chip.model_file import ChipModel
+from gnetmdk.chip.model_file import ChipModel
 
 
 def quantized_values(chip_model: ChipModel):

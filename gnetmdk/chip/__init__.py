@@ -1,6 +1,6 @@
 """The chip side: chip-model file, converter, bit-exact integer emulator, ONNX export, host decode, checks.
 
-    from gnetmdk.gti.chip import convert_checkpoint, ChipEmulator, load_chip_model
+    from gnetmdk.chip import convert_checkpoint, ChipEmulator, load_chip_model
     chip_model, step4_model = convert_checkpoint("checkpoint/step4/best.pth")
     codes = ChipEmulator(chip_model).run(images_u8_nhwc)      # (N, C_out, 14, 14) uint8 codes 0..31
 

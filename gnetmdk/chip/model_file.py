@@ -92,7 +92,7 @@ class ChipLayer:
     Attributes:
         major, index_in_major: 0-based major layer and position inside it.
         in_channels, out_channels: channel counts as stored (the last conv is padded, see
-            gnetmdk.gti.chip.convert.padded_output_channels).
+            gnetmdk.chip.convert.padded_output_channels).
         weight_format, weight_bits, bias_bits: mask bits and register widths (Bw, Bb) of the major layer.
         shift: s, 0..12: out = clamp(R((sum W_int * a + b_int) / 2^s), 0, 31).
         pool_after: a 2x2/2 max pool on the codes follows.

@@ -19,7 +19,7 @@ Graph (opset 13, IR version 8, integer operators only between the input and the 
 Why Clip/Add/Div equals the chip's rule: for acc < 0, R(acc/2^s) <= 0 clamps to 0, and Clip gives 0;
 for 0 <= acc < 31 * 2^s, (acc + 2^(s-1)) // 2^s is R(acc/2^s) <= 31; above, both give 31.
 Weights are stored as uint8 with zero point 128 (onnxruntime's uint8 x uint8 kernels are about 4x faster
-than its uint8 x int8 ones on x86); tests/gti/test_chip.py checks the extremes (codes 31, weights -128 and
+than its uint8 x int8 ones on x86); tests/chip/test_chip.py checks the extremes (codes 31, weights -128 and
 127) against the emulator. The model's metadata_props hold the chip model's header as JSON
 (key "gnetmdk.chip_model"), so tools/predict.py can use an .onnx file on its own.
 """

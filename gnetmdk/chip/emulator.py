@@ -227,7 +227,7 @@ class ChipEmulator:
     """Integer emulator of one chip model (weights prepared once, then any number of batches).
 
     Args:
-        chip_model: a ChipModel (gnetmdk.gti.chip.load_chip_model).
+        chip_model: a ChipModel (gnetmdk.chip.load_chip_model).
         backend: "gemm" (default: int8 im2col GEMM, falls back to "conv" where the platform's int8
             GEMM is missing or inexact), "conv" (integer conv2d) or "numpy" (slow int64 reference).
         batch_size: images per internal batch (bounds memory: the im2col buffer of the widest layer

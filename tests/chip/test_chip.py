@@ -23,11 +23,11 @@ from chip_helpers import (DATASETS, REPO, build_step4_model, have, load_images, 
 
 from gnetmdk.config import load_config  # noqa: E402
 from gnetmdk.dataset.dataset import build_dataset, decode_image, preprocess_image  # noqa: E402
-from gnetmdk.gti.chip import (ChipEmulator, ChipModelError, ConversionError, check_bit_exact,  # noqa: E402
+from gnetmdk.chip import (ChipEmulator, ChipModelError, ConversionError, check_bit_exact,  # noqa: E402
                               chip_model_from_gnetdet, codes_to_predictions, convert_checkpoint, load_chip_model,
                               padded_output_channels, rounding_shift)
-from gnetmdk.gti.chip.emulator import sublayer_codes  # noqa: E402
-from gnetmdk.gti.chip.model_file import ChipLayer  # noqa: E402
+from gnetmdk.chip.emulator import sublayer_codes  # noqa: E402
+from gnetmdk.chip.model_file import ChipLayer  # noqa: E402
 from repo_paths import load_tool
 
 needs_data = pytest.mark.skipif(not (have("raccoon") and have("cards")), reason="shared datasets not present")
@@ -89,7 +89,7 @@ def test_rounding_shift_is_round_half_away_from_zero(acc, s):
        s=st.integers(0, 12), near=st.booleans())
 def test_fast_activation_equals_literal_rule(acc, s, near):
     """The "gemm" backend's clamp((acc + 2^(s-1)) >> s) form equals clamp(R(acc / 2^s), 0, 31)."""
-    from gnetmdk.gti.chip.emulator import activation_codes_from_acc
+    from gnetmdk.chip.emulator import activation_codes_from_acc
     if near:   # values around 0 and around the top code, where the two forms could differ
         acc = [a % (70 << s) - (3 << s) for a in acc]
     t = torch.tensor(acc, dtype=torch.int32)
@@ -212,7 +212,7 @@ def test_logit_score_head_chip_map_equals_model(raccoon):
     from torch.utils.data import DataLoader
     from gnetmdk.dataset.dataset import collate
     from gnetmdk.evaluation.evaluator import evaluate_model
-    from gnetmdk.gti.chip import evaluate_chip
+    from gnetmdk.chip import evaluate_chip
     s = raccoon
     model, caps = build_step4_model(1, s.images[:6], seed=5, score_head="logit", score_offset=0.5,
                                     score_scale=10.0)
@@ -288,7 +288,7 @@ def test_chip_model_file_roundtrip_and_refusals(raccoon, tmp_path):
 def test_onnx_equals_emulator_on_real_images(raccoon, tmp_path):
     pytest.importorskip("onnxruntime")
     import onnx
-    from gnetmdk.gti.chip.onnx_export import OnnxChipRunner, onnx_header, save_onnx
+    from gnetmdk.chip.onnx_export import OnnxChipRunner, onnx_header, save_onnx
     s = raccoon
     path = save_onnx(s.chip, str(tmp_path / "m.onnx"))
     m = onnx.load(path)
@@ -324,7 +324,7 @@ def test_extreme_registers_onnx_and_emulator(raccoon):
     accumulations the 8-bit chip can make; int8 GEMM, integer conv, numpy and onnxruntime agree."""
     pytest.importorskip("onnxruntime")
     import copy
-    from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
+    from gnetmdk.chip.onnx_export import OnnxChipRunner
     s = raccoon
     cm = copy.deepcopy(s.chip)
     g = np.random.default_rng(0)
@@ -353,7 +353,7 @@ def test_onnx_and_emulator_with_12_bit_registers(raccoon):
     """Chip 2803 (5-bit and 12-bit weight formats, 12-bit weight registers): W_int beyond int8 goes through
     the ONNX Hi/Lo split; model, emulator and onnxruntime agree on every layer."""
     pytest.importorskip("onnxruntime")
-    from gnetmdk.gti.chip.onnx_export import OnnxChipRunner
+    from gnetmdk.chip.onnx_export import OnnxChipRunner
     s = raccoon
     model, caps = build_step4_model(1, s.images[:4], seed=3, chip="2803")
     cm = chip_model_from_gnetdet(model, ["raccoon"], calibrated_caps=caps)
