@@ -40,7 +40,8 @@ CARD_CLASSES = ["nine", "ten", "jack", "queen", "king", "ace"]
 def load_images(n: int, size: int) -> tuple:
     """(n, size, size, 3) uint8 BGR images (cards validation images, evaluation preprocessing, or random
     pixels without the dataset) and a description."""
-    from gnetmdk.dataset.dataset import decode_image, preprocess_image
+    from gnetmdk.dataset.dataset import preprocess_image
+    from gnetmdk.dataset.image_io import decode_image
     jpg = os.path.join(CARDS, "JPEGImages")
     if os.path.isdir(jpg):
         files = sorted(os.listdir(jpg))[:n]

@@ -18,7 +18,7 @@ def user_errors() -> Tuple[type, ...]:
     from gnetmdk.checkpoint.paddle import PaddleFormatError
     from gnetmdk.config.base import ConfigError          # ChipModelError, ConversionError, ChipLimitError
     from gnetmdk.dataset.coco import CocoFormatError
-    from gnetmdk.dataset.dataset import ImageReadError
+    from gnetmdk.dataset.image_io import ImageReadError
     from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
     from gnetmdk.evaluation.plots import PlotError
     return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, FileNotFoundError,

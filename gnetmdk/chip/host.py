@@ -13,7 +13,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gnetmdk.models.gnetdet.decode import decode_gnetdet, output_head
+from gnetmdk.models.gnetdet.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.head import output_head
 from .model_file import ChipModel
 
 #: a runner maps (N, H, W, 3) uint8 BGR images to (N, C_out, S, S) uint8 codes

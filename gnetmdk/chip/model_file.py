@@ -147,9 +147,9 @@ class ChipModel:
         predict_thresh: score threshold of tools/predict.py.
         score_head, score_offset, score_scale: how the host turns confidence / class outputs into scores: "linear"
             (the outputs themselves, GTI) or "logit" (sigmoid(score_scale * (output - score_offset)));
-            gnetmdk.models.gnetdet.decode.output_scores.
+            gnetmdk.models.gnetdet.head.output_scores.
         size_head, size_min: how the host turns the w, h outputs into box sizes: "linear" (the outputs
-            themselves, GTI) or "log" (size_min ** (1 - output)); gnetmdk.models.gnetdet.loss.output_sizes.
+            themselves, GTI) or "log" (size_min ** (1 - output)); gnetmdk.models.gnetdet.head.output_sizes.
         source: where it came from (checkpoint path, SHA-256, stage, mAP ...).
     """
     chip: str

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from gnetmdk.gti.quantize import image_to_codes
-from gnetmdk.models.gnetdet.decode import decode_gnetdet, output_head
+from gnetmdk.models.gnetdet.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.head import output_head
 from .model_file import ChipModelError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -33,8 +34,8 @@ class Predictor:
         class_names: C names.
         image_size: network input side (pixels).
         conf_thresh, nms_thresh, max_detections, predict_thresh: decode settings stored with the model.
-        score_head, score_offset, score_scale: the model's score head (gnetmdk.models.gnetdet.decode.output_scores).
-        size_head, size_min: the model's size head (gnetmdk.models.gnetdet.loss.output_sizes).
+        score_head, score_offset, score_scale: the model's score head (gnetmdk.models.gnetdet.head.output_scores).
+        size_head, size_min: the model's size head (gnetmdk.models.gnetdet.head.output_sizes).
     """
     kind: str
     path: str
@@ -173,7 +174,7 @@ def iter_video(path: str, batch_size: int = 8) -> Iterator[Tuple[int, List[np.nd
     Raises:
         ImageReadError: the video cannot be opened.
     """
-    from gnetmdk.dataset.dataset import ImageReadError
+    from gnetmdk.dataset.image_io import ImageReadError
     cap = cv2.VideoCapture(path)
     if not cap.isOpened():
         raise ImageReadError(f"video '{path}' could not be opened by opencv: convert it to mp4 (H.264/mp4v) or avi")

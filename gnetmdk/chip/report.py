@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gnetmdk.config.base import BaseConfig
-from gnetmdk.models.gnetdet.decode import output_head
+from gnetmdk.models.gnetdet.head import output_head
 from gnetmdk.gti.quantize import image_to_codes
 from .host import codes_to_predictions, decode_predictions, iter_dataset_batches
 

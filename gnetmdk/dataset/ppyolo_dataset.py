@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .dataset import decode_image
+from .image_io import decode_image
 from .ppyolo_transforms import (draw_batch_size, draw_interp, pad_targets, ppyolo_train_sample)
 from .records import Record
 

@@ -84,11 +84,11 @@ class ExpectedSizes:
         """Refuse an image whose decoded size is not the recorded one.
 
         Raises:
-            gnetmdk.dataset.dataset.ImageReadError: naming the image, both sizes, the record and the fix.
+            gnetmdk.dataset.image_io.ImageReadError: naming the image, both sizes, the record and the fix.
         """
         want = self.sizes[index] if index < len(self.sizes) else None
         if want is not None and (int(want[0]), int(want[1])) != (width, height):
-            from .dataset import ImageReadError
+            from .image_io import ImageReadError
             raise ImageReadError(
                 f"image '{path}' is {width}x{height} pixels, but '{self.source}' says {want[0]}x{want[1]}: the image "
                 f"changed after its boxes were written, which would put them elsewhere; {self.fix}")

@@ -142,7 +142,7 @@ def tile_voc_dataset(src: str, dst: str, class_names: Sequence[str], tiles: int,
                                  f"{ann_dir}/)", folder)
     if os.path.exists(dst):
         raise FileExistsError(f"{dst} exists: remove it or name a new folder for the tiled dataset")
-    from .dataset import ImageReadError, decode_image
+    from .image_io import ImageReadError, decode_image
     import cv2
     train_ids, val_ids, split_source = _split_ids(src, src_ann, val_fraction, seed)
     parent = os.path.dirname(os.path.abspath(dst))

@@ -243,11 +243,11 @@ def _check_image(path: str, ann: dict, xml_path: str) -> None:
 
     Raises:
         VOCFormatError: naming the XML and the image: truncated or undecodable (see
-            gnetmdk.dataset.dataset.decode_image), or a decoded size other than the annotation's
+            gnetmdk.dataset.image_io.decode_image), or a decoded size other than the annotation's
             (the image was resized, or is turned by its EXIF orientation, after it was annotated:
             the boxes would point elsewhere).
     """
-    from .dataset import ImageReadError, decode_image
+    from .image_io import ImageReadError, decode_image
     try:
         img = decode_image(path, fix="replace the image or drop the annotation")
     except ImageReadError as exc:

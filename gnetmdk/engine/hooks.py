@@ -223,7 +223,7 @@ class TensorboardHook(HookBase):
         if not t.main or n == 0:
             return
         import cv2
-        from gnetmdk.dataset.dataset import decode_image
+        from gnetmdk.dataset.image_io import decode_image
         from gnetmdk.chip.predictor import draw_detections
         self._guard(self._open)
         for i in range(n):

@@ -17,7 +17,7 @@ Four measurements on one split, each against the float model (BatchNorm folded, 
   size head the box sizes are fractions of the input side, so one step is ``cap / 31`` of it (8.8 px at
   224 px with cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results/accuracy-matrix.md, "The
   dense set through 2 x 2 tiles"); with the log size head one step multiplies the size by
-  ``size_min ** (-cap / 31)`` (gnetmdk.models.gnetdet.loss.output_sizes).
+  ``size_min ** (-cap / 31)`` (gnetmdk.models.gnetdet.head.output_sizes).
 
 Each cell holds the val mAP@0.5 and the output error: the relative L2 difference ``||y - y_float|| /
 ||y_float||`` of the model's outputs over every image (values, as ``forward`` returns them).

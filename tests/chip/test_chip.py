@@ -22,7 +22,8 @@ from chip_helpers import (DATASETS, REPO, build_step4_model, have, load_images, 
                           save_step4_checkpoint, write_config)
 
 from gnetmdk.config import load_config  # noqa: E402
-from gnetmdk.dataset.dataset import build_dataset, decode_image, preprocess_image  # noqa: E402
+from gnetmdk.dataset.dataset import build_dataset, preprocess_image  # noqa: E402
+from gnetmdk.dataset.image_io import decode_image  # noqa: E402
 from gnetmdk.chip import (ChipEmulator, ChipModelError, ConversionError, check_bit_exact,  # noqa: E402
                               chip_model_from_gnetdet, codes_to_predictions, convert_checkpoint, load_chip_model,
                               padded_output_channels, rounding_shift)

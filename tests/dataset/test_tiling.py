@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnetmdk.dataset.dataset import decode_image
+from gnetmdk.dataset.image_io import decode_image
 from gnetmdk.dataset.shapes import make_shapes_dataset
 from gnetmdk.dataset.tiling import MANIFEST, crop_boxes, load_manifest, tile_rects, tile_voc_dataset
 from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_meta, parse_voc_xml

@@ -158,7 +158,7 @@ def test_malformed_coco_json_is_one_line_from_train_py_device_cpu(tmp_path):
 def test_an_image_resized_after_xml_2_txt_is_refused_device_cpu(tmp_path):
     """xml_2_txt records the size every image's boxes were converted for; the dataset refuses an image
     that has another size now (its boxes would land beyond it), naming the image and the fix."""
-    from gnetmdk.dataset.dataset import ImageReadError
+    from gnetmdk.dataset.image_io import ImageReadError
     from gnetmdk.dataset.records import load_split
     from gnetmdk.dataset.voc import read_sizes
     root = str(tmp_path)
@@ -181,7 +181,7 @@ def test_an_image_resized_after_xml_2_txt_is_refused_device_cpu(tmp_path):
 
 
 def test_a_coco_width_other_than_the_image_is_refused(tmp_path):
-    from gnetmdk.dataset.dataset import ImageReadError
+    from gnetmdk.dataset.image_io import ImageReadError
     from gnetmdk.dataset.ppyolo_dataset import PPYOLODataset
     from gnetmdk.dataset.records import ExpectedSizes
     img_dir = tmp_path / "img"

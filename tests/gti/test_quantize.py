@@ -795,7 +795,7 @@ def test_output_cap_limit_rule_from_the_score_head_device_cpu(over, limit):
     from gnetmdk.config import build_config
     from gnetmdk.config.base import BaseConfig
     from gnetmdk.models import get_family
-    from gnetmdk.models.gnetdet.config import output_cap_limit
+    from gnetmdk.models.gnetdet.head import output_cap_limit
     cfg = build_config(BaseConfig, over)
     assert output_cap_limit(cfg.gnetdet) == pytest.approx(limit, rel=1e-12)
     assert get_family("gnetdet").output_cap_limit(cfg) == pytest.approx(limit, rel=1e-12)

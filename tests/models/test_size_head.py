@@ -13,9 +13,10 @@ from gnetmdk.config import BaseConfig, ConfigError, build_config
 from gnetmdk.dataset.dataset import encode_targets
 from gnetmdk.evaluation.boxes import paired_iou
 from gnetmdk.models.gnetdet import GNetDet
-from gnetmdk.models.gnetdet.decode import decode_gnetdet, output_head
-from gnetmdk.models.gnetdet.loss import (SIZE_MIN, cell_boxes_to_xyxy, gnetdet_loss, output_boxes,
-                                         output_sizes, size_codes)
+from gnetmdk.models.gnetdet.decode import decode_gnetdet
+from gnetmdk.models.gnetdet.head import (SIZE_MIN, cell_boxes_to_xyxy, output_boxes, output_head, output_sizes,
+                                         size_codes)
+from gnetmdk.models.gnetdet.loss import gnetdet_loss
 
 GRID, C = 14, 3
 

@@ -528,7 +528,7 @@ def test_loss_size_gradient_is_bounded_at_zero():
 
 
 def test_logit_head_scores_and_clipped_cross_entropy():
-    from gnetmdk.models.gnetdet.decode import output_scores
+    from gnetmdk.models.gnetdet.head import output_scores
     from gnetmdk.models.gnetdet.loss import LOGIT_MAX, logit_bce
     y = torch.tensor([0.0, 0.5, 1.0, 2.0])
     conf, cls = output_scores(y, y, "logit", score_offset=0.5, score_scale=10.0)

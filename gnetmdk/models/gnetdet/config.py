@@ -74,63 +74,6 @@ class GNetDetConfig(ConfigSection):
 register_section("gnetdet", GNetDetConfig)
 
 
-def check_score_head(score_head: str, score_scale: float, box_slots: int) -> None:
-    """The score head, its scale and the trained box slots: the one check the config, the model and the
-    loss share.
-
-    Raises:
-        ConfigError: naming the value and the allowed ones.
-    """
-    if score_head not in ("linear", "logit"):
-        raise ConfigError(f"score_head must be 'linear' or 'logit' (GTI: the scores are the outputs), not {score_head!r}")
-    if not (math.isfinite(float(score_scale)) and float(score_scale) > 0):
-        raise ConfigError(f"score_scale must be a positive number (the logit head's sigmoid(score_scale * "
-                          f"(output - score_offset))), not {score_scale!r}")
-    if box_slots not in (1, 2):
-        raise ConfigError(f"box_slots must be 1 (slot 1 always responsible) or 2 (YOLOv1: the slot with the "
-                          f"better IoU), not {box_slots!r}")
-
-
-#: the output cap rule's headroom over the top of the trained output range, per size head (output_cap_limit)
-OUTPUT_CAP_FACTOR = {"linear": 2.0, "log": 1.25}
-
-
-def output_cap_limit(g, model=None) -> float:
-    """The upper limit on the output layer's calibrated cap that ``g.output_cap_max`` asks for, in output
-    units (0 = no limit).
-
-    ``output_cap_max`` >= 0 is returned as it is. ``-1`` (the default) is the rule: the top of the range
-    the loss trains the outputs to, times :data:`OUTPUT_CAP_FACTOR` of the size head. Boxes are trained in
-    [0, 1] (sizes with the linear head, log-space codes with the log head); the linear head's scores are
-    the outputs, trained in [0, 1]; the logit head's score ``sigmoid(score_scale (output - score_offset))``
-    reaches 0.99 at ``score_offset + ln(99) / score_scale``, and outputs beyond change no score by more
-    than 0.01. So the top is ``max(1, score_offset + ln(99) / score_scale)`` for the logit head and 1 for
-    the linear one. The factor leaves the MSE search room inside the limit. 2 (linear size head) is the
-    value measured on the shapes demo, where a measured cap of 5.7 cost 15 points of mAP on its own and
-    the limit 2 brought the model back to within 2 points of its float model. 1.25 (log size head): there
-    one code step multiplies a box size by ``size_min ** (-cap / 31)``, so every unit of cap above the
-    trained range coarsens all box sizes; on the shapes demo trained with the log head (seed 1) limits of 1.77 (as measured), 1.5
-    and 1.25 ended step 4 at 2.5 and 1.0 points below step 1 and 1.6 above it (docs/results.md).
-
-    Args:
-        g: the ``gnetdet`` section (fields output_cap_max, score_head, score_offset, score_scale, size_head).
-        model: the GNetDet being calibrated, or None; its heads (score_head, score_offset, score_scale,
-            size_head), which a checkpoint keeps whatever the config says, take the place of the section's.
-    Returns:
-        float >= 0.
-    """
-    if g.output_cap_max != -1:
-        return float(g.output_cap_max)
-
-    def head(name):
-        return getattr(model, name, getattr(g, name)) if model is not None else getattr(g, name)
-
-    top = 1.0
-    if head("score_head") == "logit":
-        top = max(top, float(head("score_offset")) + math.log(99.0) / float(head("score_scale")))
-    return OUTPUT_CAP_FACTOR.get(str(head("size_head")), 2.0) * top
-
-
 def check_gnetdet_config(cfg) -> None:
     """Refuse GNetDet values out of range, naming the field (``gnetdet.<field>``) and the allowed values.
 
@@ -163,11 +106,11 @@ def check_gnetdet_config(cfg) -> None:
                       "set cap_lr 0 or gain_aware true")
     if g.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
+    from .head import check_score_head, check_size_head
     try:
         check_score_head(g.score_head, g.score_scale, g.box_slots)
     except ConfigError as exc:
         raise ConfigError(f"config section 'gnetdet': {exc}") from None
-    from .loss import check_size_head
     try:
         check_size_head(g.size_head, g.size_min)
     except ConfigError as exc:

@@ -6,30 +6,7 @@ from typing import Dict, List
 import torch
 
 from gnetmdk.evaluation.boxes import batched_nms
-from .loss import SIZE_MIN, cell_boxes_to_xyxy, output_boxes
-
-
-def output_head(obj) -> Dict[str, object]:
-    """The decode settings of a model, chip model or predictor ``obj``: its score head and size head
-    (attributes score_head, score_offset, score_scale, size_head, size_min; GTI's linear heads where
-    one is missing, as in files written before the option), as keyword arguments of decode_gnetdet."""
-    return {"score_head": str(getattr(obj, "score_head", "linear")),
-            "score_offset": float(getattr(obj, "score_offset", 4.0)),
-            "score_scale": float(getattr(obj, "score_scale", 1.0)),
-            "size_head": str(getattr(obj, "size_head", "linear")),
-            "size_min": float(getattr(obj, "size_min", SIZE_MIN))}
-
-
-def output_scores(conf: torch.Tensor, cls: torch.Tensor, score_head: str = "linear", score_offset: float = 4.0,
-                  score_scale: float = 1.0):
-    """(confidence, class scores) from the raw outputs: themselves ("linear", GTI) or
-    sigmoid(score_scale * (output - score_offset)) ("logit" head). Shapes are kept."""
-    if score_head == "logit":
-        return (torch.sigmoid(score_scale * (conf - score_offset)),
-                torch.sigmoid(score_scale * (cls - score_offset)))
-    from .config import check_score_head
-    check_score_head(score_head, score_scale, 1)          # anything but the two heads is refused here
-    return conf, cls
+from .head import SIZE_MIN, cell_boxes_to_xyxy, output_boxes, output_head, output_scores  # noqa: F401
 
 
 def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.05, nms_thresh: float = 0.5,
@@ -48,7 +25,7 @@ def decode_gnetdet(pred: torch.Tensor, num_classes: int, conf_thresh: float = 0.
         num_classes: C.
         score_head, score_offset, score_scale: how scores come from the outputs (output_scores; the
             model's meta).
-        size_head, size_min: how the w, h outputs give box sizes (gnetmdk.models.gnetdet.loss.output_sizes).
+        size_head, size_min: how the w, h outputs give box sizes (gnetmdk.models.gnetdet.head.output_sizes).
         pre_nms_top: at most this many (box, class) candidates per image enter NMS (the best scores).
     Raises:
         ConfigError (a ValueError): an unknown score or size head.

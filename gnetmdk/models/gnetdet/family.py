@@ -24,9 +24,9 @@ class GNetDetFamily(DetectorFamily):
 
     def output_cap_limit(self, cfg, model=None) -> float:
         """The output layer's cap limit: ``gnetdet.output_cap_max``, or with -1 the rule of
-        :func:`gnetmdk.models.gnetdet.config.output_cap_limit` from the score and size heads (``model``'s
+        :func:`gnetmdk.models.gnetdet.head.output_cap_limit` from the score and size heads (``model``'s
         when given: a checkpoint keeps the heads it was trained with)."""
-        from .config import output_cap_limit
+        from .head import output_cap_limit
         return output_cap_limit(cfg.gnetdet, model)
 
     def calibrate(self, model: nn.Module, batches, cfg, device, progress) -> Dict[str, Any]:

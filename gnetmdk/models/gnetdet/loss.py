@@ -20,94 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from gnetmdk.evaluation.boxes import paired_iou
-
-
-def cell_boxes_to_xyxy(boxes: torch.Tensor, grid: int) -> torch.Tensor:
-    """Convert (..., S, S, 4) [x, y, w, h] cell-encoded boxes to image-relative [x1, y1, x2, y2].
-
-    Args:
-        boxes: (N, S, S, 4) or (N, S, S, K, 4) float; x, y in cell units, w, h relative to the image.
-        grid: S.
-    Returns:
-        same shape, corners relative to the image (0..1 for boxes inside it).
-    """
-    s = grid
-    rows = torch.arange(s, device=boxes.device, dtype=boxes.dtype).view(1, s, 1)
-    cols = torch.arange(s, device=boxes.device, dtype=boxes.dtype).view(1, 1, s)
-    extra = boxes.dim() - 4
-    for _ in range(extra):
-        rows, cols = rows.unsqueeze(-1), cols.unsqueeze(-1)
-    cx = (cols + boxes[..., 0]) / s
-    cy = (rows + boxes[..., 1]) / s
-    hw, hh = boxes[..., 2] / 2, boxes[..., 3] / 2
-    return torch.stack([cx - hw, cy - hh, cx + hw, cy + hh], dim=-1)
-
-
-SIZE_HEADS = ("linear", "log")
-"""How the w, h outputs give box sizes: "linear" (GTI: the outputs are the sizes) or "log" (output_sizes)."""
-
-SIZE_MIN = 1.0 / 64
-"""Default smallest box size of the "log" size head, as a fraction of the image side (3.5 px at 224)."""
-
-
-def output_sizes(y: torch.Tensor, size_head: str = "linear", size_min: float = SIZE_MIN) -> torch.Tensor:
-    """Box sizes (fraction of the image side) from the w or h outputs ``y`` (elementwise, any float shape).
-
-    "linear" (GTI): the outputs are the sizes. "log": ``size = size_min ** (1 - y)``, so an output of
-    0 is a box of ``size_min`` and 1 a box as large as the image, and one output step multiplies the
-    size by the same factor at every size. The output layer's 5-bit codes step by cap / 31
-    (docs/quantization.md, "Activations"); with the linear head that is cap / 31 of the image side
-    whatever the box (8.8 px at 224 px for a cap of 1.22, more than half of a 16-px box), with the log
-    head a relative step of
-    ``size_min ** (-cap / 31)`` (1.18 for 1/64 and cap 1.22, so a rounding error of at most 9% of the
-    box). The same idea as YOLOv2's ``exp(t)`` sizes (Redmon and Farhadi 2017), written for an output
-    that a capped ReLU keeps in [0, cap]. Sizes are capped at 2 (twice the image side) so that untrained
-    outputs stay finite.
-
-    Raises:
-        ConfigError (a ValueError): size_head or size_min out of range (check_size_head).
-    """
-    if size_head == "linear":
-        return y
-    check_size_head(size_head, size_min)
-    log_min = math.log(size_min)
-    return torch.exp(((1.0 - y) * log_min).clamp(max=math.log(2.0)))
-
-
-def size_codes(size: torch.Tensor, size_head: str = "linear", size_min: float = SIZE_MIN) -> torch.Tensor:
-    """The outputs that give the box sizes ``size`` (fraction of the image side): the inverse of
-    output_sizes, ``1 - ln(size) / ln(size_min)`` for the log head, clamped to [0, 1] (a box smaller
-    than size_min is trained to output 0, size_min itself). Elementwise, any float shape."""
-    if size_head == "linear":
-        return size
-    check_size_head(size_head, size_min)
-    return (1.0 - torch.log(size.clamp(min=size_min)) / math.log(size_min)).clamp(0.0, 1.0)
-
-
-def check_size_head(size_head: str, size_min: float) -> None:
-    """Refuse a size head other than "linear" / "log" or a size_min outside (0, 1).
-
-    Raises:
-        ConfigError (a ValueError), naming the value and the allowed ones.
-    """
-    from gnetmdk.config.base import ConfigError
-    if size_head not in SIZE_HEADS:
-        raise ConfigError(f"size_head must be 'linear' (GTI: the w, h outputs are the sizes) or 'log' "
-                          f"(size = size_min ** (1 - output)), not {size_head!r}")
-    try:
-        ok = 0.0 < float(size_min) < 1.0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(f"size_min must be a fraction of the image side in (0, 1) (the log size head's "
-                          f"smallest box, e.g. {SIZE_MIN:g}), not {size_min!r}")
-
-
-def output_boxes(boxes: torch.Tensor, size_head: str = "linear", size_min: float = SIZE_MIN) -> torch.Tensor:
-    """(..., 4) [x, y, w, h] outputs -> (..., 4) [x, y, w, h] with w, h as sizes (output_sizes)."""
-    if size_head == "linear":
-        return boxes
-    return torch.cat([boxes[..., :2], output_sizes(boxes[..., 2:4], size_head, size_min)], dim=-1)
+from .head import (SIZE_HEADS, SIZE_MIN, cell_boxes_to_xyxy, check_score_head, check_size_head,  # noqa: F401
+                   output_boxes, output_sizes, size_codes)
 
 
 class _ClampBack(torch.autograd.Function):
@@ -216,10 +130,9 @@ def gnetdet_loss(pred: torch.Tensor, target: torch.Tensor, l_coord: float = 5.0,
         when l_range > 0) and ``total`` (their sum). Each is a per-image sum averaged over the batch.
     Raises:
         ValueError: shapes differ, the last dimension is < 11; ConfigError (a ValueError): score_head,
-            score_scale or box_slots out of range (gnetmdk.models.gnetdet.config.check_score_head), size_head
+            score_scale or box_slots out of range (gnetmdk.models.gnetdet.head.check_score_head), size_head
             or size_min out of range (check_size_head).
     """
-    from .config import check_score_head
     check_score_head(score_head, score_scale, box_slots)
     check_size_head(size_head, size_min)
     if pred.shape != target.shape or pred.dim() != 4 or pred.shape[-1] < 11:

@@ -225,10 +225,10 @@ class GNetDet(nn.Module):
         l_coord, l_noobj, l_class, l_range: loss weights; score_loss: "smooth_l1" or "bce"; box_slots: 1 or 2
             box slots trained per cell (training only; the output keeps two slots) (gnetmdk.models.gnetdet.loss).
         score_head: "linear" (GTI: scores are the outputs) or "logit" (scores are sigmoid(output -
-            score_offset), applied on the host; see gnetmdk.models.gnetdet.decode.output_scores); score_scale:
+            score_offset), applied on the host; see gnetmdk.models.gnetdet.head.output_scores); score_scale:
             the logit head's k in sigmoid(k (output - score_offset)).
         size_head, size_min: how the w, h outputs give box sizes: "linear" (GTI: the outputs are the sizes)
-            or "log" (size_min ** (1 - output), applied on the host; gnetmdk.models.gnetdet.loss.output_sizes).
+            or "log" (size_min ** (1 - output), applied on the host; gnetmdk.models.gnetdet.head.output_sizes).
         gain_aware: in step 3 (quantized weights, capped 5-bit activations) compute as the gain-edited
             step-4 model does: each conv's weights and bias quantized as gain editing will leave them
             (QConv2d.gain), integer codes between the layers (QReLU.code_domain) and the host scale
@@ -270,12 +270,11 @@ class GNetDet(nn.Module):
         # the output layer's ReLU lets object-cell gradients through below 0 (training only; the
         # forward value, and so the chip, is unchanged)
         self.layers[-1].relu.revive = True
-        from .config import check_score_head
+        from .head import check_score_head, check_size_head
         check_score_head(score_head, score_scale, box_slots)
         self.score_head = score_head
         self.score_offset = float(score_offset)
         self.score_scale = float(score_scale)
-        from .loss import check_size_head
         check_size_head(size_head, size_min)
         self.size_head = str(size_head)
         self.size_min = float(size_min)
@@ -427,5 +426,6 @@ class GNetDet(nn.Module):
 
     def decode(self, pred: torch.Tensor, conf_thresh: float, nms_thresh: float, max_detections: int = 100):
         """Per-image detections (see gnetmdk.models.gnetdet.decode.decode_gnetdet)."""
-        from .decode import decode_gnetdet, output_head
+        from .decode import decode_gnetdet
+        from .head import output_head
         return decode_gnetdet(pred, self.num_classes, conf_thresh, nms_thresh, max_detections, **output_head(self))
