@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(REPO, "gnetmdk")
 
 #: package (a prefix of the module name under gnetmdk) -> floor; the first matching prefix wins
-FLOORS = (("config", 1), ("checkpoint", 2), ("dist", 2), ("align", 2), ("chip", 7),
+FLOORS = (("utils", 1), ("config", 1), ("checkpoint", 2), ("dist", 2), ("align", 2), ("chip", 7),
           ("gti", 3), ("intq", 3), ("layers", 4), ("dataset", 4), ("evaluation", 5), ("models", 6), ("engine", 8))
 
 #: the module-level circle allowed: gnetmdk.models imports its families, which import it to register themselves

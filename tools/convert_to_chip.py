@@ -42,7 +42,8 @@ def parse_args(argv):
 def main(argv) -> int:
     """Run the tool; returns the exit status (0 ok, 1 check failed where applicable, 2 user error)."""
     args, overrides = parse_args(argv)
-    from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, text_writer
+    from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.utils.atomic import atomic_write_set, text_writer
     from gnetmdk.config import load_config
     from gnetmdk.chip import ChipEmulator, check_bit_exact, convert_checkpoint
     from gnetmdk.chip.model_file import FLOAT32_EXACT_LIMIT

@@ -106,7 +106,8 @@ def main(argv) -> int:
         except ValueError as exc:
             return fail(f"--provider {args.provider}: {exc}")
     import torch
-    from gnetmdk.checkpoint.io import CheckpointError, atomic_write_set, load_checkpoint
+    from gnetmdk.checkpoint.io import CheckpointError, load_checkpoint
+    from gnetmdk.utils.atomic import atomic_write_set
     from gnetmdk.config import load_config
     from gnetmdk.intq.program import ProgramError
     cfg = load_config(args.config, overrides)

@@ -51,7 +51,7 @@ def main(argv) -> int:
     import cv2
     import numpy as np
     import torch
-    from gnetmdk.checkpoint.io import atomic_write_text
+    from gnetmdk.utils.atomic import atomic_write_text
     from gnetmdk.dataset.dataset import preprocess_image
     from gnetmdk.dataset.image_io import ImageReadError, decode_image
     from gnetmdk.chip.predictor import (detection_records, draw_detections, iter_video, list_inputs,

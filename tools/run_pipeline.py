@@ -174,7 +174,7 @@ def main(argv) -> int:
     if step1_plateau is not None:
         records[0]["plateau_span"] = step1_plateau[0]
     if args.json:
-        from gnetmdk.checkpoint.io import atomic_write_text
+        from gnetmdk.utils.atomic import atomic_write_text
         try:
             atomic_write_text(args.json, json.dumps(records, indent=2) + "\n")   # all or nothing
         except OSError as exc:

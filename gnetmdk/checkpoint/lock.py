@@ -14,7 +14,9 @@ import sys
 import time
 from typing import Dict, Optional
 
-from .io import CheckpointError, atomic_write_text
+from gnetmdk.utils.atomic import atomic_write_text
+
+from .io import CheckpointError
 
 LOCK_NAME = ".lock"
 HOLDER_NAME = ".lock.json"

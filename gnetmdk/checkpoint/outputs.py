@@ -36,7 +36,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .io import FORMAT, VERSION, CheckpointError, atomic_write_set, atomic_write_text, load_checkpoint, text_writer
+from gnetmdk.utils.atomic import atomic_write_set, atomic_write_text, text_writer
+
+from .io import FORMAT, VERSION, CheckpointError, load_checkpoint
 
 RUN_DIR = "run"
 PREVIOUS_DIR = "previous"

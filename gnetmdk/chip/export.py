@@ -105,7 +105,7 @@ def write_gti_files(chip_model: ChipModel, out_dir: str, data_file: str = "") ->
     Returns:
         name -> path of every file (relu_cap included even when kept).
     """
-    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
+    from gnetmdk.utils.atomic import atomic_write_set, text_writer
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_set({p: text_writer(t) for p, t in gti_file_texts(chip_model, out_dir, data_file).items()})
     return {k: os.path.join(out_dir, v) for k, v in gti_file_names(chip_model).items()}

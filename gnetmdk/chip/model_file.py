@@ -256,7 +256,7 @@ class ChipModel:
         Raises:
             ChipModelError: the model is inconsistent (see :meth:`validate`).
         """
-        from gnetmdk.checkpoint.io import atomic_write_text
+        from gnetmdk.utils.atomic import atomic_write_text
         atomic_write_text(path, self.to_json(path))
         return path
 

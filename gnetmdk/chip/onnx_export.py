@@ -152,7 +152,7 @@ def onnx_bytes(chip_model: ChipModel, all_layers: bool = False) -> bytes:
 
 def save_onnx(chip_model: ChipModel, path: str, all_layers: bool = False) -> str:
     """Build and write the ONNX model atomically; returns ``path``."""
-    from gnetmdk.checkpoint.io import atomic_write_bytes
+    from gnetmdk.utils.atomic import atomic_write_bytes
     data = onnx_bytes(chip_model, all_layers)
     atomic_write_bytes(path, lambda fh: fh.write(data))
     return path

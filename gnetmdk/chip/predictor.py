@@ -18,6 +18,7 @@ import torch
 from gnetmdk.gti.quantize import image_to_codes
 from gnetmdk.models.gnetdet.decode import decode_gnetdet
 from gnetmdk.models.gnetdet.head import output_head
+from gnetmdk.evaluation.draw import draw_detections  # noqa: F401 (its earlier home)
 from .model_file import ChipModelError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -196,30 +197,7 @@ def iter_video(path: str, batch_size: int = 8) -> Iterator[Tuple[int, List[np.nd
         cap.release()
 
 
-# ------------------------------------------------------------------ drawing and records
-def _color(label: int) -> Tuple[int, int, int]:
-    rng = np.random.default_rng(label * 7919 + 17)
-    return tuple(int(c) for c in rng.integers(64, 256, 3))
-
-
-def draw_detections(img: np.ndarray, det: Dict[str, torch.Tensor], class_names: Sequence[str]) -> np.ndarray:
-    """A copy of ``img`` (BGR uint8) with boxes, class names and scores drawn (pixel coordinates)."""
-    out = img.copy()
-    h, w = out.shape[:2]
-    thick = max(1, round(min(h, w) / 300))
-    font = 0.4 + min(h, w) / 1500
-    for box, score, label in zip(det["boxes"].tolist(), det["scores"].tolist(), det["labels"].tolist()):
-        x1, y1, x2, y2 = (int(round(v)) for v in box)
-        color = _color(int(label))
-        cv2.rectangle(out, (x1, y1), (x2, y2), color, thick)
-        text = f"{class_names[int(label)]} {score:.2f}"
-        (tw, th), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, font, 1)
-        ty = max(th + base, y1)
-        cv2.rectangle(out, (x1, ty - th - base), (x1 + tw, ty), color, -1)
-        cv2.putText(out, text, (x1, ty - base), cv2.FONT_HERSHEY_SIMPLEX, font, (0, 0, 0), 1, cv2.LINE_AA)
-    return out
-
-
+# ------------------------------------------------------------------ records
 def detection_records(det: Dict[str, torch.Tensor], class_names: Sequence[str]) -> List[Dict[str, object]]:
     """JSON-ready detections: [{"class", "label", "score", "box": [x1, y1, x2, y2] pixels}], best first."""
     return [{"class": class_names[int(l)], "label": int(l), "score": round(float(s), 6),

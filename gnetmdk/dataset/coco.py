@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from gnetmdk.checkpoint.io import atomic_write_text
+from gnetmdk.utils.atomic import atomic_write_text
 
 __all__ = ["CocoFormatError", "CocoData", "read_coco_json", "write_coco_json", "coco_json_text"]
 

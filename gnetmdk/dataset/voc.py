@@ -339,7 +339,7 @@ def format_meta_line(image_name: str, boxes: Iterable[Sequence[int]], labels: It
 def _atomic_write_many(contents: dict[str, str]) -> None:
     """Write every {path: text} as one set (gnetmdk.checkpoint.io.atomic_write_set): nothing replaced
     unless all are written."""
-    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
+    from gnetmdk.utils.atomic import atomic_write_set, text_writer
     atomic_write_set({str(p): text_writer(t) for p, t in contents.items()})
 
 
@@ -522,7 +522,7 @@ def convert_voc_to_coco(dataset_dir: str, class_names: Sequence[str], out_train:
     Raises:
         what :func:`convert_voc_to_meta` raises; nothing is written then.
     """
-    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
+    from gnetmdk.utils.atomic import atomic_write_set, text_writer
     from .coco import coco_json_text
 
     def write(splits, names):

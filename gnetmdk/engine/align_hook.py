@@ -16,7 +16,8 @@ import torch
 
 from gnetmdk.align.record import (RECORD_FORMAT, _RELEVANT, AlignmentError, ReplayLoader, _norm, _npz_bytes,
                                   cfg_true, check_alignment_config, cpu_kernels, read_meta)
-from gnetmdk.checkpoint.io import atomic_write_bytes, atomic_write_text, save_checkpoint
+from gnetmdk.checkpoint.io import save_checkpoint
+from gnetmdk.utils.atomic import atomic_write_bytes, atomic_write_text
 from gnetmdk.dist.comm import gather_process_rows, get_rank, get_world_size, is_dist, is_main_process
 
 from .hooks import HookBase

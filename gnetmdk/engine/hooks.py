@@ -224,7 +224,7 @@ class TensorboardHook(HookBase):
             return
         import cv2
         from gnetmdk.dataset.image_io import decode_image
-        from gnetmdk.chip.predictor import draw_detections
+        from gnetmdk.evaluation.draw import draw_detections
         self._guard(self._open)
         for i in range(n):
             det, gt = res["detections"][i], res["truths"][i]

@@ -109,7 +109,7 @@ def _finite_or_none(v: Any) -> Optional[float]:
 
 def _write_pair(fig, png_path: str, data: Dict[str, Any], dpi: int = 100) -> List[str]:
     """Render ``fig`` to PNG bytes, then write the PNG and ``data`` as JSON (same stem) as one set."""
-    from gnetmdk.checkpoint.io import atomic_write_set, text_writer
+    from gnetmdk.utils.atomic import atomic_write_set, text_writer
     json_path = _json_path(png_path)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

@@ -96,7 +96,7 @@ class _Faults:
     """Make the N-th and later temporary files written by gnetmdk (atomic writes) fail with ``code``."""
 
     def __init__(self, monkeypatch, code: int, after: int = 0):
-        from gnetmdk.checkpoint import io as cio
+        from gnetmdk.utils import atomic as cio
         self.calls = 0
         real = cio._write_temp
 
