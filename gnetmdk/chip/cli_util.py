@@ -1,28 +1,11 @@
 """Shared pieces of the chip tools' command lines (tools/convert_to_chip.py, chip_eval.py, predict.py,
-eval_voc.py, stage_report.py): which errors are the user's, and how models are loaded for evaluation."""
+eval_voc.py, stage_report.py): how models are loaded for evaluation. Which errors are the user's is one
+list for every tool, gnetmdk.engine.cli.user_errors."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
-
-# the command-line reading every tool shares lives with the config (gnetmdk.config.cli); re-exported here
-from gnetmdk.config.cli import Parser, at_least, fail, fraction, parse_with_overrides  # noqa: F401
-
-
-def user_errors() -> Tuple[type, ...]:
-    """Exception types a user can cause (bad path, bad config, wrong checkpoint, a model the chip cannot
-    run): the tools print them as one line ``error: ...`` and exit with status 2."""
-    from gnetmdk.align.compare import CompareError
-    from gnetmdk.checkpoint.io import CheckpointError
-    from gnetmdk.checkpoint.paddle import PaddleFormatError
-    from gnetmdk.config.base import ConfigError          # ChipModelError, ConversionError, ChipLimitError
-    from gnetmdk.dataset.coco import CocoFormatError
-    from gnetmdk.dataset.image_io import ImageReadError
-    from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
-    from gnetmdk.evaluation.plots import PlotError
-    return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, FileNotFoundError,
-            PlotError, CocoFormatError, PaddleFormatError, CompareError)
 
 
 def stage_of(ckpt: Dict[str, Any], path: str):

@@ -77,14 +77,23 @@ def _worker_entry(recipe: dict) -> None:
 
 
 def user_errors() -> Tuple[type, ...]:
-    """Exception kinds that are the user's to fix, for every tool, train.py and train-dist.py: the chip
-    tools' kinds (gnetmdk.chip.cli_util.user_errors: a bad path, config, checkpoint, dataset or chip
-    model), the launcher's (LaunchError) and the trainer's (TrainingError). Each is reported as one line
-    ``error: ...`` with exit status 2 (or the error's ``exit_code``)."""
+    """Exception kinds that are the user's to fix, the one list for every tool, train.py and
+    train-dist.py: a bad path, config, checkpoint, Paddle weight file, dataset (annotations, meta file,
+    COCO json, an unreadable image), chip model or plot request, a comparison of two recordings that do
+    not fit, the launcher's refusals (LaunchError) and the trainer's (TrainingError). Each is reported as
+    one line ``error: ...`` with exit status 2 (or the error's ``exit_code``)."""
+    from gnetmdk.align.compare import CompareError
+    from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.checkpoint.paddle import PaddleFormatError
+    from gnetmdk.config.base import ConfigError          # ChipModelError, ConversionError, ChipLimitError
+    from gnetmdk.dataset.coco import CocoFormatError
+    from gnetmdk.dataset.image_io import ImageReadError
+    from gnetmdk.dataset.voc import MetaFormatError, VOCFormatError
     from gnetmdk.dist.launch import LaunchError
-    from gnetmdk.chip.cli_util import user_errors as tool_errors
+    from gnetmdk.evaluation.plots import PlotError
     from .trainer import TrainingError
-    return tool_errors() + (LaunchError, TrainingError)
+    return (ConfigError, CheckpointError, ImageReadError, MetaFormatError, VOCFormatError, FileNotFoundError,
+            PlotError, CocoFormatError, PaddleFormatError, CompareError, LaunchError, TrainingError)
 
 
 def tool_main(main: Callable[..., int]) -> Callable[..., int]:
