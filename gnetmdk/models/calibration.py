@@ -299,11 +299,18 @@ def correct_biases(model, batches: Callable[[], Iterable[torch.Tensor]], device:
     return shifts
 
 
+#: the cap of a layer whose pre-activations were never positive over the calibration set (a dead
+#: layer: its output is 0 whatever the cap, so any positive cap keeps the model's values; a cap of 0
+#: would divide by zero in the 5-bit codes and in gain editing)
+DEAD_LAYER_CAP = 1.0
+
+
 @torch.no_grad()
 def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: str = "percentile",
                    device: Optional[torch.device] = None, progress: Callable = lambda it, desc: it,
                    output_cap_max: float = 0.0, equalize: float = 0.0,
-                   equalize_max_scale: float = 8.0, bias_correct: bool = False) -> List[float]:
+                   equalize_max_scale: float = 8.0, bias_correct: bool = False,
+                   dead: Optional[List[int]] = None) -> List[float]:
     """The calibration stage on ``model``: switch it to the "cal" stage (quantized weights, plain
     ReLUs, eval mode), with ``equalize`` > 0 equalize the channels' ranges first (:func:`equalize_ranges`,
     ``alpha = equalize``, ``max_scale = equalize_max_scale``), :func:`measure_caps` ("output": the "mse" caps refined by
@@ -316,7 +323,11 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
     measured cap to several units, and 5-bit codes over such a range leave the trained range a few
     codes (docs/results/shapes-demo.md: a cap of 5.7 cost 15 points of mAP on its own, 2.0 cost 2).
 
-    ``bias_correct`` then, with every cap set, shifts the convs' biases (:func:`correct_biases`)."""
+    ``bias_correct`` then, with every cap set, shifts the convs' biases (:func:`correct_biases`).
+
+    A layer that saw no positive pre-activation (measured cap 0) gets :data:`DEAD_LAYER_CAP`, before
+    the output-error search and the limit; its index (0-based, in ``model.relus()`` order) is appended
+    to ``dead`` when a list is given, for the caller to report."""
     from .stages import STAGES, apply_stage
     relus = list(model.relus())
     for relu in relus:
@@ -326,6 +337,11 @@ def calibrate_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method:
     if equalize > 0:
         equalize_ranges(model, batches, equalize, equalize_max_scale, device, progress)
     caps = measure_caps(model, batches, "mse" if method == "output" else method, device, progress)
+    for i, c in enumerate(caps):
+        if not c > 0:
+            caps[i] = DEAD_LAYER_CAP
+            if dead is not None:
+                dead.append(i)
     limit = float(output_cap_max)
     if limit > 0:
         caps[-1] = min(caps[-1], _f32(limit))

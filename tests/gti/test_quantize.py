@@ -876,3 +876,41 @@ def test_quantize_conv_values_without_bias_and_refusals():
         Q.quantize_conv_values([ws[0], ws[1].double()], [None, None], 3, 8, 20)
     with pytest.raises(ValueError, match="unknown weight format 4"):
         Q.quantize_conv_values(ws, [None] * 3, 4, 8, 20)
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "output"])
+def test_a_dead_layer_gets_a_positive_cap_and_is_reported_device_cpu(method):
+    """A layer whose pre-activations are never positive over the calibration set (here all exactly 0:
+    zero weights and bias) is dead: its measured cap is 0, which would make its 5-bit codes 0 * 31 / 0
+    (NaN) and gain editing divide by 0. It gets DEAD_LAYER_CAP instead, the model's values stay finite
+    and equal to those with any other positive cap there, step 4's gain editing goes through, and the
+    family's calibration names the layer (major.sub) in what it reports (device cpu)."""
+    from gnetmdk.config import build_config
+    from gnetmdk.config.base import BaseConfig
+    from gnetmdk.engine.calibration import calibrate_caps
+    from gnetmdk.gti.transforms import fold_requant_multipliers
+    from gnetmdk.models import get_family
+    from gnetmdk.models.calibration import DEAD_LAYER_CAP
+    from gnetmdk.models.gnetdet.model import GNetDet
+    torch.manual_seed(0)
+    base = GNetDet(3, 224, 0.0625, use_bn=False)
+    with torch.no_grad():
+        base.layers[2].conv.weight.zero_()
+        base.layers[2].conv.bias.zero_()
+    x = torch.randint(0, 32, (2, 3, 224, 224), generator=torch.Generator().manual_seed(1)).float()
+    m, dead = copy.deepcopy(base), []
+    caps = calibrate_caps(m, lambda: [x], method, dead=dead)
+    assert dead == [2] and caps[2] == DEAD_LAYER_CAP and all(c > 0 for c in caps)
+    m.eval()
+    with torch.no_grad():
+        y = m(x)
+        m.layers[2].relu.cap.fill_(7.0)
+        assert torch.isfinite(y).all() and torch.equal(m(x), y)
+    fold_requant_multipliers(m)                              # step 4's edit: no cap of 0 to divide by
+    cfg = build_config(BaseConfig, ["gnetdet.cap_method", method, "gnetdet.width_mult", "0.0625",
+                                    "gnetdet.use_bn", "false", "VOC_CLASSES", "a,b,c"])
+    out = get_family("gnetdet").calibrate(copy.deepcopy(base), lambda: [x], cfg, torch.device("cpu"),
+                                          lambda it, desc: it)
+    spec = base.specs[2]
+    assert f"layer(s) {spec.major + 1}.{spec.index_in_major + 1} (dead" in out["how"]
+    assert out["caps"][2] == DEAD_LAYER_CAP

@@ -40,10 +40,12 @@ class GNetDetFamily(DetectorFamily):
         """
         from gnetmdk.models.calibration import calibrate_caps
         g = cfg.gnetdet
+        from gnetmdk.models.calibration import DEAD_LAYER_CAP
         limit = self.output_cap_limit(cfg, model)
+        dead: list = []
         caps = calibrate_caps(model, batches, g.cap_method, device, progress, output_cap_max=limit,
                               equalize=float(g.equalize), equalize_max_scale=float(g.equalize_max_scale),
-                              bias_correct=bool(g.bias_correct))
+                              bias_correct=bool(g.bias_correct), dead=dead)
         how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
                "output": "MSE-best for 5-bit codes, then searched against the network's output error",
                }.get(g.cap_method, f"{g.cap_percentile:g}th percentile, running max over {{batches}} batches")
@@ -54,6 +56,10 @@ class GNetDetFamily(DetectorFamily):
                    f"{g.equalize_max_scale:g}), " + how)
         if g.bias_correct:
             how += "; biases corrected to the float activations' channel means"
+        if dead:
+            names = ", ".join(f"{model.specs[i].major + 1}.{model.specs[i].index_in_major + 1}" for i in dead)
+            how += (f"; no positive value reached layer(s) {names} (dead: their output is 0 whatever the cap), "
+                    f"cap {DEAD_LAYER_CAP:g}")
         return {"caps": caps, "how": how, "label": "caps", "file": ("relu_cap.txt", "".join(f"{c:.8g}\n" for c in caps))}
 
     # ------------------------------------------------------------------ models
