@@ -3,6 +3,7 @@ with a zero point), with straight-through gradients. Formulas: gnetmdk.intq (pac
 """
 from __future__ import annotations
 
+import weakref
 from typing import Tuple
 
 import torch
@@ -117,6 +118,10 @@ class ActQuant(nn.Module):
       methods: these also keep a host copy that the forward reads, so that no forward waits for the
       device to read a switch.
 
+    The (scale, zero point) the forward uses are computed from ``min_val`` / ``max_val`` on the host once
+    and kept until either buffer is replaced or changed in place (its version counter moves: calibration,
+    ``load_state_dict``, an EMA's copy), so that a forward reads nothing back from the device either.
+
     ``activation_post_process``: the observer the calibration attaches (an object with
     ``forward(x)`` / ``__call__(x)`` that records ``x``, and ``calculate_qparams()``), or None. With
     ``observer_enabled`` each input is passed to it (detached). With ``fake_quant_enabled`` the input
@@ -135,6 +140,11 @@ class ActQuant(nn.Module):
         self.register_buffer("observer_enabled", torch.zeros((), dtype=torch.uint8), persistent=False)
         self.activation_post_process = None
         self._switches = {"fake_quant": False, "observer": False}     # host copies of the two buffers
+        self._qparams = None     # (min_val, its version, max_val, its version, (scale, zero point)); min/max weakly
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_qparams": None}       # weak references are not copied: a copy computes its own
 
     def enable_fake_quant(self, enabled: bool = True) -> "ActQuant":
         """Switch fake quantization on (or off with ``enabled=False``); returns self."""
@@ -162,8 +172,19 @@ class ActQuant(nn.Module):
         return bool(self.max_val > self.min_val)
 
     def calculate_qparams(self) -> Tuple[float, int]:
-        """(scale, zero point) of the current range (:func:`act_qparams`)."""
-        return act_qparams(float(self.min_val), float(self.max_val))
+        """(scale, zero point) of the current range (:func:`act_qparams`), read from the device only when
+        ``min_val`` or ``max_val`` is another tensor or has changed since the last call."""
+        lo, hi = self.min_val, self.max_val
+        try:
+            versions = (lo._version, hi._version)
+        except RuntimeError:           # inference tensors keep no version counter: compute every time
+            return act_qparams(float(lo), float(hi))
+        c = self._qparams
+        if c is not None and c[0]() is lo and c[1] == versions[0] and c[2]() is hi and c[3] == versions[1]:
+            return c[4]
+        q = act_qparams(float(lo), float(hi))
+        self._qparams = (weakref.ref(lo), versions[0], weakref.ref(hi), versions[1], q)
+        return q
 
     def qparams(self) -> Tuple[float, int]:
         """The same as :meth:`calculate_qparams` (the integer program's name for it)."""

@@ -293,3 +293,46 @@ def test_quantized_checkpoint_layout_rebuilds_device_cpu():
     x = _images()
     for a, b in zip(m(x), again(x)):
         assert torch.equal(a, b)
+
+
+def test_act_quant_reads_its_range_once_and_follows_every_change_device_cpu():
+    """ActQuant's forward takes (scale, zero point) from a host copy: a forward after the first reads
+    nothing back from the device (on CUDA: no wait per quantizer), and the copy follows the range when
+    it changes in place (calibration's fill_, load_state_dict), when a buffer is replaced, and in a
+    deep copy or a pickled copy (device cpu)."""
+    import copy
+    import pickle
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+            return func(*args, **(kwargs or {}))
+
+    def want(x, lo, hi):
+        s, z = act_qparams(lo, hi)
+        return (torch.clamp(torch.floor(x / s + 0.5) + z, 0, 255) - z) * s
+
+    x = torch.linspace(-2.0, 5.0, 301)
+    q = ActQuant().enable_fake_quant()
+    q.min_val.fill_(-1.0)
+    q.max_val.fill_(3.0)
+    assert torch.equal(q(x), want(x, -1.0, 3.0))
+    with Reads() as reads:
+        y = q(x)
+    assert reads.n == 0 and torch.equal(y, want(x, -1.0, 3.0))
+    q.max_val.fill_(4.0)                                           # calibration writes in place
+    assert torch.equal(q(x), want(x, -1.0, 4.0))
+    q.load_state_dict({"min_val": torch.tensor(-0.5), "max_val": torch.tensor(2.0)})
+    assert torch.equal(q(x), want(x, -0.5, 2.0))
+    q.min_val = torch.tensor(0.0)                                  # a buffer replaced
+    assert torch.equal(q(x), want(x, 0.0, 2.0))
+    twin = copy.deepcopy(q)
+    twin.max_val.fill_(1.0)
+    assert torch.equal(twin(x), want(x, 0.0, 1.0)) and torch.equal(q(x), want(x, 0.0, 2.0))
+    back = pickle.loads(pickle.dumps(q))
+    assert torch.equal(back(x), want(x, 0.0, 2.0))
