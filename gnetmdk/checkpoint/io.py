@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 from typing import Any, Dict
 

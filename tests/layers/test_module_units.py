@@ -13,7 +13,6 @@ import math
 import os
 import sys
 
-import cv2
 import numpy as np
 import pytest
 import torch
