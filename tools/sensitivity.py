@@ -13,7 +13,9 @@ centres, only the box sizes or only the scores on the output layer's 5-bit code 
 outputs that layer's resolution costs; box sizes are fractions of the input side, so small boxes
 suffer first). Then the suggested mask_bits: per
 major layer the fewest bits within --tolerance (mAP units, default 0.005 = half a point) of the float
-model. --plots DIR writes sensitivity.png/.json (bars of the mAP change per layer; needs matplotlib).
+model, then that choice evaluated with every major layer quantized at once, and while it misses the
+tolerance the layer with the largest output error alone moved to its next weight format
+(gnetmdk.gti.sensitivity.check_mask_bits): the suggestion printed last is the one measured whole. --plots DIR writes sensitivity.png/.json (bars of the mAP change per layer; needs matplotlib).
 Exit status: 0 ok; 2 a user error (one line on stderr).
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main(argv) -> int:
     from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
     from gnetmdk.config import load_config
     from gnetmdk.dataset.dataset import build_dataset
-    from gnetmdk.gti.sensitivity import format_sensitivity, measure_sensitivity, suggest_mask_bits
+    from gnetmdk.gti.sensitivity import check_mask_bits, format_sensitivity, measure_sensitivity, suggest_mask_bits
     from gnetmdk.gti.transforms import fold_bn
     if args.plots is not None:
         from gnetmdk.evaluation.plots import prepare_plot_dir, require_matplotlib
@@ -104,16 +106,19 @@ def main(argv) -> int:
     dataset = build_dataset(cfg, args.split)
     dataset.augment = False
     t0 = time.time()
-    sens = measure_sensitivity(model, make_evaluator(dataset, cfg, args.batch_size), cfg.gnetdet.chip, caps)
+    evaluate = make_evaluator(dataset, cfg, args.batch_size)
+    sens = measure_sensitivity(model, evaluate, cfg.gnetdet.chip, caps)
+    check = check_mask_bits(model, evaluate, cfg.gnetdet.chip, sens, suggest_mask_bits(sens, args.tolerance),
+                            args.tolerance)
     print(f"sensitivity: {cfg.DS_NAME} {args.split} split, {len(dataset)} images, float model {path}"
           + (f", caps from {cal_path}" if caps else ", no calibration checkpoint (activations left out)")
           + f"; {time.time() - t0:.1f}s")
-    print(format_sensitivity(sens, args.tolerance))
+    print(format_sensitivity(sens, args.tolerance, check))
     if args.plots is not None:
         from gnetmdk.evaluation.plots import plot_sensitivity
-        written = plot_sensitivity(sens, os.path.join(args.plots, "sensitivity.png"),
-                                   suggest_mask_bits(sens, args.tolerance),
-                                   title=f"{cfg.DS_NAME} {args.split}: mAP change with one layer quantized")
+        written = plot_sensitivity(sens, os.path.join(args.plots, "sensitivity.png"), check.chosen,
+                                   title=f"{cfg.DS_NAME} {args.split}: mAP change with one layer quantized",
+                                   check=check)
         print(f"plots: {', '.join(written)}")
     return 0
 

@@ -460,7 +460,7 @@ def plot_layer_drift(layers: Sequence[str], drift: Mapping[str, Sequence[float]]
 
 # ------------------------------------------------------------------------------ training curves
 def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
-                     title: Optional[str] = None) -> List[str]:
+                     title: Optional[str] = None, check=None) -> List[str]:
     """Bars of the mAP change (points) per sublayer with only its weights quantized, and with only its
     activation quantized (gnetmdk.gti.sensitivity.Sensitivity), on one axis; the suggested mask_bits
     in the title.
@@ -470,10 +470,12 @@ def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
         path: the PNG file (``.png``); the JSON goes beside it with the same stem.
         suggested: the suggested mask_bits (shown and stored), or None.
         title: figure title.
+        check: :class:`~gnetmdk.gti.sensitivity.MaskBitsCheck` of the suggestion, or None.
 
     JSON written: ``{"base_map", "layers": [{"name", "major", "weights_map", "weights_err", "acts_map",
     "acts_err"}], "outputs": {group: [map, err]}, "output_cap", "weight_formats": {major: {weight_format: [map, err]}},
-    "current", "suggested"}`` (null where not measured; "outputs" empty without caps).
+    "current", "suggested", "together": [{"mask_bits", "map", "err"}], "within"}`` (null where not measured;
+    "outputs" empty without caps; "together": the check's trail, empty and "within" null without one).
 
     Returns:
         ``[png path, json path]``.
@@ -493,7 +495,10 @@ def plot_sensitivity(sens, path: str, suggested: Optional[Sequence[int]] = None,
             "weight_formats": {str(m + 1): {str(s): [_finite_or_none(v[0]), _finite_or_none(v[1])]
                                             for s, v in by.items()}
                                for m, by in sens.weight_formats.items()},
-            "current": list(sens.current), "suggested": list(suggested) if suggested is not None else None}
+            "current": list(sens.current), "suggested": list(suggested) if suggested is not None else None,
+            "together": [{"mask_bits": list(b), "map": _finite_or_none(m), "err": _finite_or_none(e)}
+                         for b, m, e in (check.trail if check is not None else [])],
+            "within": bool(check.within) if check is not None else None}
     fig = _new_figure((max(6.5, 0.55 * len(layers) + 2.0), 4.5))
     ax = fig.add_subplot()
     x = np.arange(len(layers))
