@@ -262,17 +262,27 @@ def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_pa
     assert "seed 1: chip model not checked: the check could not run" in lines[1]
 
 
-def test_step_time_trainer_runs_the_hooks_ema_included_device_cpu(tmp_path):
+def test_step_time_trainer_runs_the_hooks_ema_included_device_cpu(tmp_path, monkeypatch):
     """time_trainer runs the trainer as a user does: its hooks set up (the EMA when the config has it),
-    then timed epochs; it returns images per second."""
+    then timed epochs; it returns images per second. Given a batch, its reference is the bare step of a
+    copy of the trainer's own model: on a CPU every BatchNorm there is the trainer's DistBatchNorm2d."""
     from dist_helpers import make_workspace
     from gnetmdk.config import build_config, load_config_class
+    from gnetmdk.dataset.dataset import build_dataset, collate
+    from gnetmdk.dist.syncbn import DistBatchNorm2d
     bench = _load("bench_step_time")
     path = make_workspace(str(tmp_path), num_train=16, num_val=2)
     over = ["ema", "true", "ema_ramp", "2", "batch_size", "8", "num_workers", "0", "threads", "1"]
     cfg = build_config(load_config_class(path), over, step=1)
-    rate = bench.time_trainer(cfg, over, 2)
-    assert rate > 0
+    rate, bare = bench.time_trainer(cfg, over, 2)
+    assert rate > 0 and bare is None
+    images, targets, _, _ = collate([build_dataset(cfg, "train")[i] for i in range(8)])
+    seen, real = [], bench.time_interleaved
+    monkeypatch.setattr(bench, "time_interleaved", lambda models, *a, **k: seen.extend(models) or real(models, *a, **k))
+    rate, bare = bench.time_trainer(cfg, over, 2, (images.float(), targets), rounds=1)
+    assert rate > 0 and bare > 0 and len(seen) == 1
+    bns = [m for m in seen[0].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and all(isinstance(m, DistBatchNorm2d) for m in bns)
 
 
 def test_pipeline_control_trains_the_float_model_with_steps_2_to_4_schedules_device_cpu(tmp_path):
