@@ -243,7 +243,8 @@ def check_mask_bits(model, evaluate: Callable[[torch.nn.Module], Tuple[float, Li
     While the whole model misses ``sens.base_map - tolerance``, the major layer below the chip's widest
     format whose current format had the largest output error with it quantized alone
     (``sens.weight_formats``; the earlier layer on a tie) moves to the next wider format, and the model is
-    evaluated again: at most (formats - 1) x major layers + 1 evaluations.
+    evaluated again: at most (formats - 1) x major layers + 1 evaluations, after one of the float model
+    (the reference of the output error).
 
     Args:
         model: the GNetDet :func:`measure_sensitivity` measured (BatchNorm folded, eval mode, nothing
