@@ -96,6 +96,13 @@ class Sensitivity:
     size_min: float = 1.0 / 64
 
 
+def output_error(outs: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Relative L2 difference ``||y - y_float|| / ||y_float||`` over every image: ``outs`` and ``ref`` are
+    lists of float tensors of equal shapes (the batches' outputs in one order); a 0-d float64 tensor."""
+    ref_norm = torch.sqrt(sum((r.double() ** 2).sum() for r in ref))
+    return torch.sqrt(sum(((o.double() - r.double()) ** 2).sum() for o, r in zip(outs, ref))) / ref_norm
+
+
 @torch.no_grad()
 def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float, List[torch.Tensor]]],
                         chip: str, caps: Optional[Sequence[float]] = None,
@@ -127,12 +134,11 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
 
     nothing_quantized()
     base_map, ref = evaluate(model)
-    ref_norm = torch.sqrt(sum((r.double() ** 2).sum() for r in ref))
 
     def run() -> Tuple[float, float]:
         model.set_gains()
         m, outs = evaluate(model)
-        err = torch.sqrt(sum(((o.double() - r.double()) ** 2).sum() for o, r in zip(outs, ref))) / ref_norm
+        err = output_error(outs, ref)
         return float(m), float(err)
 
     specs = model.specs
@@ -270,14 +276,13 @@ def check_mask_bits(model, evaluate: Callable[[torch.nn.Module], Tuple[float, Li
     convs = model.convs()
     model.set_gains()
     ref = evaluate(model)[1]
-    ref_norm = torch.sqrt(sum((r.double() ** 2).sum() for r in ref))
     trail: List[Tuple[List[int], float, float]] = []
     while True:
         with _weight_formats(convs, {i: cand[m] for i, m in enumerate(sens.majors)}, chip):
             model.set_gains()
             m_ap, outs = evaluate(model)
         model.set_gains()
-        err = torch.sqrt(sum(((o.double() - r.double()) ** 2).sum() for o, r in zip(outs, ref))) / ref_norm
+        err = output_error(outs, ref)
         trail.append((list(cand), float(m_ap), float(err)))
         if m_ap >= sens.base_map - tolerance:
             return MaskBitsCheck(trail, list(cand), True)
