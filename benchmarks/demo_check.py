@@ -27,7 +27,14 @@ The goals (docs/results/shapes-demo.md), all of which must hold for exit status 
 - every step 4 at most 1.5 points (:data:`COST_LIMIT`) below max(step 1, control);
 - with ``--jobs 1``, every demo within 8 minutes (:data:`DEMO_SECONDS`).
 
-Exit status: 0 every goal met, 1 a goal missed, 2 a run failed (its log named).
+``--reference FILE`` (the ``--json`` of a run on another machine; repeatable) also compares weights, bit for bit:
+every variant's step 1, step 4 and control best.pth (their ``weights_sha256`` in run_pipeline's JSON)
+against the reference's run with the same seed and thread count, the same torch version and the same
+CPU capability (``torch.backends.cpu.get_cpu_capability()`` under the kernel set's environment, e.g.
+AVX2): where those agree, the two machines should have computed the same bits, and a differing digest
+is a missed goal. Variants without such a reference run are listed as not compared.
+
+Exit status: 0 every goal met, 1 a goal missed, 2 a run failed (its log named) or bad arguments.
 """
 from __future__ import annotations
 
@@ -53,6 +60,8 @@ STEP1_RANGE = 0.03
 COST_LIMIT = 0.015
 #: the demo's stages (without the control) within this many seconds, when the runs had the machine alone
 DEMO_SECONDS = 480.0
+#: the stages whose best.pth weights --reference compares
+DIGEST_STAGES = ("step1", "step4", "control")
 
 
 def variant_name(seed: int, threads: int, kernels: str) -> str:
@@ -84,16 +93,57 @@ def run_variant(out: str, seed: int, threads: int, kernels: str) -> Optional[str
     return None if rc == 0 else log
 
 
-def summarize(records: Sequence[dict]) -> Dict[str, Optional[float]]:
+def kernel_identity(kernels: str) -> Dict[str, str]:
+    """What decides a run's bits besides its seed and threads: torch's version and the CPU capability ATen
+    dispatches to (``AVX2``, ``AVX512``, ...), read in a child process with the kernel set's environment,
+    as the runs see them. Raises subprocess.CalledProcessError when torch cannot be imported."""
+    code = ("import json, torch; print(json.dumps({'torch': torch.__version__, "
+            "'cpu_capability': torch.backends.cpu.get_cpu_capability()}))")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **KERNELS[kernels]),
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def summarize(records: Sequence[dict]) -> Dict[str, object]:
     """One variant's numbers from run_pipeline's JSON rows (mAP as fractions, seconds): ``seconds`` (the
     demo's stages, not the control), ``step1``, ``plateau`` (step 1's plateau_span), ``step4``,
-    ``control``, ``cost`` (step 4 - max(step 1, control))."""
+    ``control``, ``cost`` (step 4 - max(step 1, control)), and ``digests``: stage -> weights_sha256 of
+    its best.pth for :data:`DIGEST_STAGES` (None where a row has none)."""
     rows = {r["stage"]: r for r in records}
     step1, step4 = rows["step1"]["best_map"], rows["step4"]["best_map"]
     control = rows["control"]["best_map"] if "control" in rows else None
     return {"seconds": sum(r.get("seconds") or 0.0 for s, r in rows.items() if s != "control"),
             "step1": step1, "plateau": rows["step1"].get("plateau_span"), "step4": step4, "control": control,
-            "cost": step4 - max(step1, control if control is not None else step1)}
+            "cost": step4 - max(step1, control if control is not None else step1),
+            "digests": {k: rows[k].get("weights_sha256") for k in DIGEST_STAGES if k in rows}}
+
+
+def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
+    """Weights of each variant against the reference's run with the same seed, threads, torch and CPU
+    capability (module docstring). ``results`` and ``reference`` map variant names to summarize()'s dicts
+    with ``seed``, ``threads``, ``torch`` and ``cpu_capability`` added. Returns (notes, missed): one note
+    per variant (equal, or not compared and why) and one missed line per variant whose digests differ."""
+    keys = ("seed", "threads", "torch", "cpu_capability")
+    notes, missed = [], []
+    for name, r in results.items():
+        match = [(n, x) for n, x in reference.items() if all(x.get(k) == r.get(k) for k in keys)]
+        if not match:
+            notes.append(f"{name}: not compared (no reference run with seed {r.get('seed')}, threads "
+                         f"{r.get('threads')}, torch {r.get('torch')} and CPU capability {r.get('cpu_capability')})")
+            continue
+        ref_name, ref = match[0]
+        mine, theirs = r.get("digests") or {}, ref.get("digests") or {}
+        both = [k for k in DIGEST_STAGES if mine.get(k) and theirs.get(k)]
+        if not both:
+            notes.append(f"{name}: not compared (no weights digests in this run or in the reference's {ref_name})")
+            continue
+        differ = [k for k in both if mine[k] != theirs[k]]
+        if differ:
+            missed.append(f"{name}: the weights of {', '.join(differ)} differ from the reference's {ref_name} "
+                          f"(same seed, threads, torch {r['torch']} and CPU capability {r['cpu_capability']})")
+        else:
+            notes.append(f"{name}: {', '.join(both)} equal bit for bit to the reference's {ref_name}")
+    return notes, missed
 
 
 def verdicts(results: Dict[str, dict], timed: bool) -> List[str]:
@@ -139,7 +189,24 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="variants run at once (default 1: the demo timed alone)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo_check"), help="outputs (default runs/demo_check)")
     p.add_argument("--json", default=None, help="also write the table and the verdicts as JSON here")
+    p.add_argument("--reference", action="append", default=[],
+                   help="a --json of another machine's run (repeatable): compare the weights bit for bit where "
+                        "seed, threads, torch and CPU capability agree")
     args = p.parse_args(argv)
+    reference = None
+    for path in args.reference:        # read before any training, so a bad file costs nothing
+        try:
+            with open(path, encoding="utf-8") as fh:
+                table = json.load(fh)["results"]
+            if not isinstance(table, dict) or not all(isinstance(x, dict) for x in table.values()):
+                raise TypeError
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = exc if isinstance(exc, OSError) else "not a demo_check --json file (no \"results\" table)"
+            print(f"error: --reference {path!r}: {why}", file=sys.stderr)
+            return 2
+        reference = reference or {}
+        for name, x in table.items():
+            reference[name if name not in reference else f"{name} ({os.path.basename(path)})"] = x
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         threads = [int(t) for t in args.threads.split(",")]
@@ -161,13 +228,20 @@ def main(argv=None) -> int:
         print("error: run(s) failed, see " + ", ".join(failed), file=sys.stderr)
         return 2
     results = {}
+    identity = {k: kernel_identity(k) for k in kernels}
     for v in variants:
         name = variant_name(*v)
         with open(os.path.join(args.out, name, "stages.json"), encoding="utf-8") as fh:
             results[name] = summarize(json.load(fh))
+        results[name].update(seed=v[0], threads=v[1], kernels=v[2], **identity[v[2]])
     missed = verdicts(results, timed=args.jobs == 1)
     print(format_table(results))
     print(f"{len(variants)} variant(s) in {time.time() - t0:.0f} s (jobs {args.jobs})")
+    if reference is not None:
+        notes, unequal = compare_reference(results, reference)
+        for line in notes:
+            print(f"reference: {line}")
+        missed += unequal
     for line in missed:
         print(f"missed: {line}")
     print("demo check: " + ("PASS" if not missed else "FAIL"))

@@ -18,6 +18,8 @@ one's best.pth, its outputs under <checkpoint_root>/control/; the table gets a "
 also layer_drift.png/.json: each sublayer's output drift from step 1 along the stages to the chip model
 (converted in memory from step 4) on the first 64 val images, as tools/stage_report.py computes it
 (needs matplotlib).
+`--json FILE` writes the table's rows; each also holds ``weights_sha256``, a digest of the weights in the
+stage's best.pth (gnetmdk.checkpoint.weights_sha256): two runs whose digests agree trained the same bits.
 """
 import argparse
 import json
@@ -40,14 +42,14 @@ def stage_config(klass, name, overrides):
 
 
 def format_table(rows):
-    """Rows of (stage, entry mAP, best mAP, best epoch, seconds to best, seconds) -> printable table.
+    """Rows of (stage, entry mAP, best mAP, best epoch, seconds to best, seconds[, best.pth]) -> printable table.
 
     "best at" is the epoch whose evaluation gave the best mAP and the seconds from the stage's start
     until its best.pth was written ("-" for cal, or for a best from before a resume).
     """
     lines = ["stage    entry mAP   best mAP   best at (epoch, s)  seconds",
              "-------  ----------  ---------  ------------------  -------"]
-    for name, entry, best, best_epoch, best_secs, secs in rows:
+    for name, entry, best, best_epoch, best_secs, secs, *_ in rows:
         e = "-" if entry is None else f"{entry:.4f}"
         b = "-" if best is None else f"{best:.4f}"
         at = "-" if best_epoch is None or best_secs is None else f"{best_epoch}, {best_secs:.0f}"
@@ -78,6 +80,15 @@ def drift_plot(klass, overrides, folder, max_images=64):
     return plot_layer_drift(drift.layers, drift.stages, os.path.join(folder, "layer_drift.png"), drift.reference,
                             title=f"{cfg.DS_NAME}: output drift per layer from {drift.reference} "
                                   f"({drift.num_images} val images)")
+
+
+def best_weights_digest(path):
+    """weights_sha256 of the ``model`` weights in a stage's best.pth (equal bit for bit across runs and
+    machines exactly when the digests are), or None where the stage wrote none."""
+    if not path or not os.path.isfile(path):
+        return None
+    from gnetmdk.checkpoint import load_checkpoint, weights_sha256
+    return weights_sha256(load_checkpoint(path)["model"])
 
 
 def parse_args(argv):
@@ -134,7 +145,7 @@ def main(argv) -> int:
             print(f"\n===== {name} =====", flush=True)
             s = run_stage(cfg)
             rows.append((name, s.get("entry_map"), s.get("best_map"), s.get("best_epoch"), s.get("best_seconds"),
-                         s.get("seconds", 0.0)))
+                         s.get("seconds", 0.0), s.get("best_path")))
             if name == "step1":
                 step1_epochs = int(s.get("num_epochs", cfg.num_epochs))      # min_steps may have added epochs
                 step1_plateau = plateau_span(s.get("val_maps", []), step1_epochs)
@@ -146,7 +157,7 @@ def main(argv) -> int:
                 summaries.append(run_stage(cfg))
             last = summaries[-1]
             rows.append(("control", summaries[0].get("entry_map"), last.get("best_map"), None, None,
-                         sum(x.get("seconds", 0.0) for x in summaries)))
+                         sum(x.get("seconds", 0.0) for x in summaries), last.get("best_path")))
     except user_errors() as exc:
         if made_plots:                              # the --plots folder this run created stays only if used
             try:
@@ -169,8 +180,8 @@ def main(argv) -> int:
         print(f"step 1 plateau: val mAP moved {100 * span:.1f} points over its last quarter (epochs {first}-"
               f"{step1_epochs}, {n} evaluations): {verdict}")
     print(f"total {time.time() - t0:.0f}s")
-    records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5])
-               for r in rows]
+    records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5],
+                    weights_sha256=best_weights_digest(r[6])) for r in rows]
     if step1_plateau is not None:
         records[0]["plateau_span"] = step1_plateau[0]
     if args.json:

@@ -70,6 +70,33 @@ def load_checkpoint(path: str, hint: str = "") -> Dict[str, Any]:
     return ckpt
 
 
+def weights_sha256(state: Dict[str, torch.Tensor]) -> str:
+    """A digest of a model's weights that two runs share exactly when their tensors are equal bit for bit.
+
+    Unlike the checkpoint file's own sha256, it leaves out everything but the tensors (the config with
+    its folders, the epoch, timings), so runs in different folders or on different machines compare.
+
+    Args:
+        state: a state_dict (name -> tensor of any dtype and shape, on any device).
+    Returns:
+        The hex sha256 over the entries in sorted name order: name, dtype, shape, and the tensor's bytes
+        in C order (the host's byte order; x86-64 and arm64 are both little-endian).
+    Raises:
+        TypeError: an entry that is not a tensor, named in the message.
+    """
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"weights_sha256: entry '{name}' is a {type(t).__name__}, not a tensor")
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode("utf-8"))
+        # bytes through a uint8 view: numpy has no bfloat16, a uint8 view exists for every dtype
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _read_failure(exc: Exception, path: str = "") -> str:
     """Why torch.load failed, in one line of this project's words (torch's own text runs over many
     lines and advises ``weights_only=False``, which would execute whatever the file asks: never).

@@ -315,6 +315,10 @@ def test_pipeline_control_trains_the_float_model_with_steps_2_to_4_schedules_dev
     assert last["stage"] == "step1" and any(".bn." in k for k in last["model"])          # the float model
     assert hashlib.sha256(open(step1, "rb").read()).hexdigest() == digest
     assert "===== control (float, step 4's schedule) =====" in r.stdout
+    # each row's weights digest is that of its own best.pth's weights: step 1's, the control's last stage's
+    from gnetmdk.checkpoint import weights_sha256
+    assert rows["step1"]["weights_sha256"] == weights_sha256(torch.load(step1, weights_only=True)["model"])
+    assert rows["control"]["weights_sha256"] == weights_sha256(last["model"]) != rows["step1"]["weights_sha256"]
 
 
 def test_pipeline_make_shapes_writes_the_configured_images_device_cpu(tmp_path):
@@ -504,6 +508,38 @@ def test_demo_check_summarizes_runs_and_judges_the_goals():
     cmd = dc.command("/o", 2, 1)
     assert cmd[cmd.index("seed"):cmd.index("seed") + 4] == ["seed", "2", "threads", "1"] and "--control" in cmd
     assert dc.main(["--kernels", "avx512"]) == 2
+
+
+def test_demo_check_compares_weights_with_a_reference_where_kernels_and_torch_agree_device_cpu(tmp_path):
+    """demo_check --reference: digests compared only against the run with the same seed, threads, torch and
+    CPU capability; equal digests give a note, one differing stage a missed goal that names it, a variant
+    without such a run a "not compared" note; a file that is not a demo_check JSON is refused (exit 2)
+    before anything runs."""
+    dc = _load("demo_check")
+    rows = [dict(stage="step1", best_map=0.9, seconds=1.0, weights_sha256="a1"),
+            dict(stage="step4", best_map=0.9, seconds=1.0, weights_sha256="a4"),
+            dict(stage="control", best_map=0.9, seconds=1.0, weights_sha256="ac")]
+    s = dc.summarize(rows)
+    assert s["digests"] == {"step1": "a1", "step4": "a4", "control": "ac"}
+    ident = dict(torch="2.13.0+cpu", cpu_capability="AVX2")
+    mine = {"seed0-t2-default": dict(s, seed=0, threads=2, **ident),
+            "seed1-t1-avx2": dict(s, seed=1, threads=1, **ident),
+            "seed2-t1-avx2": dict(s, seed=2, threads=1, **ident)}
+    other = dict(s["digests"], step4="b4")
+    ref = {"seed0-t2-avx2": dict(s, seed=0, threads=2, **ident),                      # same bits
+           "seed1-t1-default": dict(s, seed=1, threads=1, digests=other, **ident),    # step 4 differs
+           "seed2-t1-default": dict(s, seed=2, threads=1, torch="2.11.0", cpu_capability="AVX2")}
+    notes, missed = dc.compare_reference(mine, ref)
+    assert notes[0] == "seed0-t2-default: step1, step4, control equal bit for bit to the reference's seed0-t2-avx2"
+    assert missed == ["seed1-t1-avx2: the weights of step4 differ from the reference's seed1-t1-default (same seed, "
+                      "threads, torch 2.13.0+cpu and CPU capability AVX2)"]
+    assert notes[1].startswith("seed2-t1-avx2: not compared (no reference run with seed 2, threads 1, torch 2.13.0+cpu")
+    no_digests = {"seed0-t2-avx2": dict(ref["seed0-t2-avx2"], digests={})}
+    assert "not compared (no weights digests" in dc.compare_reference(mine, no_digests)[0][0]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"table": []}')
+    assert dc.main(["--reference", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
 
 
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
