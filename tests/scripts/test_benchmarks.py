@@ -539,6 +539,7 @@ def test_demo_check_compares_weights_with_a_reference_where_kernels_and_torch_ag
     bad = tmp_path / "bad.json"
     bad.write_text('{"table": []}')
     assert dc.main(["--reference", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert dc.main(["--reference", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
 
 
