@@ -225,6 +225,9 @@ class BaseConfig:
     max_detections: int = 100
     predict_thresh: float = 0.3             # drawing threshold of tools/predict.py
     eval_coco: bool = False                 # also COCO mAP@[.5:.95] (pycocotools) at every evaluation
+    eval_stitch: bool = False               # a tiled dataset (tools/tile_voc.py): every evaluation's mAP, and the
+                                            # best.pth it picks, on the whole val images (the tiles' mAP beside
+                                            # it; gnetmdk.evaluation.stitch, docs/training.md)
     tb_images: int = 4                      # val images drawn with their predictions into tensorboard at each evaluation
 
     # ---------------------------------------------------------------- outputs

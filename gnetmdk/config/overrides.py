@@ -497,6 +497,12 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("shapes_images", "must be two numbers TRAIN VAL, each at least 1 (images --make-shapes writes)")
     if cfg.eval_interval < 1:
         bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
+    if cfg.eval_stitch and cfg.model_name != "gnetdet":
+        bad("eval_stitch", f"scores GNetDet's tiles on their whole images; model {cfg.model_name!r} has no "
+                           "tiled evaluation: set eval_stitch false")
+    elif cfg.eval_stitch and cfg.eval_coco:
+        bad("eval_stitch", "with eval_coco: the COCO metrics are of the tiles, not of the whole images the mAP is "
+                           "of; set one of them false (tools/eval_voc.py --coco scores the tiles on their own)")
     if cfg.tb_images < 0:
         bad("tb_images", "must be >= 0 (val images drawn into tensorboard at each evaluation; 0 = none)")
     if cfg.patience < 0:

@@ -313,7 +313,8 @@ class EvalHook(HookBase):
         t.summary["entry_map"] = res["map"]
         self.last_map = res["map"]
         coco = f", COCO mAP {res['coco']['map']:.4f}" if "coco" in res else ""
-        t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f}{coco} (before training, {res['seconds']:.1f}s)")
+        tiles = f" (whole images; tiles {res['tile_map']:.4f})" if "tile_map" in res else ""
+        t.log(f"[{t.stage.name}] entry mAP {res['map']:.4f}{tiles}{coco} (before training, {res['seconds']:.1f}s)")
         t.storage.put_scalar(f"{t.stage.name}/mAP", res["map"], 0)
         # the entry model is this stage's first candidate: fine-tuning must beat it to replace it
         self.best_map = res["map"]
@@ -390,6 +391,8 @@ class CurvesHook(HookBase):
         res = result.get("eval")
         if res is not None:
             entry["val_map"] = float(res["map"])
+            if "tile_map" in res:
+                entry["tile_map"] = float(res["tile_map"])      # eval_stitch: val_map is the whole images'
             if "coco" in res:
                 entry["coco_map"] = float(res["coco"]["map"])
         self.history.append(entry)
@@ -458,6 +461,8 @@ class LoggerHook(HookBase):
         res = result.get("eval")
         if res is not None:
             msg += f" | val mAP {res['map']:.4f}"
+            if "tile_map" in res:
+                msg += f" (whole images; tiles {res['tile_map']:.4f})"
             if "coco" in res:
                 msg += f" COCO mAP {res['coco']['map']:.4f}"
             msg += f" loss {res['loss'].get('total', float('nan')):.4f}"

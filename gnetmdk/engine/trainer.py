@@ -181,6 +181,10 @@ class Trainer:
         self.micro_batch = self.local_batch // accumulate
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "valid")
+        if cfg.eval_stitch:     # refused before training, not at the first evaluation
+            from gnetmdk.dataset.tiling import load_manifest
+            from gnetmdk.evaluation.stitch import whole_image_truths
+            whole_image_truths(load_manifest(cfg.dataset_dir), cfg.VOC_CLASSES)
         g = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
         shuffle = not self.stage.calibration
         self.train_sampler = GlobalBatchSampler(len(self.train_set), cfg.batch_size, self.rank, self.world_size,
@@ -295,12 +299,23 @@ class Trainer:
     def evaluate(self, tag: str) -> Dict[str, object]:
         """Evaluate the evaluation weights (:attr:`eval_model`) on the validation set: evaluate_model's dict
         (VOC mAP@0.5, per-class AP, mean loss terms, ...) plus ``seconds``, the time it took. ``tag`` names the
-        evaluation (``entry``, ``cal``, ``epoch<N>``) and is not used in the computation."""
+        evaluation (``entry``, ``cal``, ``epoch<N>``) and is not used in the computation. With ``eval_stitch``
+        "map" and "ap" are those of the whole val images of the tiled dataset (gnetmdk.evaluation.stitch:
+        every tile run, the detections merged across the seams), the tiles' own in "tile_map" and
+        "tile_ap", the counts in "whole_images" and "num_tiles"."""
         cfg = self.cfg
         t0 = time.time()
         res = evaluate_model(self.eval_model, self.val_loader, self.val_set, self.device, cfg.conf_thresh,
                              cfg.nms_thresh, cfg.max_detections, coco=cfg.eval_coco,
                              keep_detections=cfg.tb_images > 0, pad_to=self.eval_batch)
+        if cfg.eval_stitch:
+            # the whole val images' mAP replaces the tiles' (which stays beside it as tile_map / tile_ap); the
+            # loss terms and the drawn detections stay the tiles'
+            from gnetmdk.evaluation.stitch import evaluate_stitched
+            whole = evaluate_stitched(self.eval_model, cfg, self.device, self.eval_batch, rank=self.rank,
+                                      world_size=self.world_size)
+            res.update(tile_map=res["map"], tile_ap=res["ap"], map=whole["map"], ap=whole["ap"],
+                       whole_images=whole["num_images"], num_tiles=whole["num_tiles"])
         res["seconds"] = time.time() - t0
         return res
 

@@ -23,7 +23,7 @@ from gnetmdk.dataset.voc import VOCFormatError
 from .boxes import box_area, box_iou, greedy_keep
 from .voc import evaluate_detections
 
-__all__ = ["merge_tiles", "stitch_detections", "whole_image_truths", "evaluate_stitched"]
+__all__ = ["merge_tiles", "stitch_detections", "whole_image_truths", "predict_tiles", "evaluate_stitched"]
 
 
 def _val_images(manifest: Mapping, split: str) -> List[str]:
@@ -120,16 +120,62 @@ def whole_image_truths(manifest: Mapping, class_names: Sequence[str], split: str
     return truths
 
 
+def _tile_dataset(cfg, manifest: Mapping, split: str):
+    """The tiles of the ``split`` images, in manifest order, as a GNetDet evaluation dataset (no labels:
+    the tiles are scored through their whole images), and their ids."""
+    from gnetmdk.dataset.dataset import GNetDetDataset
+    tiles = [tid for sid in _val_images(manifest, split) for tid in manifest["images"][sid]["tiles"]]
+    if not tiles:
+        raise VOCFormatError(f"{cfg.dataset_dir}: the tiling manifest has no {split} images")
+    empty = (np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
+    ds = GNetDetDataset("", os.path.join(cfg.dataset_dir, manifest.get("image_dir", "JPEGImages")),
+                        cfg.num_classes, cfg.image_size, cfg.grid_size, train=False,
+                        records=[(tid + ".png", *empty) for tid in tiles])
+    return ds, tiles
+
+
+def predict_tiles(model, cfg, device, manifest: Mapping, batch_size: int = 0, split: str = "val",
+                  rank: int = 0, world_size: int = 1) -> Dict[int, Dict[str, torch.Tensor]]:
+    """This rank's share of the tiles of the ``split`` images (tile k of the manifest order for every
+    k = rank mod world_size, as gnetmdk.dist.sampler.ShardSampler shards), run through ``model``.
+
+    Every forward holds ``batch_size`` tiles (0: the config's evaluation batch,
+    gnetmdk.evaluation.evaluator.eval_batch), the last one padded with blank images
+    (evaluator.predict_loader), so a tile's detections are the same bits whatever the number of
+    ranks the tiles are split over.
+
+    Returns:
+        tile index (manifest order) -> {"boxes" (K, 4) float32 tile pixels xyxy, "scores" (K,),
+        "labels" (K,) int64}.
+    """
+    from torch.utils.data import DataLoader
+    from gnetmdk.dataset.dataset import collate
+    from gnetmdk.dist.sampler import ShardSampler
+    from .evaluator import eval_batch, predict_loader
+    ds, _ = _tile_dataset(cfg, manifest, split)
+    batch = int(batch_size) or eval_batch(cfg)
+    loader = DataLoader(ds, batch_size=batch, sampler=ShardSampler(len(ds), rank, world_size),
+                        collate_fn=collate, num_workers=0)
+    dets, _, _ = predict_loader(model, loader, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                                with_loss=False, pad_to=batch)
+    return dets
+
+
 def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val",
-                      keep_detections: bool = False) -> Dict[str, object]:
+                      keep_detections: bool = False, rank: int = 0, world_size: int = 1) -> Dict[str, object]:
     """Run ``model`` on every tile of the ``split`` images of the tiled dataset ``cfg.dataset_dir`` and
     score the merged detections on the whole images (module docstring).
 
     Args:
         model: a GNetDet of any stage (``decode`` gives boxes relative to its input).
         cfg: the resolved config the model was trained with (dataset_dir holds tiles.json).
-        device: where the model runs; batch_size: tiles per batch (0: cfg.batch_size).
+        device: where the model runs; batch_size: tiles per forward, the last one padded (0: the
+            config's evaluation batch, ``eval_batch_size`` or else ``batch_size``, as the trainer
+            evaluates; :func:`predict_tiles`).
         keep_detections: also return what the numbers come from (as evaluate_model does).
+        rank, world_size: this process's share of the tiles (every process of a run calls this; the
+            detections are all-gathered over the processes, gnetmdk.dist.comm.all_gather_object, and every
+            process returns the same numbers, those of one process running every tile).
 
     Returns:
         evaluate_detections' dict ("map", "ap", ...) plus "num_images" (whole images) and "num_tiles";
@@ -140,22 +186,14 @@ def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val
         FileNotFoundError / VOCFormatError: no or a bad manifest (gnetmdk.dataset.tiling.load_manifest),
             or classes that differ from the config's.
     """
-    from torch.utils.data import DataLoader
-    from gnetmdk.dataset.dataset import GNetDetDataset, collate
     from gnetmdk.dataset.tiling import load_manifest
-    from .evaluator import predict_loader
+    from gnetmdk.dist.comm import all_gather_object
     manifest = load_manifest(cfg.dataset_dir)
     truths = whole_image_truths(manifest, cfg.VOC_CLASSES, split)
-    tiles = [tid for sid in _val_images(manifest, split) for tid in manifest["images"][sid]["tiles"]]
-    if not tiles:
-        raise VOCFormatError(f"{cfg.dataset_dir}: the tiling manifest has no {split} images")
-    empty = (np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
-    ds = GNetDetDataset("", os.path.join(cfg.dataset_dir, manifest.get("image_dir", "JPEGImages")),
-                          cfg.num_classes, cfg.image_size, cfg.grid_size, train=False,
-                          records=[(tid + ".png", *empty) for tid in tiles])
-    loader = DataLoader(ds, batch_size=batch_size or cfg.batch_size, collate_fn=collate, num_workers=0)
-    dets, _, _ = predict_loader(model, loader, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
-                                with_loss=False)
+    _, tiles = _tile_dataset(cfg, manifest, split)
+    dets: Dict[int, Dict[str, torch.Tensor]] = {}
+    for part in all_gather_object(predict_tiles(model, cfg, device, manifest, batch_size, split, rank, world_size)):
+        dets.update(part)
     ids, merged = stitch_detections({tiles[i]: d for i, d in dets.items()}, manifest, cfg.nms_thresh,
                                     cfg.max_detections, split)
     result = evaluate_detections(merged, truths, cfg.num_classes)

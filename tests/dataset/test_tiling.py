@@ -201,3 +201,100 @@ def test_tile_voc_cli_refusals_leave_nothing_device_cpu(source, tmp_path):
         load_manifest(str(dst))
     with pytest.raises(FileNotFoundError, match="tile_voc.py"):
         load_manifest(source)
+
+
+def _tiled_step4(source, tmp_path, *over):
+    """A 2 x 2 tiled copy of ``source``, its meta files, and a step-4 config over it that starts from an
+    untrained step-4 model saved as a checkpoint (its detections are few but not none)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from chip_helpers import build_step4_model, load_images, save_step4_checkpoint
+    from gnetmdk.config import build_config, load_config, load_config_class
+    from gnetmdk.dataset.dataset import build_dataset
+    dst = str(tmp_path / "tiles2")
+    tile_voc_dataset(source, dst, SHAPES, tiles=2, overlap=32)
+    path = _config(str(tmp_path), dst)
+    cfg = load_config(path)
+    convert_voc_to_meta(dst, SHAPES, cfg.train_meta, cfg.valid_meta)
+    model, _ = build_step4_model(3, load_images(build_dataset(cfg, "valid")))
+    ckpt = save_step4_checkpoint(str(tmp_path / "start.pth"), model, path)
+    return build_config(load_config_class(path), ["load", ckpt, "log_root", str(tmp_path / "log"),
+                                                  *map(str, over)], step=4)
+
+
+def test_evaluation_with_eval_stitch_scores_the_whole_images_device_cpu(source, tmp_path, one_thread):
+    """eval_stitch: the trainer's evaluation reports the whole val images' mAP (what evaluate_stitched
+    gives for the same weights, bit for bit), the tiles' mAP beside it (evaluate_model's), and the log
+    line says which is which; a tiled run split over 3 ranks stitches the same detections."""
+    from gnetmdk.engine.trainer import Trainer
+    from gnetmdk.evaluation.evaluator import evaluate_model
+    from gnetmdk.evaluation.stitch import evaluate_stitched, predict_tiles
+    cfg = _tiled_step4(source, tmp_path, "eval_stitch", "true")
+    t = Trainer(cfg)
+    t.build_data()
+    t.build_model()
+    res = t.evaluate("entry")
+    whole = evaluate_stitched(t.eval_model, cfg, "cpu", t.eval_batch, keep_detections=True)
+    tiles = evaluate_model(t.eval_model, t.val_loader, t.val_set, "cpu", cfg.conf_thresh, cfg.nms_thresh,
+                           cfg.max_detections, pad_to=t.eval_batch)
+    assert sum(len(d["scores"]) for d in whole["detections"]) > 0
+    assert res["map"] == whole["map"] and res["ap"] == whole["ap"]
+    assert res["tile_map"] == tiles["map"] and res["loss"] == tiles["loss"]
+    assert res["map"] != res["tile_map"]                 # the two measures differ here, so the test can tell
+    assert res["whole_images"] == 5 and res["num_tiles"] == 20 and res["num_images"] == tiles["num_images"]
+    # the tiles sharded over 3 ranks (ShardSampler's order), each forward padded to the evaluation batch:
+    # together the same bits as one rank running them all
+    from gnetmdk.dataset.tiling import load_manifest
+    manifest = load_manifest(cfg.dataset_dir)
+    one = predict_tiles(t.eval_model, cfg, "cpu", manifest)
+    parts = [predict_tiles(t.eval_model, cfg, "cpu", manifest, rank=r, world_size=3) for r in range(3)]
+    assert sorted(parts[1]) == list(range(1, 20, 3))
+    merged = {k: v for p in parts for k, v in p.items()}
+    assert sorted(merged) == sorted(one) == list(range(20))
+    for k, d in one.items():
+        assert all(torch.equal(d[f], merged[k][f]) for f in ("boxes", "scores", "labels")), k
+
+
+def test_eval_stitch_picks_best_pth_on_the_whole_images_device_cpu(source, tmp_path, one_thread, monkeypatch,
+                                                                   capsys):
+    """best.pth follows the whole images' mAP, not the tiles': with the whole-image numbers of the entry and
+    the two epochs set to 0.30, 0.50, 0.40 the stage keeps epoch 1, and its summary, the epoch lines and the
+    curves carry those numbers with the tiles' beside them."""
+    import gnetmdk.evaluation.stitch as stitch
+    from gnetmdk.engine.cli import run_stage
+    seq = iter([0.30, 0.50, 0.40])
+    real = stitch.evaluate_stitched
+
+    def scripted(*args, **kwargs):
+        r = real(*args, **kwargs)
+        r["map"] = next(seq)
+        return r
+    monkeypatch.setattr(stitch, "evaluate_stitched", scripted)
+    cfg = _tiled_step4(source, tmp_path, "eval_stitch", "true", "num_epochs", 2, "eval_interval", 1,
+                       "learning_rate", 1e-5, "checkpoint_root", tmp_path / "ck", "model_root", tmp_path / "md")
+    summary = run_stage(cfg)
+    assert summary["entry_map"] == 0.30 and summary["best_map"] == 0.50
+    assert [m for _, m in summary["val_maps"]] == [0.50, 0.40]
+    best = torch.load(str(tmp_path / "ck" / "step4" / "best.pth"), map_location="cpu", weights_only=True)
+    assert best["epoch"] == 1
+    log = capsys.readouterr().out
+    assert "entry mAP 0.3000 (whole images; tiles " in log and "val mAP 0.5000 (whole images; tiles " in log
+    assert "val mAP 0.4000 (whole images; tiles " in log
+
+
+def test_eval_stitch_refusals_are_one_line_before_training_device_cpu(source, tmp_path):
+    """eval_stitch on a dataset that is not tiled, or together with eval_coco / a PP-YOLO model: one clear
+    error naming the field, before any training."""
+    from gnetmdk.config import ConfigError, build_config, load_config_class
+    from gnetmdk.engine.trainer import Trainer
+    path = _config(str(tmp_path), source)                  # the untiled source set
+    with pytest.raises(ConfigError, match="eval_stitch.*eval_coco"):
+        build_config(load_config_class(path), ["eval_stitch", "true", "eval_coco", "true"])
+    pp = tmp_path / "config_pp.py"
+    pp.write_text("from gnetmdk.config import BaseConfig\n\n\nclass Config(BaseConfig):\n"
+                  "    model_name = 'ppyolo'\n    VOC_CLASSES = ['circle']\n")
+    with pytest.raises(ConfigError, match="eval_stitch.*ppyolo"):
+        build_config(load_config_class(str(pp)), ["eval_stitch", "true"])
+    cfg = build_config(load_config_class(path), ["eval_stitch", "true", "log_root", str(tmp_path / "log")])
+    convert_voc_to_meta(source, SHAPES, cfg.train_meta, cfg.valid_meta)
+    with pytest.raises(FileNotFoundError, match="not a tiled dataset"):
+        Trainer(cfg).build_data()
