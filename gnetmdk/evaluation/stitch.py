@@ -120,13 +120,19 @@ def whole_image_truths(manifest: Mapping, class_names: Sequence[str], split: str
     return truths
 
 
+def _split_tiles(cfg, manifest: Mapping, split: str) -> List[str]:
+    """The tile ids of the ``split`` images, in manifest order (VOCFormatError when there are none)."""
+    tiles = [tid for sid in _val_images(manifest, split) for tid in manifest["images"][sid]["tiles"]]
+    if not tiles:
+        raise VOCFormatError(f"{cfg.dataset_dir}: the tiling manifest has no {split} images")
+    return tiles
+
+
 def _tile_dataset(cfg, manifest: Mapping, split: str):
     """The tiles of the ``split`` images, in manifest order, as a GNetDet evaluation dataset (no labels:
     the tiles are scored through their whole images), and their ids."""
     from gnetmdk.dataset.dataset import GNetDetDataset
-    tiles = [tid for sid in _val_images(manifest, split) for tid in manifest["images"][sid]["tiles"]]
-    if not tiles:
-        raise VOCFormatError(f"{cfg.dataset_dir}: the tiling manifest has no {split} images")
+    tiles = _split_tiles(cfg, manifest, split)
     empty = (np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
     ds = GNetDetDataset("", os.path.join(cfg.dataset_dir, manifest.get("image_dir", "JPEGImages")),
                         cfg.num_classes, cfg.image_size, cfg.grid_size, train=False,
@@ -190,7 +196,7 @@ def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val
     from gnetmdk.dist.comm import all_gather_object
     manifest = load_manifest(cfg.dataset_dir)
     truths = whole_image_truths(manifest, cfg.VOC_CLASSES, split)
-    _, tiles = _tile_dataset(cfg, manifest, split)
+    tiles = _split_tiles(cfg, manifest, split)
     dets: Dict[int, Dict[str, torch.Tensor]] = {}
     for part in all_gather_object(predict_tiles(model, cfg, device, manifest, batch_size, split, rank, world_size)):
         dets.update(part)
