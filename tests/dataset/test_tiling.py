@@ -294,7 +294,10 @@ def test_eval_stitch_refusals_are_one_line_before_training_device_cpu(source, tm
                   "    model_name = 'ppyolo'\n    VOC_CLASSES = ['circle']\n")
     with pytest.raises(ConfigError, match="eval_stitch.*ppyolo"):
         build_config(load_config_class(str(pp)), ["eval_stitch", "true"])
-    cfg = build_config(load_config_class(path), ["eval_stitch", "true", "log_root", str(tmp_path / "log")])
+    cfg = build_config(load_config_class(path), ["eval_stitch", "true", "log_root", str(tmp_path / "log"),
+                                                 "checkpoint_root", str(tmp_path / "ck")])
     convert_voc_to_meta(source, SHAPES, cfg.train_meta, cfg.valid_meta)
+    from gnetmdk.engine.cli import run_stage
     with pytest.raises(FileNotFoundError, match="not a tiled dataset"):
-        Trainer(cfg).build_data()
+        run_stage(cfg)
+    assert not glob.glob(str(tmp_path / "ck" / "**" / "*.pth"), recursive=True)    # nothing was trained or written
