@@ -3,10 +3,12 @@
 
     python3 benchmarks/demo_check.py                                  # seeds 0-2 x threads 1, 2 x default, avx2
     python3 benchmarks/demo_check.py --seeds 0 --threads 2 --kernels default --jobs 1 --out runs/demo
+    python3 benchmarks/demo_check.py --seeds 0,1,2 --threads 1 --jobs 2 gnetdet.box_slots 1 num_epochs 48
 
 Each variant runs `tools/run_pipeline.py --config examples/shapes.py --make-shapes --control` (the demo,
 then its float control: gnetmdk/engine/control.py) in its own folder under --out, data included, with
-`seed K threads T` and the kernel set's environment:
+`seed K threads T`, the config overrides given after the options (``key value`` pairs, as run_pipeline
+takes them: a candidate recipe checked by the same command) and the kernel set's environment:
 
 - ``default``: the kernels torch picks on this CPU;
 - ``avx2``: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (on an AVX-512 CPU, other kernels);
@@ -32,7 +34,8 @@ every variant's step 1, step 4 and control best.pth (their ``weights_sha256`` in
 against the reference's run with the same seed and thread count, the same torch version and the same
 CPU capability (``torch.backends.cpu.get_cpu_capability()`` under the kernel set's environment, e.g.
 AVX2): where those agree, the two machines should have computed the same bits, and a differing digest
-is a missed goal. Variants without such a reference run are listed as not compared.
+is a missed goal; runs made with other config overrides are never compared. Variants without such a
+reference run are listed as not compared.
 
 Exit status: 0 every goal met, 1 a goal missed, 2 a run failed (its log named) or bad arguments.
 """
@@ -69,27 +72,51 @@ def variant_name(seed: int, threads: int, kernels: str) -> str:
     return f"seed{seed}-t{threads}-{kernels}"
 
 
-def command(out: str, seed: int, threads: int) -> List[str]:
-    """run_pipeline's command of one variant: the demo and its control, every output under ``out``."""
+def command(out: str, seed: int, threads: int, overrides: Sequence[str] = ()) -> List[str]:
+    """run_pipeline's command of one variant: the demo and its control, every output under ``out``, with
+    the config ``overrides`` (``key value`` pairs) after the variant's own."""
     return [sys.executable, os.path.join(ROOT, "tools", "run_pipeline.py"), "--config",
             os.path.join(ROOT, "examples", "shapes.py"), "--make-shapes", "--control",
             "--json", os.path.join(out, "stages.json"), "seed", str(seed), "threads", str(threads),
             "progress", "false", "data_root", os.path.join(out, "data"), "meta_root", os.path.join(out, "meta"),
             "checkpoint_root", os.path.join(out, "checkpoint"), "log_root", os.path.join(out, "log"),
-            "model_root", os.path.join(out, "model")]
+            "model_root", os.path.join(out, "model"), *overrides]
 
 
-def run_variant(out: str, seed: int, threads: int, kernels: str) -> Optional[str]:
-    """Runs one variant unless its stages.json exists (a rerun goes on where it stopped). Returns None,
-    or the path of the log of a run that failed."""
+def stale_variants(out: str, variants: Sequence[tuple], overrides: Sequence[str]) -> List[str]:
+    """The folders under ``out`` of ``variants`` ((seed, threads, kernels) tuples) that hold a run made
+    with other config overrides than ``overrides`` (its overrides.json; a folder without one was made
+    without overrides). Such a folder must not be resumed or read as this check's run."""
+    stale = []
+    for v in variants:
+        d = os.path.join(out, variant_name(*v))
+        if not os.path.isdir(d):
+            continue
+        try:
+            with open(os.path.join(d, "overrides.json"), encoding="utf-8") as fh:
+                theirs = json.load(fh)
+        except FileNotFoundError:
+            theirs = []
+        if list(theirs) != list(overrides):
+            stale.append(d)
+    return stale
+
+
+def run_variant(out: str, seed: int, threads: int, kernels: str, overrides: Sequence[str] = ()) -> Optional[str]:
+    """Runs one variant unless its stages.json exists (a rerun goes on where it stopped), recording the
+    config overrides in the folder's overrides.json first. Returns None, or the path of the log of a run
+    that failed."""
     d = os.path.join(out, variant_name(seed, threads, kernels))
     if os.path.isfile(os.path.join(d, "stages.json")):
         return None
     os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "overrides.json"), "w", encoding="utf-8") as fh:
+        json.dump(list(overrides), fh)
     log = os.path.join(d, "run.log")
     env = dict(os.environ, **KERNELS[kernels])
     with open(log, "w", encoding="utf-8") as fh:
-        rc = subprocess.run(command(d, seed, threads), cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(command(d, seed, threads, overrides), cwd=ROOT, env=env, stdout=fh,
+                            stderr=subprocess.STDOUT).returncode
     return None if rc == 0 else log
 
 
@@ -119,17 +146,24 @@ def summarize(records: Sequence[dict]) -> Dict[str, object]:
 
 
 def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
-    """Weights of each variant against the reference's run with the same seed, threads, torch and CPU
-    capability (module docstring). ``results`` and ``reference`` map variant names to summarize()'s dicts
-    with ``seed``, ``threads``, ``torch`` and ``cpu_capability`` added. Returns (notes, missed): one note
+    """Weights of each variant against the reference's run with the same seed, threads, torch, CPU
+    capability and config overrides (module docstring). ``results`` and ``reference`` map variant names to
+    summarize()'s dicts with ``seed``, ``threads``, ``torch``, ``cpu_capability`` and ``overrides`` (a
+    list; missing in files written before it existed, read as none) added. Returns (notes, missed): one note
     per variant (equal, or not compared and why) and one missed line per variant whose digests differ."""
     keys = ("seed", "threads", "torch", "cpu_capability")
+
+    def same(x, r):
+        return all(x.get(k) == r.get(k) for k in keys) and list(x.get("overrides") or []) == list(r.get("overrides") or [])
+
     notes, missed = [], []
     for name, r in results.items():
-        match = [(n, x) for n, x in reference.items() if all(x.get(k) == r.get(k) for k in keys)]
+        match = [(n, x) for n, x in reference.items() if same(x, r)]
         if not match:
+            extra = f" and overrides {' '.join(r['overrides'])}" if r.get("overrides") else ""
             notes.append(f"{name}: not compared (no reference run with seed {r.get('seed')}, threads "
-                         f"{r.get('threads')}, torch {r.get('torch')} and CPU capability {r.get('cpu_capability')})")
+                         f"{r.get('threads')}, torch {r.get('torch')} and CPU capability {r.get('cpu_capability')}"
+                         f"{extra})")
             continue
         ref_name, ref = match[0]
         mine, theirs = r.get("digests") or {}, ref.get("digests") or {}
@@ -192,7 +226,12 @@ def main(argv=None) -> int:
     p.add_argument("--reference", action="append", default=[],
                    help="a --json of another machine's run (repeatable): compare the weights bit for bit where "
                         "seed, threads, torch and CPU capability agree")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", metavar="KEY VALUE",
+                   help="config overrides for every variant, as run_pipeline takes them (e.g. gnetdet.box_slots 1)")
+    args = p.parse_intermixed_args(argv)      # options may follow the overrides
+    if len(args.overrides) % 2:
+        print(f"error: config overrides come in key value pairs; {args.overrides[-1]!r} has no value", file=sys.stderr)
+        return 2
     reference = None
     for path in args.reference:        # read before any training, so a bad file costs nothing
         try:
@@ -221,9 +260,14 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     variants = list(itertools.product(seeds, threads, kernels))
+    stale = stale_variants(args.out, variants, args.overrides)
+    if stale:
+        print(f"error: {', '.join(stale)} hold(s) runs made with other config overrides; give another --out",
+              file=sys.stderr)
+        return 2
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        failed = [log for log in pool.map(lambda v: run_variant(args.out, *v), variants) if log]
+        failed = [log for log in pool.map(lambda v: run_variant(args.out, *v, args.overrides), variants) if log]
     if failed:
         print("error: run(s) failed, see " + ", ".join(failed), file=sys.stderr)
         return 2
@@ -233,10 +277,11 @@ def main(argv=None) -> int:
         name = variant_name(*v)
         with open(os.path.join(args.out, name, "stages.json"), encoding="utf-8") as fh:
             results[name] = summarize(json.load(fh))
-        results[name].update(seed=v[0], threads=v[1], kernels=v[2], **identity[v[2]])
+        results[name].update(seed=v[0], threads=v[1], kernels=v[2], overrides=list(args.overrides), **identity[v[2]])
     missed = verdicts(results, timed=args.jobs == 1)
     print(format_table(results))
-    print(f"{len(variants)} variant(s) in {time.time() - t0:.0f} s (jobs {args.jobs})")
+    print(f"{len(variants)} variant(s) in {time.time() - t0:.0f} s (jobs {args.jobs})"
+          + (f", config overrides {' '.join(args.overrides)}" if args.overrides else ""))
     if reference is not None:
         notes, unequal = compare_reference(results, reference)
         for line in notes:

@@ -507,7 +507,50 @@ def test_demo_check_summarizes_runs_and_judges_the_goals():
     assert "| a | 455 | 0.8800 | 0.4 | 0.8750 | 0.8880 | -1.3 |" in dc.format_table({"a": s})
     cmd = dc.command("/o", 2, 1)
     assert cmd[cmd.index("seed"):cmd.index("seed") + 4] == ["seed", "2", "threads", "1"] and "--control" in cmd
+    assert dc.command("/o", 2, 1, ["gnetdet.box_slots", "1"])[-2:] == ["gnetdet.box_slots", "1"]
     assert dc.main(["--kernels", "avx512"]) == 2
+
+
+def test_demo_check_keeps_runs_of_other_config_overrides_apart_device_cpu(tmp_path, capsys, monkeypatch):
+    """demo_check KEY VALUE ...: the overrides reach every variant's command and its overrides.json; a
+    folder made with other overrides is refused (exit 2, nothing run) rather than resumed or read; an
+    override without its value is refused; runs of other overrides are never compared by digest."""
+    import json
+    dc = _load("demo_check")
+    out = tmp_path / "o"
+    (out / "seed0-t1-avx2").mkdir(parents=True)                # made without overrides
+    v = [(0, 1, "avx2"), (1, 1, "avx2")]
+    assert dc.stale_variants(str(out), v, []) == []
+    assert dc.stale_variants(str(out), v, ["num_epochs", "48"]) == [str(out / "seed0-t1-avx2")]
+    assert dc.main(["--seeds", "0", "--threads", "1", "--kernels", "avx2", "--out", str(out),
+                    "num_epochs", "48"]) == 2
+    assert "other config overrides" in capsys.readouterr().err
+    assert sorted(os.listdir(out / "seed0-t1-avx2")) == []
+    assert dc.main(["--out", str(tmp_path / "p"), "num_epochs"]) == 2
+    assert "'num_epochs' has no value" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    seen, real = [], dc.subprocess.run
+
+    def fake_run(cmd, **kw):                  # the pipeline's run faked; kernel_identity's child runs
+        if "--json" not in cmd:
+            return real(cmd, **kw)
+        seen.append(cmd)
+        d = os.path.dirname(cmd[cmd.index("--json") + 1])
+        rows = [dict(stage="step1", best_map=0.9, seconds=1.0, plateau_span=0.0), dict(stage="step4", best_map=0.9,
+                seconds=1.0), dict(stage="control", best_map=0.9, seconds=1.0)]
+        json.dump(rows, open(os.path.join(d, "stages.json"), "w"))
+        return dc.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(dc.subprocess, "run", fake_run)
+    js = tmp_path / "q.json"
+    assert dc.main(["--seeds", "1", "--threads", "1", "--kernels", "avx2", "--out", str(tmp_path / "q"),
+                    "gnetdet.box_slots", "1", "--json", str(js)]) == 0
+    assert len(seen) == 1 and seen[0][-2:] == ["gnetdet.box_slots", "1"]
+    assert json.load(open(tmp_path / "q" / "seed1-t1-avx2" / "overrides.json")) == ["gnetdet.box_slots", "1"]
+    r = json.load(open(js))["results"]["seed1-t1-avx2"]
+    assert r["overrides"] == ["gnetdet.box_slots", "1"]
+    old = {"seed1-t1-avx2": {k: x for k, x in r.items() if k != "overrides"}}      # a file from before overrides
+    notes, missed = dc.compare_reference({"seed1-t1-avx2": r}, old)
+    assert missed == [] and notes[0].endswith("and overrides gnetdet.box_slots 1)")
 
 
 def test_demo_check_compares_weights_with_a_reference_where_kernels_and_torch_agree_device_cpu(tmp_path):
