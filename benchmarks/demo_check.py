@@ -86,7 +86,8 @@ def command(out: str, seed: int, threads: int, overrides: Sequence[str] = ()) ->
 def stale_variants(out: str, variants: Sequence[tuple], overrides: Sequence[str]) -> List[str]:
     """The folders under ``out`` of ``variants`` ((seed, threads, kernels) tuples) that hold a run made
     with other config overrides than ``overrides`` (its overrides.json; a folder without one was made
-    without overrides). Such a folder must not be resumed or read as this check's run."""
+    without overrides; one whose overrides.json is not a JSON list counts as other overrides). Such a
+    folder must not be resumed or read as this check's run."""
     stale = []
     for v in variants:
         d = os.path.join(out, variant_name(*v))
@@ -97,7 +98,9 @@ def stale_variants(out: str, variants: Sequence[tuple], overrides: Sequence[str]
                 theirs = json.load(fh)
         except FileNotFoundError:
             theirs = []
-        if list(theirs) != list(overrides):
+        except (OSError, ValueError):
+            theirs = None                      # unreadable: not known to match, so not resumed
+        if not isinstance(theirs, list) or theirs != list(overrides):
             stale.append(d)
     return stale
 

@@ -522,6 +522,11 @@ def test_demo_check_keeps_runs_of_other_config_overrides_apart_device_cpu(tmp_pa
     v = [(0, 1, "avx2"), (1, 1, "avx2")]
     assert dc.stale_variants(str(out), v, []) == []
     assert dc.stale_variants(str(out), v, ["num_epochs", "48"]) == [str(out / "seed0-t1-avx2")]
+    (out / "seed1-t1-avx2").mkdir()
+    (out / "seed1-t1-avx2" / "overrides.json").write_text("{not json")
+    assert dc.stale_variants(str(out), v, []) == [str(out / "seed1-t1-avx2")]
+    (out / "seed1-t1-avx2" / "overrides.json").unlink()
+    (out / "seed1-t1-avx2").rmdir()
     assert dc.main(["--seeds", "0", "--threads", "1", "--kernels", "avx2", "--out", str(out),
                     "num_epochs", "48"]) == 2
     assert "other config overrides" in capsys.readouterr().err
