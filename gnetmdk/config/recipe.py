@@ -7,10 +7,11 @@ raccoon and the shapes demo over three seeds each. Any value can still be set pe
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Union
 
 
-def quantized_stages() -> Dict[Union[int, str], dict]:
+def quantized_stages(epoch_factor: float = 1.0) -> Dict[Union[int, str], dict]:
     """The per_step entries of steps 2, cal, 3 and 4, as fresh dicts.
 
     Fine-tuning at 1e-4 (2e-5 in step 4) with AdamW, cosine after a half-epoch warm-up, 10 + 10 + 6
@@ -21,13 +22,29 @@ def quantized_stages() -> Dict[Union[int, str], dict]:
     -1.7) points on the shapes demo and from -3.1 (worst -9.6) to -1.6 (worst -3.7) on raccoon
     (docs/results/accuracy-matrix.md).
 
+    Args:
+        epoch_factor: the same schedule in optimizer steps for a dataset whose epochs have 1 / factor
+            times the steps of the one a config derives from (examples/facemask_tiles.py: its tiles
+            give 115 steps an epoch where the photos give 42, factor 42 / 115). Epoch counts and the
+            evaluation interval are scaled and rounded half up, at least 1; the warm-up (a fraction of
+            an epoch) is scaled exactly. 1.0 is the schedule as measured.
+
     Returns:
         {2: {...}, "cal": {}, 3: {...}, 4: {...}}: config field -> value per stage.
+
+    Raises:
+        ValueError: ``epoch_factor`` not a finite number above 0.
     """
-    ema = dict(warmup_epochs=0.5, eval_interval=2, ema=True, ema_decay=0.99)
+    if not (isinstance(epoch_factor, (int, float)) and math.isfinite(epoch_factor) and epoch_factor > 0):
+        raise ValueError(f"quantized_stages: epoch_factor must be a number above 0, got {epoch_factor!r}")
+
+    def epochs(n: int) -> int:
+        return n if epoch_factor == 1.0 else max(1, int(math.floor(n * epoch_factor + 0.5)))
+
+    ema = dict(warmup_epochs=0.5 * epoch_factor, eval_interval=epochs(2), ema=True, ema_decay=0.99)
     return {
-        2: dict(learning_rate=1e-4, num_epochs=10, **ema),
+        2: dict(learning_rate=1e-4, num_epochs=epochs(10), **ema),
         "cal": dict(),
-        3: dict(learning_rate=1e-4, num_epochs=10, ema_ramp=20, **ema),
-        4: dict(learning_rate=2e-5, num_epochs=6, ema_ramp=20, **ema),
+        3: dict(learning_rate=1e-4, num_epochs=epochs(10), ema_ramp=20, **ema),
+        4: dict(learning_rate=2e-5, num_epochs=epochs(6), ema_ramp=20, **ema),
     }

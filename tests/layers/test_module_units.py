@@ -79,6 +79,27 @@ def test_recipe_quantized_stages_values_and_fresh_dicts():
     assert a[4] is not a[3] and a[4]["num_epochs"] == 6
 
 
+def test_recipe_epoch_factor_keeps_the_optimizer_steps_device_cpu():
+    """quantized_stages(epoch_factor): epochs and evaluation interval scaled and rounded half up (at least
+    1), the warm-up scaled exactly, everything else as measured; a bad factor is one ValueError."""
+    import math
+    a = recipe.quantized_stages(42 / 115)         # examples/facemask_tiles.py: 115 steps an epoch against 42
+    assert [a[k]["num_epochs"] for k in (2, 3, 4)] == [4, 4, 2]            # 3.65, 3.65, 2.19 epochs
+    assert [a[k]["eval_interval"] for k in (2, 3, 4)] == [1, 1, 1]         # 0.73 -> 1
+    assert all(math.isclose(a[k]["warmup_epochs"], 0.5 * 42 / 115, rel_tol=1e-15) for k in (2, 3, 4))
+    base = recipe.quantized_stages()
+    for k in (2, 3, 4):
+        same = {f: v for f, v in base[k].items() if f not in ("num_epochs", "eval_interval", "warmup_epochs")}
+        assert {f: a[k][f] for f in same} == same
+    assert recipe.quantized_stages(1.0) == base
+    b = recipe.quantized_stages(2.0)
+    assert [b[k]["num_epochs"] for k in (2, 3, 4)] == [20, 20, 12] and b[2]["eval_interval"] == 4
+    assert [recipe.quantized_stages(f)[4]["num_epochs"] for f in (0.25, 0.01)] == [2, 1]   # 1.5 -> 2; at least 1
+    for bad in (0, -1.0, float("nan"), float("inf"), "2"):
+        with pytest.raises(ValueError, match="epoch_factor"):
+            recipe.quantized_stages(bad)
+
+
 def test_recipe_stages_resolve_through_build_config():
     """A Config with per_step = {1: ..., **quantized_stages()} resolves each stage's recipe values, and a
     per-stage edit on top changes only that stage."""
