@@ -101,7 +101,7 @@ def prepare(dataset: str) -> None:
         lo, hi = cfg.shapes_objects                                 # shapes per image (config shapes_objects)
         n_train, n_val = cfg.shapes_images                          # train and val images (config shapes_images)
         cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir, "--objects", str(lo), str(hi),
-               "--num-train", str(n_train), "--num-val", str(n_val)]
+               "--num-train", str(n_train), "--num-val", str(n_val)] + (["--upright"] if cfg.shapes_upright else [])
         subprocess.run(cmd + (["--dense"] if make == "dense" else []), check=True, cwd=ROOT)
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
                     os.path.join(ROOT, config)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -39,6 +39,9 @@ def main(argv) -> int:
                         "(several per 32-px grid cell at times); overrides --min-size/--max-size")
     p.add_argument("--objects", type=int, nargs=2, metavar=("LO", "HI"), default=(1, 3),
                    help="shapes per image, LO to HI (default 1 3)")
+    p.add_argument("--upright", action="store_true",
+                   help="every triangle with its apex above its base (default: either way up, drawn at random); "
+                        "the boxes and the rest of every image are the same either way")
     args = p.parse_args(argv)
     extra = dict(min_objects=args.objects[0], max_objects=args.objects[1])
     if args.dense:
@@ -48,7 +51,8 @@ def main(argv) -> int:
     start = time.time()
     try:
         report = make_shapes_dataset(args.out_dir, num_train=args.num_train, num_val=args.num_val,
-                                     image_size=(args.min_size, args.max_size), seed=args.seed, **extra)
+                                     image_size=(args.min_size, args.max_size), seed=args.seed,
+                                     upright=args.upright, **extra)
     except (ValueError, OSError) as exc:
         print(f"make_shapes: error: {exc}", file=sys.stderr)
         return 2

@@ -134,7 +134,7 @@ def main(argv) -> int:
             num_train, num_val = cfg.shapes_images
             make_shapes_dataset(cfg.dataset_dir, classes=tuple(cfg.VOC_CLASSES), seed=cfg.seed,
                                 min_objects=int(lo), max_objects=int(hi), num_train=int(num_train),
-                                num_val=int(num_val))
+                                num_val=int(num_val), upright=bool(cfg.shapes_upright))
             convert_voc_to_meta(cfg.dataset_dir, cfg.VOC_CLASSES, cfg.train_meta, cfg.valid_meta, seed=cfg.seed)
             print(f"made the shapes dataset in {cfg.dataset_dir} and {cfg.train_meta} / {cfg.valid_meta}")
         rows = []

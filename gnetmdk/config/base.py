@@ -131,6 +131,7 @@ class BaseConfig:
     max_train_images: int = 0               # 0 = all; >0 keeps the first N (tests, smoke runs)
     shapes_objects: List[int] = [1, 3]      # run_pipeline --make-shapes: shapes per image, lo and hi
     shapes_images: List[int] = [240, 60]    # ... and the train and val images it makes
+    shapes_upright: bool = False            # ... with every triangle's apex above its base (else either way up)
     max_val_images: int = 0
     cache_images: bool = True               # decode every image once (downscaled) and keep it in memory
     augment: bool = True                    # training augmentation (the family's own: cfg.<family> section)

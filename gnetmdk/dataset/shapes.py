@@ -76,7 +76,7 @@ def _draw(image: np.ndarray, kind: str, x: int, y: int, side: int, colour, flip:
 
 
 def _make_image(rng: np.random.Generator, size_range, classes, max_objects: int, min_objects: int = 1,
-                side_px=None):
+                side_px=None, upright: bool = False):
     lo, hi = size_range
     width, height = int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1))
 
@@ -93,7 +93,7 @@ def _make_image(rng: np.random.Generator, size_range, classes, max_objects: int,
     for _ in range(int(rng.integers(min_objects, max_objects + 1))):
         kind = classes[int(rng.integers(0, len(classes)))]
         colour = _pick_colour(rng, background)
-        flip = bool(rng.integers(0, 2))
+        flip = bool(rng.integers(0, 2)) and not upright     # drawn either way: the same stream of draws
         for _try in range(30):
             if side_px is None:
                 side = int(round(rng.uniform(0.15, 0.45) * short))
@@ -128,6 +128,7 @@ def make_shapes_dataset(
     jpeg_quality: int = 95,
     min_objects: int = 1,
     side_px: tuple[int, int] | None = None,
+    upright: bool = False,
 ) -> dict:
     """Write a synthetic VOC dataset of filled circles, squares and triangles.
 
@@ -140,7 +141,9 @@ def make_shapes_dataset(
     Gaussian noise (sigma 6), ``min_objects`` to ``max_objects`` shapes (fewer when one finds no
     place in 30 tries) with sides of 15-45 % of the shorter image side, or ``side_px`` = (lo, hi)
     pixels when given, random saturated colours, centres apart and only mild overlap. Boxes are tight
-    integer pixel boxes ``x1 y1 x2 y2`` (x2/y2 one past the last covered pixel).
+    integer pixel boxes ``x1 y1 x2 y2`` (x2/y2 one past the last covered pixel). A triangle points up
+    or down at random, or always up with ``upright`` (its box, and every other pixel and box of the
+    dataset, the same either way: the random draws are the same).
 
     The dense small-object case (``tools/make_shapes.py --dense``): 448 px squares, 30-80 shapes of
     4-16 px: several objects share a 32-px grid cell at times, and the smallest are a few pixels
@@ -182,7 +185,7 @@ def make_shapes_dataset(
         stats = {"images": 0, "boxes": 0, "per_class": OrderedDict((c, 0) for c in classes)}
         for i in range(count):
             rng = np.random.default_rng([int(seed), _SPLIT_CODE[split], i])
-            image, objects = _make_image(rng, (lo, hi), classes, max_objects, min_objects, side_px)
+            image, objects = _make_image(rng, (lo, hi), classes, max_objects, min_objects, side_px, upright)
             stem = f"{split}_{i:05d}"
             if not cv2.imwrite(os.path.join(img_dir, stem + ".jpg"), image, params):
                 raise OSError(f"could not write {os.path.join(img_dir, stem + '.jpg')}")

@@ -428,6 +428,47 @@ def test_shapes_box_is_tight(tmp_path):
         assert np.abs(inside - ring.mean(0)).sum() > 60
 
 
+def test_shapes_upright_triangles_point_up_and_change_nothing_else_device_cpu(tmp_path):
+    """upright (make_shapes --upright, config shapes_upright): every triangle's apex is above its base;
+    the boxes are those of the default dataset and, before JPEG coding, only pixels inside triangle boxes
+    differ, and their anti-aliased edges a pixel around (the random draws are the same). The CLI flag
+    writes what the function writes."""
+    from gnetmdk.dataset.shapes import _make_image
+    widths, flipped = [], 0
+    for i in range(24):
+        up, up_objects = _make_image(np.random.default_rng([5, 0, i]), (256, 320), SHAPES, 3, upright=True)
+        df, df_objects = _make_image(np.random.default_rng([5, 0, i]), (256, 320), SHAPES, 3)
+        assert up_objects == df_objects
+        outside = np.ones(up.shape[:2], bool)
+        for kind, x1, y1, x2, y2, _ in up_objects:
+            if kind == "triangle":
+                outside[max(0, y1 - 1):y2 + 1, max(0, x1 - 1):x2 + 1] = False
+        assert np.array_equal(up[outside], df[outside])
+        up, df = up.astype(np.int32), df.astype(np.int32)
+        for kind, x1, y1, x2, y2, _ in up_objects:
+            if kind != "triangle":
+                continue
+            h = y2 - y1
+            bg = up[max(0, y1 - 2), x1:x2].mean(0)             # the row just above the box
+            def coloured(img, y):
+                return int((np.abs(img[y, x1:x2] - bg).sum(1) > 60).sum())
+            top, bottom = y1 + h // 5, y2 - 1 - h // 5
+            widths.append((coloured(up, top), coloured(up, bottom)))
+            flipped += coloured(df, top) > coloured(df, bottom)
+    assert len(widths) >= 8
+    assert all(t < b for t, b in widths), widths          # narrow near the top, wide near the base
+    assert flipped >= 2                                   # the default set has triangles pointing down
+
+    res = run_tool(MAKE_SHAPES, tmp_path / "u", "--num-train", 3, "--num-val", 1, "--seed", 5, "--upright")
+    assert res.returncode == 0, res.stderr
+    make_shapes_dataset(tmp_path / "f", num_train=3, num_val=1, seed=5, upright=True)
+    for stem in ("train_00000", "train_00001", "train_00002", "val_00000"):
+        assert ((tmp_path / "u" / "Annotations" / f"{stem}.xml").read_bytes()
+                == (tmp_path / "f" / "Annotations" / f"{stem}.xml").read_bytes())
+        np.testing.assert_array_equal(cv2.imread(str(tmp_path / "u" / "JPEGImages" / f"{stem}.jpg")),
+                                      cv2.imread(str(tmp_path / "f" / "JPEGImages" / f"{stem}.jpg")))
+
+
 def read_meta_from_tree(root, classes):
     convert_voc_to_meta(root, classes, root / "m_t.txt", root / "m_v.txt")
     return read_meta(root / "m_t.txt")
