@@ -63,6 +63,8 @@ STEP1_RANGE = 0.03
 COST_LIMIT = 0.015
 #: the demo's stages (without the control) within this many seconds, when the runs had the machine alone
 DEMO_SECONDS = 480.0
+#: the demo's config, run by every variant
+DEMO_CONFIG = os.path.join(ROOT, "examples", "shapes.py")
 #: the stages whose best.pth weights --reference compares
 DIGEST_STAGES = ("step1", "step4", "control")
 
@@ -76,7 +78,7 @@ def command(out: str, seed: int, threads: int, overrides: Sequence[str] = ()) ->
     """run_pipeline's command of one variant: the demo and its control, every output under ``out``, with
     the config ``overrides`` (``key value`` pairs) after the variant's own."""
     return [sys.executable, os.path.join(ROOT, "tools", "run_pipeline.py"), "--config",
-            os.path.join(ROOT, "examples", "shapes.py"), "--make-shapes", "--control",
+            DEMO_CONFIG, "--make-shapes", "--control",
             "--json", os.path.join(out, "stages.json"), "seed", str(seed), "threads", str(threads),
             "progress", "false", "data_root", os.path.join(out, "data"), "meta_root", os.path.join(out, "meta"),
             "checkpoint_root", os.path.join(out, "checkpoint"), "log_root", os.path.join(out, "log"),
@@ -148,16 +150,36 @@ def summarize(records: Sequence[dict]) -> Dict[str, object]:
             "digests": {k: rows[k].get("weights_sha256") for k in DIGEST_STAGES if k in rows}}
 
 
+def effective_overrides(overrides: Sequence[str]) -> Dict[str, str]:
+    """The config ``overrides`` (``key value`` words) that change the demo: {field: value} for those whose
+    resolved value differs from examples/shapes.py's, the key as written and the value as its ``repr``. So ``shapes_upright true`` is no override once the demo draws upright triangles,
+    and a reference run made with it compares with a run made without. Words the config does not take (a
+    file from another version) are kept as written."""
+    from gnetmdk.config.overrides import ConfigError, build_config, config_value, load_config_class, split_overrides
+
+    try:
+        pairs = split_overrides(list(overrides or []))
+        if not pairs:
+            return {}
+        klass = load_config_class(DEMO_CONFIG)
+        base, cfg = build_config(klass), build_config(klass, list(overrides))
+        return {k: repr(config_value(cfg, k)) for k, _ in pairs if config_value(cfg, k) != config_value(base, k)}
+    except ConfigError:          # an unknown field or value: compare the words themselves
+        return {str(i): w for i, w in enumerate(overrides)}
+
+
 def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
     """Weights of each variant against the reference's run with the same seed, threads, torch, CPU
-    capability and config overrides (module docstring). ``results`` and ``reference`` map variant names to
+    capability and config (module docstring). ``results`` and ``reference`` map variant names to
     summarize()'s dicts with ``seed``, ``threads``, ``torch``, ``cpu_capability`` and ``overrides`` (a
-    list; missing in files written before it existed, read as none) added. Returns (notes, missed): one note
-    per variant (equal, or not compared and why) and one missed line per variant whose digests differ."""
+    list; missing in files written before it existed, read as none) added; overrides agree when they change
+    the demo's config the same way (:func:`effective_overrides`). Returns (notes, missed): one note per
+    variant (equal, or not compared and why) and one missed line per variant whose digests differ."""
     keys = ("seed", "threads", "torch", "cpu_capability")
 
     def same(x, r):
-        return all(x.get(k) == r.get(k) for k in keys) and list(x.get("overrides") or []) == list(r.get("overrides") or [])
+        return (all(x.get(k) == r.get(k) for k in keys)
+                and effective_overrides(x.get("overrides")) == effective_overrides(r.get("overrides")))
 
     notes, missed = [], []
     for name, r in results.items():

@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic (their numbers are machine-dependent and not asserted)."""
 import importlib.util
+import json
 import os
 
 import pytest
@@ -118,7 +119,6 @@ def test_accuracy_matrix_aggregates_seeds_and_checks_the_goal():
 def test_accuracy_matrix_tables_a_tiled_set_on_the_whole_images_too(tmp_path, capsys):
     """--table-only on runs of dense_tiles: the tile table from stages.json, and the whole-image table from
     the whole_<stage>.json files eval_voc --stitch --json writes."""
-    import json
     acc = _load("accuracy")
     for seed, (t1, t4, w1, w4) in enumerate([(0.60, 0.59, 0.55, 0.50), (0.62, 0.62, 0.57, 0.575)]):
         d = tmp_path / "dense_tiles" / f"seed{seed}"
@@ -152,7 +152,6 @@ def test_accuracy_matrix_refuses_unknown_datasets_and_seeds(capsys):
 def test_accuracy_matrix_runs_a_config_of_your_own(tmp_path, capsys):
     """--datasets NAME=CONFIG: the runs of a user's config go under OUT/NAME and its pipeline command
     names that config."""
-    import json
     acc = _load("accuracy")
     config = tmp_path / "mine.py"
     config.write_text("from gnetmdk.config import BaseConfig\nclass Config(BaseConfig):\n    pass\n")
@@ -231,7 +230,6 @@ def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_pa
     """chip_check converts a run's step-4 best.pth into the chip model and compares every code and the mAP
     (chip.json: exit 0, 0 mismatches, equal mAP); a checkpoint that is not step 4 is a failed check, and
     the table's chip lines say which."""
-    import json
     import sys
     from chip_helpers import (DATASETS, build_step4_model, have, load_images, save_step4_checkpoint,
                               write_config)
@@ -396,7 +394,6 @@ def test_gpu_check_reads_what_the_parts_print_device_cpu(capsys):
 def test_gpu_check_without_a_gpu_says_so_and_runs_the_cpu_parts_device_cpu(tmp_path):
     """No GPU: the dry run names the GPU parts as not run; a run of the CUDA lane writes its log and a
     summary whose GPU parts are skipped and whose all_met is false; bad parts are one message."""
-    import json
     import subprocess
     import sys
     script = os.path.join(ROOT, "benchmarks", "gpu_check.py")
@@ -515,7 +512,6 @@ def test_demo_check_keeps_runs_of_other_config_overrides_apart_device_cpu(tmp_pa
     """demo_check KEY VALUE ...: the overrides reach every variant's command and its overrides.json; a
     folder made with other overrides is refused (exit 2, nothing run) rather than resumed or read; an
     override without its value is refused; runs of other overrides are never compared by digest."""
-    import json
     dc = _load("demo_check")
     out = tmp_path / "o"
     (out / "seed0-t1-avx2").mkdir(parents=True)                # made without overrides
@@ -591,11 +587,34 @@ def test_demo_check_compares_weights_with_a_reference_where_kernels_and_torch_ag
     assert not (tmp_path / "o").exists()
 
 
+def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_device_cpu():
+    """An override that repeats the demo's own value (``shapes_upright true`` once examples/shapes.py draws
+    upright triangles) is no override: the bundled upright references compare with a plain run; the older
+    references, drawn either way up (``shapes_upright false``), do not; another override keeps a run apart."""
+    dc = _load("demo_check")
+    assert dc.effective_overrides([]) == {} and dc.effective_overrides(["shapes_upright", "true"]) == {}
+    assert dc.effective_overrides(["shapes_upright", "false"]) == {"shapes_upright": "False"}
+    assert dc.effective_overrides(["gnetdet.box_slots", "1"]) == {"gnetdet.box_slots": "1"}
+    assert dc.effective_overrides(["no_such_field", "1"]) == {"0": "no_such_field", "1": "1"}
+    refs = {}
+    for name in ("demo_upright_avx2_seeds012_t1", "demo_avx2_seeds12_t1"):
+        with open(os.path.join(REPO, "benchmarks", "reference", name + ".json"), encoding="utf-8") as fh:
+            refs[name] = json.load(fh)["results"]
+    up, old = refs["demo_upright_avx2_seeds012_t1"]["seed1-t1-default"], refs["demo_avx2_seeds12_t1"]["seed1-t1-default"]
+    assert up["overrides"] == ["shapes_upright", "true"] and old["overrides"] == ["shapes_upright", "false"]
+    plain = dict(up, overrides=[])        # the same run, made after the demo's default changed
+    notes, missed = dc.compare_reference({"mine": plain}, {"up": up, "old": old})
+    assert missed == [] and notes == ["mine: step1, step4, control equal bit for bit to the reference's up"]
+    notes, missed = dc.compare_reference({"mine": dict(plain, digests=old["digests"])}, {"up": up})
+    assert missed and "differ from the reference's up" in missed[0]
+    notes, _ = dc.compare_reference({"mine": dict(plain, overrides=["gnetdet.box_slots", "1"])}, {"up": up})
+    assert "not compared" in notes[0]
+
+
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
     """With a GPU (faked here) the CUDA lane and the suite run at the same time, the timed parts after
     them one by one in PARTS order, and summary.json is rewritten after each part: a run killed midway
     keeps what finished."""
-    import json
     import threading
     gc = _load("gpu_check")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -629,7 +648,6 @@ def test_profile_trainer_splits_an_iteration_into_the_trainers_spans_device_cpu(
     prefix), the rest of the wall as "outside"; only computing aten operators called from outside
     other aten operators are counted; a real run on a tiny set writes every span, forward and
     backward taking time, and a positive operator count."""
-    import json
     import subprocess
     import sys
     from types import SimpleNamespace as E
