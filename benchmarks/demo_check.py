@@ -16,8 +16,9 @@ takes them: a candidate recipe checked by the same command) and the kernel set's
   on any x86 CPU, AVX2 ones included: a stand-in for another machine; 4 to 8 times slower than the
   default kernels on an AVX-512 CPU, so not in the default set).
 
-Runs of one variant each are independent; ``--jobs N`` runs N at once (give each ``threads`` cores, or
-read the demo's seconds as upper bounds). The table gives per variant the demo's seconds (its stages,
+Each variant's folder records the config it ran (config.json); a rerun with the same --out goes on where
+it stopped and refuses (exit 2) a folder of another config. Runs of one variant each are independent;
+``--jobs N`` runs N at once (give each ``threads`` cores, or read the demo's seconds as upper bounds). The table gives per variant the demo's seconds (its stages,
 without the control), step 1's best val mAP and how far it moved over its last quarter of epochs
 (``plateau``), step 4, the control and the quantization cost step 4 - max(step 1, control).
 
@@ -34,7 +35,8 @@ every variant's step 1, step 4 and control best.pth (their ``weights_sha256`` in
 against the reference's run with the same seed and thread count, the same torch version and the same
 CPU capability (``torch.backends.cpu.get_cpu_capability()`` under the kernel set's environment, e.g.
 AVX2): where those agree, the two machines should have computed the same bits, and a differing digest
-is a missed goal; runs made with other config overrides are never compared. Variants without such a
+is a missed goal; runs of another config are never compared (an override that repeats the demo's own
+value, as ``shapes_upright true`` does, is no other config). Variants without such a
 reference run are listed as not compared.
 
 Exit status: 0 every goal met, 1 a goal missed, 2 a run failed (its log named) or bad arguments.
@@ -85,38 +87,63 @@ def command(out: str, seed: int, threads: int, overrides: Sequence[str] = ()) ->
             "model_root", os.path.join(out, "model"), *overrides]
 
 
+#: config fields that name a variant's own folders: left out of its recorded config, so a moved --out resumes
+FOLDER_FIELDS = ("data_root", "meta_root", "checkpoint_root", "log_root", "model_root", "dataset_path", "image_dir")
+
+
+def resolved_config(seed: int, threads: int, overrides: Sequence[str] = ()) -> Dict[str, object]:
+    """The demo's config as a variant's run resolves it (examples/shapes.py, then the variant's seed and
+    threads and the ``overrides``), as plain JSON data without :data:`FOLDER_FIELDS`: what decides whether
+    a folder's run is this check's run, whatever words asked for it.
+
+    Raises:
+        gnetmdk.config.ConfigError: an override that is no field, or a value that does not convert.
+    """
+    from gnetmdk.config.overrides import build_config, load_config_class
+
+    cfg = build_config(load_config_class(DEMO_CONFIG), ["seed", str(seed), "threads", str(threads), *overrides])
+    values = {k: v for k, v in cfg.to_dict().items() if k not in FOLDER_FIELDS}
+    return json.loads(json.dumps(values, sort_keys=True, default=repr))
+
+
 def stale_variants(out: str, variants: Sequence[tuple], overrides: Sequence[str]) -> List[str]:
-    """The folders under ``out`` of ``variants`` ((seed, threads, kernels) tuples) that hold a run made
-    with other config overrides than ``overrides`` (its overrides.json; a folder without one was made
-    without overrides; one whose overrides.json is not a JSON list counts as other overrides). Such a
-    folder must not be resumed or read as this check's run."""
+    """The folders under ``out`` of ``variants`` ((seed, threads, kernels) tuples) that hold a run of
+    another config than this check's (:func:`resolved_config` against the folder's config.json). A folder
+    with files but no readable config.json (made by an older demo_check, whose demo may have differed)
+    counts as another config; an empty one does not. Such a folder must not be resumed or read as this
+    check's run.
+
+    Raises:
+        gnetmdk.config.ConfigError: bad ``overrides`` (resolved_config).
+    """
     stale = []
     for v in variants:
         d = os.path.join(out, variant_name(*v))
-        if not os.path.isdir(d):
+        if not os.path.isdir(d) or not os.listdir(d):
             continue
+        want = resolved_config(v[0], v[1], overrides)
         try:
-            with open(os.path.join(d, "overrides.json"), encoding="utf-8") as fh:
+            with open(os.path.join(d, "config.json"), encoding="utf-8") as fh:
                 theirs = json.load(fh)
-        except FileNotFoundError:
-            theirs = []
         except (OSError, ValueError):
-            theirs = None                      # unreadable: not known to match, so not resumed
-        if not isinstance(theirs, list) or theirs != list(overrides):
+            theirs = None                      # missing or unreadable: not known to match, so not resumed
+        if theirs != want:
             stale.append(d)
     return stale
 
 
 def run_variant(out: str, seed: int, threads: int, kernels: str, overrides: Sequence[str] = ()) -> Optional[str]:
     """Runs one variant unless its stages.json exists (a rerun goes on where it stopped), recording the
-    config overrides in the folder's overrides.json first. Returns None, or the path of the log of a run
-    that failed."""
+    config overrides in the folder's overrides.json and the resolved config in its config.json first.
+    Returns None, or the path of the log of a run that failed."""
     d = os.path.join(out, variant_name(seed, threads, kernels))
     if os.path.isfile(os.path.join(d, "stages.json")):
         return None
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "overrides.json"), "w", encoding="utf-8") as fh:
         json.dump(list(overrides), fh)
+    with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(resolved_config(seed, threads, overrides), fh, indent=1, sort_keys=True)
     log = os.path.join(d, "run.log")
     env = dict(os.environ, **KERNELS[kernels])
     with open(log, "w", encoding="utf-8") as fh:
@@ -285,10 +312,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     variants = list(itertools.product(seeds, threads, kernels))
-    stale = stale_variants(args.out, variants, args.overrides)
+    from gnetmdk.config import ConfigError
+    try:
+        resolved_config(seeds[0], threads[0], args.overrides)      # bad overrides: refused before any run
+        stale = stale_variants(args.out, variants, args.overrides)
+    except ConfigError as exc:
+        print(f"error: config overrides {' '.join(args.overrides)}: {exc}", file=sys.stderr)
+        return 2
     if stale:
-        print(f"error: {', '.join(stale)} hold(s) runs made with other config overrides; give another --out",
-              file=sys.stderr)
+        print(f"error: {', '.join(stale)} hold(s) runs made with another config (other overrides, or an older "
+              "demo_check's demo); give another --out", file=sys.stderr)
         return 2
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

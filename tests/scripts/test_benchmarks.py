@@ -510,23 +510,35 @@ def test_demo_check_summarizes_runs_and_judges_the_goals():
 
 def test_demo_check_keeps_runs_of_other_config_overrides_apart_device_cpu(tmp_path, capsys, monkeypatch):
     """demo_check KEY VALUE ...: the overrides reach every variant's command and its overrides.json; a
-    folder made with other overrides is refused (exit 2, nothing run) rather than resumed or read; an
-    override without its value is refused; runs of other overrides are never compared by digest."""
+    folder made with another resolved config (config.json; none at all: an older demo_check's) is refused
+    (exit 2, nothing run) rather than resumed or read, while an override that repeats the demo's own value
+    is the same config; an override without its value, or naming no field, is refused; runs of other
+    overrides are never compared by digest."""
     dc = _load("demo_check")
     out = tmp_path / "o"
-    (out / "seed0-t1-avx2").mkdir(parents=True)                # made without overrides
+    s0, s1 = out / "seed0-t1-avx2", out / "seed1-t1-avx2"
+    s0.mkdir(parents=True)                                      # empty: nothing to resume
     v = [(0, 1, "avx2"), (1, 1, "avx2")]
+    assert dc.stale_variants(str(out), v, ["num_epochs", "48"]) == []
+    with open(s0 / "config.json", "w") as fh:                   # made without overrides
+        json.dump(dc.resolved_config(0, 1, []), fh)
     assert dc.stale_variants(str(out), v, []) == []
-    assert dc.stale_variants(str(out), v, ["num_epochs", "48"]) == [str(out / "seed0-t1-avx2")]
-    (out / "seed1-t1-avx2").mkdir()
-    (out / "seed1-t1-avx2" / "overrides.json").write_text("{not json")
-    assert dc.stale_variants(str(out), v, []) == [str(out / "seed1-t1-avx2")]
-    (out / "seed1-t1-avx2" / "overrides.json").unlink()
-    (out / "seed1-t1-avx2").rmdir()
+    assert dc.stale_variants(str(out), v, ["shapes_upright", "true"]) == []
+    assert dc.stale_variants(str(out), v, ["num_epochs", "48"]) == [str(s0)]
+    s1.mkdir()
+    (s1 / "overrides.json").write_text("[]")                   # an older demo_check's folder: no config.json
+    assert dc.stale_variants(str(out), v, []) == [str(s1)]
+    (s1 / "config.json").write_text("{not json")
+    assert dc.stale_variants(str(out), v, []) == [str(s1)]
+    for f in os.listdir(s1):
+        os.unlink(s1 / f)
+    s1.rmdir()
     assert dc.main(["--seeds", "0", "--threads", "1", "--kernels", "avx2", "--out", str(out),
                     "num_epochs", "48"]) == 2
-    assert "other config overrides" in capsys.readouterr().err
-    assert sorted(os.listdir(out / "seed0-t1-avx2")) == []
+    assert "another config" in capsys.readouterr().err
+    assert sorted(os.listdir(s0)) == ["config.json"]
+    assert dc.main(["--out", str(tmp_path / "p"), "no_such_field", "1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err and not (tmp_path / "p").exists()
     assert dc.main(["--out", str(tmp_path / "p"), "num_epochs"]) == 2
     assert "'num_epochs' has no value" in capsys.readouterr().err and not (tmp_path / "p").exists()
     seen, real = [], dc.subprocess.run
@@ -547,6 +559,9 @@ def test_demo_check_keeps_runs_of_other_config_overrides_apart_device_cpu(tmp_pa
                     "gnetdet.box_slots", "1", "--json", str(js)]) == 0
     assert len(seen) == 1 and seen[0][-2:] == ["gnetdet.box_slots", "1"]
     assert json.load(open(tmp_path / "q" / "seed1-t1-avx2" / "overrides.json")) == ["gnetdet.box_slots", "1"]
+    recorded = json.load(open(tmp_path / "q" / "seed1-t1-avx2" / "config.json"))
+    assert recorded == dc.resolved_config(1, 1, ["gnetdet.box_slots", "1"]) and recorded["gnetdet"]["box_slots"] == 1
+    assert recorded["seed"] == 1 and recorded["shapes_upright"] is True and "data_root" not in recorded
     r = json.load(open(js))["results"]["seed1-t1-avx2"]
     assert r["overrides"] == ["gnetdet.box_slots", "1"]
     old = {"seed1-t1-avx2": {k: x for k, x in r.items() if k != "overrides"}}      # a file from before overrides
