@@ -33,9 +33,10 @@ def quantized_stages(epoch_factor: float = 1.0) -> Dict[Union[int, str], dict]:
         {2: {...}, "cal": {}, 3: {...}, 4: {...}}: config field -> value per stage.
 
     Raises:
-        ValueError: ``epoch_factor`` not a finite number above 0.
+        ValueError: ``epoch_factor`` not a finite number above 0 (a bool is no number here).
     """
-    if not (isinstance(epoch_factor, (int, float)) and math.isfinite(epoch_factor) and epoch_factor > 0):
+    if not (isinstance(epoch_factor, (int, float)) and not isinstance(epoch_factor, bool)
+            and math.isfinite(epoch_factor) and epoch_factor > 0):
         raise ValueError(f"quantized_stages: epoch_factor must be a number above 0, got {epoch_factor!r}")
 
     def epochs(n: int) -> int:

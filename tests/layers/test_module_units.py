@@ -95,7 +95,7 @@ def test_recipe_epoch_factor_keeps_the_optimizer_steps_device_cpu():
     b = recipe.quantized_stages(2.0)
     assert [b[k]["num_epochs"] for k in (2, 3, 4)] == [20, 20, 12] and b[2]["eval_interval"] == 4
     assert [recipe.quantized_stages(f)[4]["num_epochs"] for f in (0.25, 0.01)] == [2, 1]   # 1.5 -> 2; at least 1
-    for bad in (0, -1.0, float("nan"), float("inf"), "2"):
+    for bad in (0, -1.0, float("nan"), float("inf"), "2", True):
         with pytest.raises(ValueError, match="epoch_factor"):
             recipe.quantized_stages(bad)
 
