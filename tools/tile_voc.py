@@ -70,8 +70,9 @@ def main(argv) -> int:
         print(f"warning: {rep['not_whole']} of {rep['boxes']} boxes lie whole in no tile (cut at a seam); "
               f"--overlap {int(-(-rep['max_side'] // 1))} (the largest box side) puts each whole in some tile",
               file=sys.stderr)
-    print(f"next: point a config's dataset_path at {args.dst}, run tools/xml_2_txt.py, train, and score the "
-          f"whole images with tools/eval_voc.py CKPT --stitch")
+    print(f"next: point a config's dataset_path at {args.dst}, run tools/xml_2_txt.py (tiles without a box are "
+          f"left out of training unless --keep-empty), train, and score the whole images with tools/eval_voc.py "
+          f"CKPT --stitch")
     return 0
 
 

@@ -60,6 +60,10 @@ def parse_args(argv=None, doc=None):
                    help="output folder (default: config meta_dir)")
     p.add_argument("--keep-difficult", action="store_true",
                    help="keep objects marked difficult (dropped by default)")
+    p.add_argument("--keep-empty", action="store_true",
+                   help="also write the images without objects, as background images: training learns 'no "
+                        "object' from them and evaluation counts detections on them as false positives "
+                        "(left out by default)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip bad annotations/images and list them, instead of stopping at the first")
     p.add_argument("--val-fraction", type=float, default=0.2,
@@ -337,7 +341,9 @@ def box_size_lines(sizes, image_size=None, cell=None, fixed_cell=True):
 def print_summary(report: dict, out=sys.stdout) -> None:
     splits = report["splits"]
     names = list(splits)
-    width = max([len("images (no objects)")] + [len(c) for c in report["classes"]])
+    kept_empty = any(splits[s].get("empty_written") for s in names)
+    width = max([len("images (no objects)")] + [len("  written (--keep-empty)")] * kept_empty
+                + [len(c) for c in report["classes"]])
     line = lambda label, vals: print(  # noqa: E731
         f"  {label:<{width}} " + " ".join(f"{v:>8}" for v in vals), file=out)
     print(f"dataset {report['dataset_dir']} ({report['split_source']})", file=out)
@@ -347,6 +353,8 @@ def print_summary(report: dict, out=sys.stdout) -> None:
     for c in report["classes"]:
         line(c, [splits[s]["per_class"][c] for s in names])
     line("images (no objects)", [len(splits[s]["no_objects"]) for s in names])
+    if kept_empty:
+        line("  written (--keep-empty)", [splits[s].get("empty_written", 0) for s in names])
     line("difficult dropped", [splits[s]["dropped_difficult"] for s in names])
     for s in names:
         print(f"wrote {splits[s]['file']}", file=out)
@@ -368,7 +376,7 @@ def main(argv, coco: bool = False, doc=None) -> int:
         report = convert(
             st["dataset_dir"], st["classes"], out_train, out_valid,
             keep_difficult=args.keep_difficult, skip_bad=args.skip_bad,
-            val_fraction=args.val_fraction, seed=st["seed"],
+            val_fraction=args.val_fraction, seed=st["seed"], keep_empty=args.keep_empty,
         )
     except (CLIError, VOCFormatError, OSError, ValueError) as exc:
         print(f"error: {exc} ({tool})", file=sys.stderr)
@@ -403,6 +411,10 @@ def main(argv, coco: bool = False, doc=None) -> int:
     for w in (warn, size_warn or class_warn, crowd_warn):
         if w:
             print(f"warning: {w}", file=sys.stderr)
+    empty = sum(len(st["no_objects"]) for st in report["splits"].values())
+    if empty and not args.keep_empty:
+        print(f"note: {empty} image(s) without objects were left out; --keep-empty writes them as background "
+              "images (trained on as 'no object'; their detections count as false positives)")
     return 0
 
 

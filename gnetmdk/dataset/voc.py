@@ -362,13 +362,16 @@ def convert_voc_to_meta(
     ann_dir: str = "Annotations",
     check_images: bool = True,
     writer=None,
+    keep_empty: bool = False,
 ) -> dict:
     """Convert a VOC-layout dataset into the two meta files.
 
     Split: ``ImageSets/Main/train.txt`` and ``val.txt`` when both exist, otherwise a random split
     of all ``<ann_dir>/*.xml`` stems, deterministic for a given ``seed`` (``round(n *
     val_fraction)`` ids go to valid). Images whose objects are all dropped (none, or only difficult
-    ones) are left out and counted. Image names in the output are relative to ``image_dir``; boxes
+    ones) are left out and counted, or with ``keep_empty`` written as background images (a line with
+    the image name alone): training then learns "no object" from them, and evaluation counts the
+    detections on them as false positives. Image names in the output are relative to ``image_dir``; boxes
     are integer pixels (see :func:`parse_voc_xml`).
 
     Every file is checked before anything is written; both outputs are then written atomically.
@@ -381,6 +384,7 @@ def convert_voc_to_meta(
         skip_bad: skip bad annotations/images (listed in the report) instead of failing.
         val_fraction, seed: used only for the random split.
         image_dir, ann_dir: sub-folders of ``dataset_dir``.
+        keep_empty: write the images without (kept) objects too, as background images.
         check_images: decode every image (a truncated or undecodable file, or one whose size differs
             from the annotation's ``<size>``, is a bad file; see :func:`_check_image`).
         writer: None (meta files), or ``writer({path: [(image_name, boxes, labels, (width, height))]},
@@ -389,7 +393,7 @@ def convert_voc_to_meta(
     Returns:
         ``{"dataset_dir", "split_source", "classes", "skipped": [(path, reason), ...], "warnings": [...],
         "splits": {"train"|"valid": {"file", "ids", "images", "boxes", "per_class": {name: n},
-        "no_objects": [xml paths], "dropped_difficult": n, "box_sizes": [(w / image width, h / image
+        "no_objects": [xml paths], "empty_written": n (0 without ``keep_empty``), "dropped_difficult": n, "box_sizes": [(w / image width, h / image
         height) per kept box], "box_labels": [class index per kept box], "box_centres": [(x / width,
         y / height, image number) per kept box]}}}``.
 
@@ -429,7 +433,8 @@ def convert_voc_to_meta(
         stats = {
             "file": str(out), "ids": len(ids), "images": 0, "boxes": 0,
             "per_class": OrderedDict((c, 0) for c in class_names),
-            "no_objects": [], "dropped_difficult": 0, "box_sizes": [], "box_labels": [], "box_centres": [],
+            "no_objects": [], "empty_written": 0, "dropped_difficult": 0, "box_sizes": [], "box_labels": [],
+            "box_centres": [],
         }
         split_lines = []
         for stem in ids:
@@ -468,6 +473,9 @@ def convert_voc_to_meta(
             stats["dropped_difficult"] += ann["dropped_difficult"]
             if not ann["boxes"]:
                 stats["no_objects"].append(xml_path)
+                if keep_empty:
+                    split_lines.append((image_name, [], [], (ann["width"], ann["height"])))
+                    stats["empty_written"] += 1
                 continue
             split_lines.append((image_name, ann["boxes"], ann["labels"], (ann["width"], ann["height"])))
             stats["images"] += 1
@@ -484,7 +492,7 @@ def convert_voc_to_meta(
 
     warnings = []
     for split, source in (("train", "train.txt"), ("valid", "val.txt")):
-        if not lines[split]:
+        if not splits[split]["images"]:
             why = (f"split {split!r} has no image with objects ({splits[split]['ids']} ids, "
                    f"{len(splits[split]['no_objects'])} without objects, {len(skipped)} skipped as bad)")
             if split == "train":        # an empty dataset: nothing to write

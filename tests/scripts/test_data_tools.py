@@ -594,3 +594,54 @@ def test_xml_2_txt_small_minority_class_and_crowded_cells():
     assert tool.crowded_cell_warning(centres, 2, 3, "linear") is None
     assert tool.crowded_cell_warning(centres[:1] * 19 + [(0.9, 0.9, 1)], 1, 18, "linear") is None  # 1 of 20 lost: 5%
     assert tool.crowded_cell_warning(centres[:1] * 20, 1, 18, "linear").startswith("10%")
+
+
+def test_keep_empty_writes_background_images_that_train_and_evaluate_device_cpu(tmp_path):
+    """xml_2_txt leaves images without objects out and says so in a note; with --keep-empty (convert's
+    keep_empty) each is a line with the image name alone, in its split, counted in the summary. Such an
+    image reads back with no boxes, gives an all-zero GNetDet target under every augmentation, mosaic
+    included, and a detection on it is a false positive in the VOC mAP."""
+    import torch
+    from gnetmdk.dataset.dataset import GNetDetDataset
+    from gnetmdk.evaluation.voc import evaluate_detections
+    root = tmp_path / "ds"
+    make_tree(root, n=6)                                   # train img001 img002 img004 img005, val img000 img003
+    for stem in ("img002", "img003"):
+        write_voc_xml(ann(root, stem), stem + ".jpg", 64 + int(stem[-1]), 48, [])
+    args = ("--name", "x", "--dataset-dir", root, "--classes", "cat,dog", "--out-dir")
+    res = run_tool(XML_2_TXT, *args, tmp_path / "a")
+    assert res.returncode == 0, res.stderr
+    assert "note: 2 image(s) without objects were left out; --keep-empty" in res.stdout
+    assert "written (--keep-empty)" not in res.stdout
+    assert [n for n, _, _ in read_meta(tmp_path / "a" / "x_train.txt")] == ["img001.jpg", "img004.jpg", "img005.jpg"]
+    res = run_tool(XML_2_TXT, *args, tmp_path / "b", "--keep-empty")
+    assert res.returncode == 0, res.stderr
+    assert "note:" not in res.stdout
+    assert [ln.split() for ln in res.stdout.splitlines() if "written (--keep-empty)" in ln] == \
+        [["written", "(--keep-empty)", "1", "1"]]
+    with open(tmp_path / "b" / "x_train.txt") as fh:
+        assert "img002.jpg\n" in fh.read().splitlines(keepends=True)
+    train = read_meta(tmp_path / "b" / "x_train.txt", 2)
+    assert [n for n, _, _ in train] == ["img001.jpg", "img002.jpg", "img004.jpg", "img005.jpg"]
+    assert train[1][1].shape == (0, 4) and train[1][2].shape == (0,)
+    val = read_meta(tmp_path / "b" / "x_valid.txt", 2)
+    assert [n for n, _, _ in val] == ["img000.jpg", "img003.jpg"]
+    rep = convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "t.txt", tmp_path / "v.txt", keep_empty=True)
+    assert rep["splits"]["train"]["images"] == 3 and rep["splits"]["train"]["empty_written"] == 1
+
+    for mosaic in (0.0, 1.0):
+        ds = GNetDetDataset(str(tmp_path / "b" / "x_train.txt"), str(root / "JPEGImages"), 2, image_size=64,
+                            grid=4, train=True, mosaic_prob=mosaic, rotate_prob=0.5)
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            image, target, _, size = ds[1]
+            assert image.shape == (3, 64, 64) and size == (66, 48)
+            if mosaic == 0.0:
+                assert torch.count_nonzero(target) == 0
+        assert torch.count_nonzero(ds[0][1]) > 0
+    gts = [dict(boxes=b, labels=lab) for _, b, lab in val]
+    hit = dict(boxes=val[0][1], scores=np.ones(len(val[0][1])), labels=val[0][2])
+    miss = dict(boxes=np.array([[1.0, 1.0, 20.0, 20.0]]), scores=np.array([2.0]), labels=np.array([0]))
+    none = dict(boxes=np.zeros((0, 4)), scores=np.zeros(0), labels=np.zeros(0, dtype=np.int64))
+    assert evaluate_detections([hit, none], gts, 2)["map"] == 1.0
+    assert evaluate_detections([hit, miss], gts, 2)["ap"][0] < 1.0      # the top-scored box on the background image
