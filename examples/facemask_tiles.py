@@ -2,8 +2,9 @@
 tuned on it). examples/facemask.py on the tiles, every stage at the untiled run's optimizer steps (the
 tiles without a box are not trained on: a tile epoch has 115 steps, an untiled one 42), and every
 evaluation scored on the whole val photos (``eval_stitch``), so each stage's best.pth is chosen by the
-measure the untiled rows report. Seed 0: step 4 0.9 points under its float control on the whole photos
-(docs/results/facemask.md, "At the untiled optimizer steps"); seeds 1 and 2 not run yet.
+measure the untiled rows report. Step 4 against its float control on the whole photos: 0.9 points
+under for seed 0, 2.5 under for seed 1 (docs/results/facemask.md, "At the untiled optimizer steps");
+seed 2 not run yet.
 
     python3 tools/tile_voc.py data/facemask data/facemask_tiles --tiles 2 --overlap 64 \\
         --classes with_mask,without_mask,mask_weared_incorrect
