@@ -4,7 +4,7 @@ The chip's cap calibration itself (gnetmdk.models.calibration) is what GNetDet's
 (GNetDetFamily.calibrate), so it sits on the models' floor; it is re-exported here
 for the trainer and the tools. :func:`run_calibration` is the stage as the trainer runs it: the
 calibration stage trains nothing, so it is a part of its own beside the training loop
-(docs/pipeline.md, "cal").
+(docs/pipeline.md, "What each edit does").
 """
 from __future__ import annotations
 

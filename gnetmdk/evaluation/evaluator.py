@@ -37,7 +37,7 @@ def predict_loader(model, loader, device, conf_thresh: float, nms_thresh: float,
     and blocking by the batch size (oneDNN on a CPU gave other float32 sums at batch 1 and 3 than at
     2, 4, 8 and 16), while an image's outputs do not depend on the other images of its batch; so with
     every forward of one size an image gets the same outputs in any batch, on any rank, whatever the
-    number of processes the validation set is split over (docs/distributed.md, "Evaluation").
+    number of processes the validation set is split over (docs/distributed.md, "How the batch is split").
 
     Returns:
         (dets, loss_sums, n): ``dets`` maps dataset index -> {"boxes" (K,4) float32 pixels xyxy,
