@@ -21,7 +21,11 @@ changed), run like the examples. Each run's step-4 best.pth is converted into th
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
 left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
 scored on the whole images (`tools/eval_voc.py --stitch --json`, OUT/<dataset>/seed<K>/whole_<stage>.json),
-and a second table holds those. Then OUT/accuracy.md and OUT/accuracy.json: per dataset and stage the mean, min and
+and a second table holds those. Each run's step-4 best.pth is also scored against the better of step 1
+and the float control with a paired bootstrap over the val images (`tools/eval_voc.py --against`, with
+`--stitch` where the config scores the whole images; OUT/<dataset>/seed<K>/cost_interval.json): the 95%
+interval of the quantization cost as the val images drawn move it (docs/pipeline.md, "How far a mAP can
+move with the val images"). Then OUT/accuracy.md and OUT/accuracy.json: per dataset and stage the mean, min and
 max best mAP@0.5 over the seeds, and the quantization cost per seed, step 4 - max(step 1, control) (mean,
 worst), the goal being a mean within 1 point and no seed more than 2 points below. Every run trains the float
 control too (`run_pipeline.py --control`: the float model trained as long as steps 2-4, with their
@@ -37,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from gnetmdk.config.cli import Parser
 from gnetmdk.engine.cli import tool_main
@@ -116,6 +120,59 @@ def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides
             *overrides]
 
 
+def interval_command(dataset: str, seed: int, out: str, rows: Sequence[dict],
+                     overrides: Sequence[str]) -> Optional[List[str]]:
+    """The eval_voc command giving one run's quantization cost a paired bootstrap interval: its step-4
+    best.pth ``--against`` the better of step 1's and the float control's (the model the cost is taken
+    against), with ``--stitch`` where the config scores whole images (``eval_stitch``), the JSON in
+    OUT/<dataset>/seed<K>/cost_interval.json. None when ``rows`` (run_pipeline's) lack step 1 or step 4."""
+    from gnetmdk.config import build_config, load_config_class
+    from gnetmdk.engine.control import control_configs
+    best = {r["stage"]: r.get("best_map") for r in rows}
+    if best.get("step1") is None or best.get("step4") is None:
+        return None
+    d = run_dir(out, dataset, seed)
+    config = os.path.join(ROOT, DATASETS[dataset][0])
+    klass = load_config_class(config)
+    where = ["checkpoint_root", os.path.join(d, "checkpoint")]
+    first = build_config(klass, where, step=1)
+    ref = os.path.join(first.checkpoint_dir(1), "best.pth")
+    if best.get("control") is not None and best["control"] >= best["step1"]:
+        ref = os.path.join(control_configs(klass, where)[-1].checkpoint_dir(1), "best.pth")
+    step4 = os.path.join(build_config(klass, where, step=4).checkpoint_dir(4), "best.pth")
+    return [sys.executable, os.path.join(ROOT, "tools", "eval_voc.py"), step4, "--config", config, "--against", ref,
+            *(["--stitch"] if first.eval_stitch else []), "--json", os.path.join(d, "cost_interval.json"),
+            "seed", str(seed), "progress", "false", *overrides]
+
+
+def cost_interval(dataset: str, seed: int, out: str) -> Optional[dict]:
+    """One run's cost_interval.json: {"interval": the paired 95% interval (low, high) of step 4 - reference
+    mAP, "samples": every resample's difference (a list, in draw order), "num_images", "seed" (the
+    bootstrap's)}, mAP as fractions; None when the run has none."""
+    path = os.path.join(run_dir(out, dataset, seed), "cost_interval.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        b = json.load(fh)["bootstrap"]
+    return {"interval": tuple(float(x) for x in b["interval_diff"]), "samples": b.get("samples_diff"),
+            "num_images": b.get("num_images"), "seed": b.get("seed")}
+
+
+def mean_interval(found: Sequence[Optional[dict]], level: float = 0.95) -> Optional[Tuple[float, float]]:
+    """The interval of the mean cost over the seeds: every run scored on the same images with the same
+    bootstrap seed drew the same resamples, so each resample's differences are averaged over the runs and
+    the percentile interval taken of those means (gnetmdk.evaluation.voc.bootstrap_map). None unless every
+    run has its samples from the same draws."""
+    import numpy as np
+    if not found or any(f is None or not f.get("samples") for f in found):
+        return None
+    if len({(f["num_images"], f["seed"], len(f["samples"])) for f in found}) != 1:
+        return None
+    means = np.mean(np.array([f["samples"] for f in found], dtype=np.float64), axis=0)
+    lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(lo), float(hi)
+
+
 def chip_check(dataset: str, seed: int, out: str, overrides: Sequence[str]) -> dict:
     """Convert one run's step-4 best.pth into the chip model (OUT/<dataset>/seed<K>/model) and compare it
     with the checkpoint on the val split (tools/chip_eval.py --check: every activation code of every
@@ -184,10 +241,13 @@ def whole_rows(dataset: str, seed: int, out: str) -> List[dict]:
     return rows
 
 
-def aggregate(results: Dict[str, Dict[int, List[dict]]]) -> Dict[str, dict]:
+def aggregate(results: Dict[str, Dict[int, List[dict]]],
+              intervals: Optional[Dict[str, Dict[int, Optional[dict]]]] = None) -> Dict[str, dict]:
     """Per dataset: {"seeds", "stages": {stage: {"mean", "min", "max"}}, "delta": [the quantization cost per
-    seed], "delta_mean", "delta_worst", "goal"} from {dataset: {seed: run_pipeline's --json rows}}; mAP as
-    fractions. The quantization cost is step4 - max(step1, control) when the run has the float control
+    seed], "delta_mean", "delta_worst", "goal", "delta_interval": [per seed the cost's paired 95% bootstrap
+    interval (low, high) over the val images, or None], "delta_mean_interval": that of the mean cost or None}
+    from {dataset: {seed: run_pipeline's --json rows}} and {dataset: {seed: :func:`cost_interval`'s dict}};
+    mAP as fractions. The quantization cost is step4 - max(step1, control) when the run has the float control
     (gnetmdk/engine/control.py), else step4 - step1. "goal": its mean at least -0.01 and every seed's
     at least -0.02."""
     table = {}
@@ -204,7 +264,11 @@ def aggregate(results: Dict[str, Dict[int, List[dict]]]) -> Dict[str, dict]:
             vals = [v for v in vals if v is not None]
             if vals:
                 stages[st] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
+        got = (intervals or {}).get(ds, {})
+        found = [got.get(seed) for seed in sorted(runs)]
         table[ds] = {"seeds": sorted(runs), "stages": stages, "delta": deltas,
+                     "delta_interval": [None if f is None else f["interval"] for f in found],
+                     "delta_mean_interval": mean_interval(found),
                      "delta_mean": statistics.fmean(deltas) if deltas else None,
                      "delta_worst": min(deltas) if deltas else None,
                      "goal": bool(deltas) and statistics.fmean(deltas) >= -0.01 and min(deltas) >= -0.02}
@@ -212,10 +276,12 @@ def aggregate(results: Dict[str, Dict[int, List[dict]]]) -> Dict[str, dict]:
 
 
 def format_table(table: Dict[str, dict]) -> str:
-    """Markdown: one row per dataset, mean [min-max] per stage, step4 - step1 in points."""
+    """Markdown: one row per dataset, mean [min-max] per stage, the cost in points (mean, worst), the goal,
+    and per seed the cost's paired 95% interval over the val images where there is one."""
     head = ("| dataset | seeds | " + " | ".join(STAGES) +
-            " | step 4 - max(step 1, control) (points): mean, worst | goal |")
-    lines = [head, "|" + "---|" * (len(STAGES) + 4)]
+            " | step 4 - max(step 1, control) (points): mean, worst | goal | its 95% interval over the val images: "
+            "the mean's; per seed (points) |")
+    lines = [head, "|" + "---|" * (len(STAGES) + 5)]
     for ds, row in table.items():
         cells = []
         for st in STAGES:
@@ -223,8 +289,14 @@ def format_table(table: Dict[str, dict]) -> str:
             cells.append("" if s is None else f"{s['mean']:.3f} [{s['min']:.3f}-{s['max']:.3f}]")
         d = ("" if row["delta_mean"] is None else
              f"{100 * row['delta_mean']:+.1f}, {100 * row['delta_worst']:+.1f}")
+        ivs = row.get("delta_interval") or []
+        iv = "; ".join("-" if v is None else f"[{100 * v[0]:+.1f}, {100 * v[1]:+.1f}]" for v in ivs) \
+            if any(v is not None for v in ivs) else ""
+        m = row.get("delta_mean_interval")
+        if iv:
+            iv = ("-" if m is None else f"mean [{100 * m[0]:+.1f}, {100 * m[1]:+.1f}]") + "; " + iv
         lines.append(f"| {ds} | {','.join(map(str, row['seeds']))} | " + " | ".join(cells) +
-                     f" | {d} | {'met' if row['goal'] else 'not met'} |")
+                     f" | {d} | {'met' if row['goal'] else 'not met'} | {iv} |")
     return "\n".join(lines)
 
 
@@ -273,6 +345,7 @@ def main(argv) -> int:
         print(f"error: --seeds {args.seeds!r}: comma-separated integers", file=sys.stderr)
         return 2
     results: Dict[str, Dict[int, List[dict]]] = {}
+    intervals: Dict[str, Dict[int, Optional[Tuple[float, float]]]] = {}
     whole: Dict[str, Dict[int, List[dict]]] = {}
     for ds in datasets:
         if not args.table_only:
@@ -297,6 +370,12 @@ def main(argv) -> int:
             if (os.path.isfile(js) and not args.table_only and not args.no_chip
                     and not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), "chip.json"))):
                 chip_check(ds, seed, args.out, overrides)
+            if (os.path.isfile(js) and not args.table_only
+                    and not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), "cost_interval.json"))):
+                cmd = interval_command(ds, seed, args.out, results[ds][seed], overrides)
+                if cmd is not None:
+                    subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
+            intervals.setdefault(ds, {})[seed] = cost_interval(ds, seed, args.out)
             if ds in TILED and os.path.isfile(js) and not args.table_only:
                 for stage in WHOLE_STAGES:
                     if not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), f"whole_{stage}.json")):
@@ -306,7 +385,7 @@ def main(argv) -> int:
                 rows = whole_rows(ds, seed, args.out)
                 if rows:
                     whole.setdefault(f"{ds} (whole images)", {})[seed] = rows
-    table = aggregate(results)
+    table = aggregate(results, intervals)
     text = format_table(table)
     if whole:
         table.update(aggregate(whole))

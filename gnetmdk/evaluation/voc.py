@@ -18,6 +18,12 @@ ground truth is "difficult", the detection is ignored (neither TP nor FP). Other
 ground truth is not yet matched the detection is a TP and the ground truth becomes matched; if it
 was already matched (a duplicate) or the IoU is below the threshold, it is a FP. Difficult ground
 truths do not count toward the number of positives.
+
+How far a mAP measured on N images can move with the images drawn: :func:`bootstrap_map` resamples
+the images with replacement and scores each resample (the percentile interval of Efron and
+Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13), one model alone or two models paired
+on the same draws, which is how a difference between two models on one val set is judged
+(docs/pipeline.md, "How far a mAP can move with the val images").
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["voc_ap", "evaluate_detections", "format_ap_table"]
+__all__ = ["voc_ap", "evaluate_detections", "resampled_map", "bootstrap_map", "format_ap_table"]
 
 
 def voc_ap(recall: np.ndarray, precision: np.ndarray) -> float:
@@ -123,6 +129,7 @@ def evaluate_detections(
     num_classes: int,
     iou_thresh: float = 0.5,
     return_curves: bool = False,
+    return_ranked: bool = False,
 ) -> dict:
     """PASCAL VOC mAP over a dataset (IoU 0.5, all-point interpolated AP, VOC2010+).
 
@@ -143,6 +150,8 @@ def evaluate_detections(
         iou_thresh: minimum IoU for a match (inclusive).
         return_curves: also return the precision/recall arrays each AP was computed from
             (for plots: gnetmdk.evaluation.plots.plot_pr_curves). Nothing else changes.
+        return_ranked: also return the ranked TP / FP flags per class (for :func:`bootstrap_map`).
+            Nothing else changes.
 
     Returns:
         dict with
@@ -156,7 +165,15 @@ def evaluate_detections(
             (one entry per ranked detection of the class that was not ignored, highest score first),
             exactly the arrays passed to :func:`voc_ap` for that class, so
             ``voc_ap(*result["curves"][c]) == result["ap"][c]``; classes without (non-difficult)
-            ground truth, whose AP is ``nan``, have no entry.
+            ground truth, whose AP is ``nan``, have no entry,
+            with ``return_ranked`` also
+            ``"ranked"``: per class a dict of what its AP is computed from, the detections that
+            were not ignored in ranking order: ``"image"`` int64 ``(D,)`` (index into the lists),
+            ``"score"`` float64 ``(D,)``, ``"tp"`` / ``"fp"`` float64 ``(D,)`` (1.0 or 0.0, one of
+            the two set), and ``"gt_per_image"`` int64 ``(N,)``, the image's non-difficult ground
+            truths of the class; and ``"num_images"``, ``N``. A detection's TP / FP flag depends on
+            its own image only, which is what lets :func:`resampled_map` score a resample of the
+            images without matching again.
 
     Raises:
         ValueError: if the two lists differ in length, a dict lacks a required key, boxes are not
@@ -211,15 +228,17 @@ def evaluate_detections(
     curves: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     num_gt: list[int] = []
     num_det: list[int] = []
+    ranked: list[dict] = []
     for c in range(num_classes):
         # ground truths of class c, per image
         cls_gt = []
-        npos = 0
-        for b, lab, diff in zip(gt_boxes, gt_labels, gt_difficult):
+        gt_count = np.zeros(len(gt_boxes), dtype=np.int64)
+        for i, (b, lab, diff) in enumerate(zip(gt_boxes, gt_labels, gt_difficult)):
             m = lab == c
             d = diff[m]
             cls_gt.append((b[m], d, np.zeros(int(m.sum()), dtype=bool)))
-            npos += int((~d).sum())
+            gt_count[i] = int((~d).sum())
+        npos = int(gt_count.sum())
 
         sel = np.nonzero(all_labels == c)[0]
         # stable sort on -score: ties keep image order, then order inside the image
@@ -247,10 +266,13 @@ def evaluate_detections(
 
         num_gt.append(npos)
         num_det.append(int(len(sel)))
+        keep = ~ignored
+        if return_ranked:
+            ranked.append({"image": all_img[sel][keep], "score": all_scores[sel][keep],
+                           "tp": tp[keep], "fp": fp[keep], "gt_per_image": gt_count})
         if npos == 0:
             aps.append(float("nan"))
             continue
-        keep = ~ignored
         ctp = np.cumsum(tp[keep])
         cfp = np.cumsum(fp[keep])
         recall = ctp / npos
@@ -264,7 +286,140 @@ def evaluate_detections(
     result = {"ap": aps, "map": mean_ap, "num_gt": num_gt, "num_det": num_det}
     if return_curves:
         result["curves"] = curves
+    if return_ranked:
+        result["ranked"] = ranked
+        result["num_images"] = len(ground_truths)
     return result
+
+
+def _resample_order(image: np.ndarray, score: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Indices into one class's ranked detections, in the ranking of the resampled image list.
+
+    The resample lists image ``i`` ``weight[i]`` times in a row, in image order; ranking it as
+    :func:`evaluate_detections` does (score descending, ties in list order) repeats each detection
+    ``weight`` times in place, except where detections of one image tie in score: there the first
+    copy of the image's tied detections comes before the second copy of any of them.
+    """
+    d = len(image)
+    rep = np.repeat(np.arange(d), weight)
+    if d < 2:
+        return rep
+    new_group = (score[1:] != score[:-1]) | (image[1:] != image[:-1])
+    if bool(new_group.all()):
+        return rep                                  # no tie inside an image: copies stay together
+    group = np.concatenate(([0], np.cumsum(new_group)))
+    starts = np.cumsum(weight) - weight
+    copy = np.arange(len(rep)) - np.repeat(starts, weight)
+    return rep[np.lexsort((rep, copy, group[rep]))]
+
+
+def resampled_map(ranked: Mapping[str, Any], counts: Any) -> tuple:
+    """VOC mAP of a resample of the images, from :func:`evaluate_detections`' ranked flags.
+
+    Args:
+        ranked: the result of ``evaluate_detections(..., return_ranked=True)`` on ``N`` images.
+        counts: int ``(N,)``, how many times each image is drawn (0 = left out).
+
+    Returns:
+        ``(map, ap)``: the float mAP (``nan`` when no class has ground truth in the resample) and the
+        per-class APs, exactly (bit for bit) what :func:`evaluate_detections` returns for the list
+        holding image ``i`` ``counts[i]`` times, in image order: a detection's TP / FP flag depends
+        on its own image only, so no matching is repeated.
+
+    Raises:
+        ValueError: ``ranked`` lacks the ranked flags, or ``counts`` is not ``N`` whole numbers >= 0.
+    """
+    if "ranked" not in ranked or "num_images" not in ranked:
+        raise ValueError("ranked must be the result of evaluate_detections(..., return_ranked=True)")
+    n = int(ranked["num_images"])
+    c = np.asarray(counts)
+    if c.shape != (n,) or (c.size and (c.min() < 0 or np.any(c != np.round(c)))):
+        raise ValueError(f"counts must be {n} whole numbers >= 0 (one per image), got shape {c.shape}")
+    c = c.astype(np.int64)
+    aps = []
+    for r in ranked["ranked"]:
+        npos = int((c * r["gt_per_image"]).sum())
+        if npos == 0:
+            aps.append(float("nan"))
+            continue
+        order = _resample_order(r["image"], r["score"], c[r["image"]])
+        ctp = np.cumsum(r["tp"][order])
+        cfp = np.cumsum(r["fp"][order])
+        recall = ctp / npos
+        precision = ctp / np.maximum(ctp + cfp, np.finfo(np.float64).eps)
+        aps.append(voc_ap(recall, precision))
+    valid = [a for a in aps if not math.isnan(a)]
+    return (float(np.mean(valid)) if valid else float("nan")), aps
+
+
+def bootstrap_map(ranked_a: Mapping[str, Any], ranked_b: Mapping[str, Any] | None = None,
+                  resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
+    """Bootstrap interval of a mAP, or of the difference of two models' mAPs on the same images.
+
+    Each resample draws ``N`` of the ``N`` images with replacement (numpy ``default_rng(seed)``) and
+    scores it with :func:`resampled_map`; with ``ranked_b`` both models are scored on the same draws
+    (a paired bootstrap), so what the two share (which images are hard) cancels in the difference.
+    The interval is the percentile interval (Efron and Tibshirani 1993, ch. 13): the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled values (numpy's linear
+    interpolation). It measures how the number moves with the images drawn, not with training: a
+    second seed moves it further.
+
+    Args:
+        ranked_a: ``evaluate_detections(..., return_ranked=True)`` of model A.
+        ranked_b: the same for model B on the same images and ground truths, or None.
+        resamples: how many resamples (>= 1); seed: the generator's seed; level: in (0, 1).
+
+    Returns:
+        dict with ``"map_a"`` (float, all images), ``"samples_a"`` (float64 ``(resamples,)``),
+        ``"interval_a"`` (``(low, high)``), ``"resamples"``, ``"seed"``, ``"level"``, ``"num_images"``,
+        and with ``ranked_b`` also ``"map_b"``, ``"samples_b"``, ``"interval_b"``, ``"diff"`` (map_a -
+        map_b), ``"samples_diff"``, ``"interval_diff"`` and ``"share_below"``: the fraction of resamples
+        where A scores below B. Resamples without any ground truth (mAP ``nan``) are left out of the
+        quantiles and the share.
+
+    Raises:
+        ValueError: bad ``resamples`` / ``level``, missing ranked flags, or two results whose images or
+            ground-truth counts differ.
+    """
+    if int(resamples) != resamples or resamples < 1:
+        raise ValueError(f"resamples must be a whole number >= 1, got {resamples!r}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
+    models = [ranked_a] + ([ranked_b] if ranked_b is not None else [])
+    for r in models:
+        if "ranked" not in r or "num_images" not in r:
+            raise ValueError("bootstrap_map needs evaluate_detections(..., return_ranked=True) results")
+    n = int(ranked_a["num_images"])
+    if ranked_b is not None:
+        same = (int(ranked_b["num_images"]) == n and len(ranked_b["ranked"]) == len(ranked_a["ranked"])
+                and all(np.array_equal(x["gt_per_image"], y["gt_per_image"])
+                        for x, y in zip(ranked_a["ranked"], ranked_b["ranked"])))
+        if not same:
+            raise ValueError("the two results are not of the same images: their image or ground-truth counts "
+                             "differ (evaluate both models on the same split)")
+    rng = np.random.default_rng(seed)
+    samples = np.empty((len(models), int(resamples)))
+    for k in range(int(resamples)):
+        counts = np.bincount(rng.integers(0, n, size=n), minlength=n) if n else np.zeros(0, np.int64)
+        for m, r in enumerate(models):
+            samples[m, k] = resampled_map(r, counts)[0]
+    q = [(1.0 - level) / 2.0, (1.0 + level) / 2.0]
+
+    def interval(v: np.ndarray) -> tuple:
+        v = v[~np.isnan(v)]
+        return tuple(float(x) for x in np.quantile(v, q)) if v.size else (float("nan"), float("nan"))
+
+    ones = np.ones(n, dtype=np.int64)
+    out = {"map_a": resampled_map(ranked_a, ones)[0], "samples_a": samples[0], "interval_a": interval(samples[0]),
+           "resamples": int(resamples), "seed": int(seed), "level": float(level), "num_images": n}
+    if ranked_b is not None:
+        diff = samples[0] - samples[1]
+        ok = ~np.isnan(diff)
+        out.update({"map_b": resampled_map(ranked_b, ones)[0], "samples_b": samples[1],
+                    "interval_b": interval(samples[1]), "samples_diff": diff, "interval_diff": interval(diff),
+                    "share_below": float(np.mean(diff[ok] < 0)) if ok.any() else float("nan")})
+        out["diff"] = out["map_a"] - out["map_b"]
+    return out
 
 
 def format_ap_table(result: Mapping[str, Any], class_names: Sequence[str]) -> str:

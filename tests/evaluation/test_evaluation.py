@@ -8,10 +8,12 @@ import torch
 
 from gnetmdk.evaluation import (
     batched_nms,
+    bootstrap_map,
     box_iou,
     evaluate_detections,
     format_ap_table,
     nms,
+    resampled_map,
     voc_ap,
 )
 
@@ -382,3 +384,100 @@ def test_padded_evaluation_gives_each_image_the_same_outputs_on_any_split_device
         padded = torch.cat([images[16:], torch.zeros(12, 3, 224, 224, dtype=torch.uint8)]).float()
         plain = model.loss(model(padded)[:4], targets[16:])
     assert n4 == 4 and s4 == {k: float(v) * 4 for k, v in plain.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# resampled_map / bootstrap_map
+# ----------------------------------------------------------------------------------------------
+
+
+def _random_set(seed, n=40, num_classes=3):
+    """A random detection set with difficult objects, near-hits and scores on a 0.1 grid (ties, also
+    inside one image)."""
+    rng = np.random.default_rng(seed)
+    gts, dets = [], []
+    for _ in range(n):
+        g = int(rng.integers(0, 4))
+        xy, wh = rng.uniform(0, 200, (g, 2)), rng.uniform(5, 60, (g, 2))
+        gts.append({"boxes": np.concatenate([xy, xy + wh], 1), "labels": rng.integers(0, num_classes, g),
+                    "difficult": rng.uniform(size=g) < 0.1})
+        k = int(rng.integers(0, 8))
+        xy, wh = rng.uniform(0, 200, (k, 2)), rng.uniform(5, 60, (k, 2))
+        b = np.concatenate([xy, xy + wh], 1)
+        if g:
+            b[:k // 2] = gts[-1]["boxes"][rng.integers(0, g, k // 2)] + rng.normal(0, 3, (k // 2, 4))
+        dets.append({"boxes": b, "scores": np.round(rng.uniform(size=k), 1), "labels": rng.integers(0, num_classes, k)})
+    return dets, gts
+
+
+def _same(a, b):
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def test_resampled_map_is_the_map_of_the_resampled_list_bit_for_bit():
+    for seed in (0, 1):
+        dets, gts = _random_set(seed)
+        ranked = evaluate_detections(dets, gts, 3, return_ranked=True)
+        assert resampled_map(ranked, np.ones(len(gts), int))[0] == ranked["map"]
+        rng = np.random.default_rng(10 + seed)
+        for _ in range(60):
+            idx = np.sort(rng.integers(0, len(gts), len(gts)))
+            ref = evaluate_detections([dets[i] for i in idx], [gts[i] for i in idx], 3)
+            got, aps = resampled_map(ranked, np.bincount(idx, minlength=len(gts)))
+            assert _same(got, ref["map"]) and all(_same(a, b) for a, b in zip(aps, ref["ap"]))
+
+
+def test_resampled_map_ranks_tied_detections_of_a_drawn_twice_image_as_the_list_does():
+    # one image, one object; detection a hits it (TP), b misses (FP), both score 0.9. Drawn twice, the
+    # list [image, image] ranks a, b, a', b': TP FP TP FP over 2 positives -> recall .5 .5 1 1,
+    # precision 1 .5 .667 .5 -> AP = .5 * 1 + .5 * 2/3 = 5/6 (a, a', b, b' would give 1)
+    dets = [{"boxes": [[0, 0, 10, 10], [50, 50, 60, 60]], "scores": [0.9, 0.9], "labels": [0, 0]}]
+    gts = [{"boxes": [[0, 0, 10, 10]], "labels": [0]}]
+    ranked = evaluate_detections(dets, gts, 1, return_ranked=True)
+    assert ranked["map"] == pytest.approx(1.0)
+    assert resampled_map(ranked, [2])[0] == pytest.approx(5 / 6)
+    assert resampled_map(ranked, [2])[0] == evaluate_detections(dets * 2, gts * 2, 1)["map"]
+    assert math.isnan(resampled_map(ranked, [0])[0])                   # no ground truth drawn
+    with pytest.raises(ValueError, match="1 whole numbers"):
+        resampled_map(ranked, [1, 1])
+    with pytest.raises(ValueError, match="return_ranked"):
+        resampled_map(evaluate_detections(dets, gts, 1), [1])
+
+
+def test_bootstrap_of_a_share_of_found_objects_is_the_binomial():
+    # one object per image, found alone (score 1) in the first 30 of 50 images: AP of a resample is
+    # the share of drawn images among the first 30, a binomial over 50 draws / 50: mean 0.6, sd
+    # sqrt(.6 * .4 / 50) = 0.0693; the 95% interval about 0.6 -/+ 1.96 sd = [0.464, 0.736]
+    gts = [{"boxes": [[0, 0, 10, 10]], "labels": [0]} for _ in range(50)]
+    dets = [{"boxes": [[0, 0, 10, 10]] if i < 30 else np.zeros((0, 4)), "scores": [1.0] if i < 30 else [],
+             "labels": [0] if i < 30 else []} for i in range(50)]
+    b = bootstrap_map(evaluate_detections(dets, gts, 1, return_ranked=True), resamples=2000, seed=3)
+    assert b["map_a"] == pytest.approx(0.6)
+    assert abs(b["samples_a"].mean() - 0.6) < 4 * 0.0693 / math.sqrt(2000)
+    assert abs(b["samples_a"].std() - 0.0693) < 0.006
+    lo, hi = b["interval_a"]
+    assert 0.44 <= lo <= 0.50 and 0.70 <= hi <= 0.76
+
+
+def test_paired_bootstrap_shares_the_draws_and_refuses_other_images():
+    dets, gts = _random_set(0)
+    a = evaluate_detections(dets, gts, 3, return_ranked=True)
+    worse = [dict(d, scores=np.asarray(d["scores"])[::-1].copy()) for d in dets]   # scores shuffled per image
+    b = evaluate_detections(worse, gts, 3, return_ranked=True)
+    self_pair = bootstrap_map(a, a, resamples=50)
+    assert self_pair["interval_diff"] == (0.0, 0.0) and self_pair["share_below"] == 0.0 and self_pair["diff"] == 0.0
+    r1, r2 = bootstrap_map(a, b, resamples=200, seed=5), bootstrap_map(a, b, resamples=200, seed=5)
+    assert np.array_equal(r1["samples_diff"], r2["samples_diff"])                # the seed decides the draws
+    assert not np.array_equal(r1["samples_a"], bootstrap_map(a, b, resamples=200, seed=6)["samples_a"])
+    assert r1["map_a"] == a["map"] and r1["map_b"] == b["map"] and r1["diff"] == a["map"] - b["map"]
+    assert np.array_equal(r1["samples_diff"], r1["samples_a"] - r1["samples_b"])
+    lo, hi = r1["interval_diff"]
+    assert lo <= np.median(r1["samples_diff"]) <= hi
+    assert r1["share_below"] == np.mean(r1["samples_diff"] < 0)
+    other = evaluate_detections(dets[:-1], gts[:-1], 3, return_ranked=True)
+    with pytest.raises(ValueError, match="not of the same images"):
+        bootstrap_map(a, other)
+    with pytest.raises(ValueError, match="resamples"):
+        bootstrap_map(a, resamples=0)
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_map(a, level=1.0)

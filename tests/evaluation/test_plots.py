@@ -236,6 +236,33 @@ def test_chip_eval_plots_are_of_the_chip_detections_device_cpu(dataset, request,
     _check_pr_json(str(out_dir / "pr_curves.json"), _table_aps(plain, names), names)
 
 
+def test_eval_voc_bootstrap_against_a_checkpoint_device_cpu(cards, tmp_path, capsys):
+    """--against itself: the same mAP twice, a difference of 0 on every resample; --json holds it; the
+    single-model interval holds the mAP; --bootstrap 0 with --against and a missing --against file are
+    refused in one line before anything is evaluated."""
+    tool = load_tool("eval_voc")
+    out = tmp_path / "boot.json"
+    assert tool.main([cards["ckpt"], "--config", cards["config"], "--against", cards["ckpt"], "--bootstrap", "200",
+                      "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    b = doc["bootstrap"]
+    assert b["resamples"] == 200 and b["images"] == "valid" and b["num_images"] == 8
+    assert b["map_a"] == b["map_b"] == doc["map"] and b["diff"] == 0.0
+    assert b["interval_diff"] == [0.0, 0.0] and b["share_below"] == 0.0
+    assert b["samples_diff"] == [0.0] * 200                              # every resample's difference
+    assert 0.0 <= b["interval_a"][0] <= b["interval_a"][1] <= 1.0
+    assert "difference +0.0000, 95% paired interval [+0.0000, +0.0000]" in text
+    for argv, word in (([ "--against", cards["ckpt"], "--bootstrap", "0"], "--bootstrap"),
+                       (["--against", str(tmp_path / "missing.pth")], "missing.pth"),
+                       (["--bootstrap", "10", "--level", "1.5"], "--level")):
+        assert tool.main([cards["ckpt"], "--config", cards["config"], *argv]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and word in err[0], captured
+        assert captured.out == ""
+
+
 def _refused(cards, target, capsys):
     """eval_voc and chip_eval with --plots ``target``: one ``error:`` line, exit 2, nothing evaluated;
     returns the two lines."""

@@ -139,6 +139,45 @@ def test_accuracy_matrix_tables_a_tiled_set_on_the_whole_images_too(tmp_path, ca
     assert "--stitch" in cmd and cmd[cmd.index("--json") + 1].endswith(os.path.join("seed1", "whole_step4.json"))
 
 
+def test_accuracy_matrix_gives_each_cost_its_interval_over_the_val_images(tmp_path, capsys, monkeypatch):
+    """interval_command scores step 4 against the better of step 1 and the control (--stitch where the
+    config scores whole images); the table gives each seed's interval from cost_interval.json."""
+    acc = _load("accuracy")
+    rows = [{"stage": "step1", "best_map": 0.80}, {"stage": "step4", "best_map": 0.79},
+            {"stage": "control", "best_map": 0.82}]
+    cmd = acc.interval_command("cards", 1, "/o", rows, ["threads", "1"])
+    d = os.path.join("/o", "cards", "seed1", "checkpoint")
+    assert cmd[2] == os.path.join(d, "step4", "best.pth") and "--stitch" not in cmd
+    assert cmd[cmd.index("--against") + 1] == os.path.join(d, "control", "as_step4", "step1", "best.pth")
+    assert cmd[cmd.index("--json") + 1] == os.path.join("/o", "cards", "seed1", "cost_interval.json")
+    assert cmd[-2:] == ["threads", "1"]
+    rows[2]["best_map"] = 0.78                                          # the control below step 1: step 1
+    assert acc.interval_command("cards", 1, "/o", rows, [])[5:7] == ["--against", os.path.join(d, "step1", "best.pth")]
+    assert acc.interval_command("cards", 1, "/o", rows[1:], []) is None    # no step 1
+    config = tmp_path / "whole.py"
+    config.write_text("from gnetmdk.config import BaseConfig\nclass Config(BaseConfig):\n    eval_stitch = True\n")
+    monkeypatch.setitem(acc.DATASETS, "whole", (str(config), None))
+    assert "--stitch" in acc.interval_command("whole", 0, "/o", rows, [])
+    # seeds 0 and 1 drew the same 5 resamples (bootstrap seed 0, 40 images): the mean's samples are the
+    # means per resample, -0.02, -0.01, 0.0, 0.01, 0.02 -> its 95% interval (linear quantiles at 0.025 and
+    # 0.975 of 5 sorted values: positions 0.1 and 3.9) [-0.019, +0.019]
+    samples = {0: [-0.03, -0.02, 0.0, 0.0, 0.03], 1: [-0.01, 0.0, 0.0, 0.02, 0.01], 2: None}
+    for seed, iv in ((0, [-0.044, 0.014]), (1, [-0.01, 0.02]), (2, None)):
+        d = tmp_path / "out" / "whole" / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "stages.json").write_text(json.dumps(rows))
+        if iv:
+            (d / "cost_interval.json").write_text(json.dumps({"bootstrap": {
+                "interval_diff": iv, "samples_diff": samples[seed], "num_images": 40, "seed": 0}}))
+    assert acc.main(["--datasets", "whole", "--seeds", "0,1", "--table-only", "--out", str(tmp_path / "out")]) == 0
+    assert "| -1.0, -1.0 | not met | mean [-1.9, +1.9]; [-4.4, +1.4]; [-1.0, +2.0] |" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    assert saved["whole"]["delta_interval"] == [[-0.044, 0.014], [-0.01, 0.02]]
+    assert saved["whole"]["delta_mean_interval"] == pytest.approx([-0.019, 0.019])
+    assert acc.main(["--datasets", "whole", "--seeds", "0,1,2", "--table-only", "--out", str(tmp_path / "out")]) == 0
+    assert "| not met | -; [-4.4, +1.4]; [-1.0, +2.0]; - |" in capsys.readouterr().out   # seed 2 has none
+
+
 def test_accuracy_matrix_refuses_unknown_datasets_and_seeds(capsys):
     acc = _load("accuracy")
     assert acc.main(["--datasets", "cards,coco", "--table-only"]) == 2
