@@ -129,18 +129,15 @@ def main(argv) -> int:
     res, st = score(args.checkpoint, model, stage)
     boot = None
     if resamples:
-        from gnetmdk.evaluation.voc import bootstrap_map, evaluate_detections
-        base = st if st is not None else res
+        from gnetmdk.evaluation.voc import bootstrap_map
+        base = st if st is not None else res           # their ranked TP / FP flags: keep_detections
         what = f"the {base['num_images']} whole images" if st is not None else f"the {base['num_images']} images"
-
-        def ranked(r):
-            return evaluate_detections(r["detections"], r["truths"], cfg.num_classes, return_ranked=True)
         ranked_b = None
         if other is not None:
             model_b, ckpt_b = other
             res_b, st_b = score(args.against, model_b, ckpt_b.get("stage"))
-            ranked_b = ranked(st_b if st_b is not None else res_b)
-        b = bootstrap_map(ranked(base), ranked_b, resamples, args.seed, args.level)
+            ranked_b = st_b if st_b is not None else res_b
+        b = bootstrap_map(base, ranked_b, resamples, args.seed, args.level)
         pct = f"{100 * args.level:g}%"
         print(f"bootstrap over {what}, {resamples} resamples (seed {args.seed}): mAP {b['map_a']:.4f}, "
               f"{pct} interval [{b['interval_a'][0]:.4f}, {b['interval_a'][1]:.4f}]")

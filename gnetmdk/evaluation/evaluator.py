@@ -81,8 +81,9 @@ def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConf
     Returns (on every rank): {"map", "ap" (per class), "num_gt", "num_det", "loss" (dict of mean terms),
     "num_images"} and with ``coco`` "coco": {"map" (mAP@[.5:.95]), "ap50", "ap75", ...}. With
     ``keep_detections`` also what the numbers come from, for plots (gnetmdk.evaluation.plots):
-    "detections" and "truths" (lists in dataset order, original-image pixels) and "curves" (per class
-    the recall / precision arrays of its AP). ``pad_to``: every forward of that many images
+    "detections" and "truths" (lists in dataset order, original-image pixels), "curves" (per class
+    the recall / precision arrays of its AP) and "ranked" (the ranked TP / FP flags per class, for
+    gnetmdk.evaluation.voc.bootstrap_map). ``pad_to``: every forward of that many images
     (:func:`predict_loader`).
     """
     dets, sums, n = predict_loader(model, loader, device, conf_thresh, nms_thresh, max_detections, pad_to=pad_to)
@@ -98,7 +99,8 @@ def evaluate_model(model, loader, dataset, device, conf_thresh: float = BaseConf
     order = sorted(all_dets)
     detections = [all_dets[i] for i in order]
     truths = [dataset.ground_truth(i) for i in order]
-    result = evaluate_detections(detections, truths, dataset.num_classes, return_curves=keep_detections)
+    result = evaluate_detections(detections, truths, dataset.num_classes, return_curves=keep_detections,
+                                 return_ranked=keep_detections)
     if coco:
         from .coco import evaluate_coco
         result["coco"] = evaluate_coco(detections, truths, dataset.num_classes,

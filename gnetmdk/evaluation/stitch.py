@@ -186,7 +186,8 @@ def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val
     Returns:
         evaluate_detections' dict ("map", "ap", ...) plus "num_images" (whole images) and "num_tiles";
         with ``keep_detections`` also "ids", "detections" (stitch_detections') and "truths"
-        (whole_image_truths'), in manifest order.
+        (whole_image_truths'), in manifest order, and "ranked" (evaluate_detections' ranked flags, for
+        gnetmdk.evaluation.voc.bootstrap_map).
 
     Raises:
         FileNotFoundError / VOCFormatError: no or a bad manifest (gnetmdk.dataset.tiling.load_manifest),
@@ -202,7 +203,7 @@ def evaluate_stitched(model, cfg, device, batch_size: int = 0, split: str = "val
         dets.update(part)
     ids, merged = stitch_detections({tiles[i]: d for i, d in dets.items()}, manifest, cfg.nms_thresh,
                                     cfg.max_detections, split)
-    result = evaluate_detections(merged, truths, cfg.num_classes)
+    result = evaluate_detections(merged, truths, cfg.num_classes, return_ranked=keep_detections)
     result["num_images"], result["num_tiles"] = len(ids), len(tiles)
     if keep_detections:
         result["ids"], result["detections"], result["truths"] = ids, merged, truths
