@@ -28,7 +28,9 @@ The goals (docs/results/shapes-demo.md), all of which must hold for exit status 
 - every step 1 at its plateau: val mAP moved less than 1 point over its last quarter
   (gnetmdk.engine.control.PLATEAU_SPAN);
 - every step 4 at most 1.5 points (:data:`COST_LIMIT`) below max(step 1, control);
-- with ``--jobs 1``, every demo within 8 minutes (:data:`DEMO_SECONDS`).
+- with ``--jobs 1``, every demo run as command (a) runs it (the config's own ``threads``, the default
+  kernels) within 8 minutes (:data:`DEMO_SECONDS`); a variant at fewer threads leaves cores idle and
+  one on other kernels stands in for another machine, so their seconds are printed, not judged.
 
 ``--reference FILE`` (the ``--json`` of a run on another machine; repeatable) also compares weights, bit for bit:
 every variant's step 1, step 4 and control best.pth (their ``weights_sha256`` in run_pipeline's JSON)
@@ -232,9 +234,18 @@ def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
     return notes, missed
 
 
+def demo_threads() -> int:
+    """The thread count command (a) runs with: examples/shapes.py's ``threads``."""
+    from gnetmdk.config.overrides import build_config, load_config_class
+    return int(build_config(load_config_class(DEMO_CONFIG)).threads)
+
+
 def verdicts(results: Dict[str, dict], timed: bool) -> List[str]:
-    """The goals missed, one line each (empty: every goal met)."""
+    """The goals missed, one line each (empty: every goal met). With ``timed`` the seconds of the variants
+    that run as command (a) does (``threads`` of :func:`demo_threads`, ``kernels`` default; a result without
+    those keys counts as such) are held to :data:`DEMO_SECONDS`."""
     missed = []
+    own_threads = demo_threads() if timed else None
     s1 = [r["step1"] for r in results.values()]
     if max(s1) - min(s1) > STEP1_RANGE:
         missed.append(f"step 1 ranges over {100 * (max(s1) - min(s1)):.1f} points (goal at most {100 * STEP1_RANGE:.0f})")
@@ -245,7 +256,8 @@ def verdicts(results: Dict[str, dict], timed: bool) -> List[str]:
         if r["cost"] < -COST_LIMIT:
             missed.append(f"{name}: step 4 is {-100 * r['cost']:.1f} points below max(step 1, control) "
                           f"(goal at most {100 * COST_LIMIT:.1f})")
-        if timed and r["seconds"] > DEMO_SECONDS:
+        as_command_a = r.get("threads", own_threads) == own_threads and r.get("kernels", "default") == "default"
+        if timed and as_command_a and r["seconds"] > DEMO_SECONDS:
             missed.append(f"{name}: the demo took {r['seconds']:.0f} s (goal at most {DEMO_SECONDS:.0f})")
     return missed
 

@@ -525,7 +525,8 @@ def test_pipeline_prints_whether_step_1_reached_its_plateau_device_cpu(tmp_path)
 
 def test_demo_check_summarizes_runs_and_judges_the_goals():
     """demo_check: a variant's numbers from run_pipeline's JSON rows (the demo's seconds without the
-    control, the cost against the better float model), and every goal it names, each missed once."""
+    control, the cost against the better float model), and every goal it names, each missed once; the
+    8 minutes only for a variant run as command (a) is (the demo's 2 threads, the default kernels)."""
     dc = _load("demo_check")
     rows = [dict(stage="step1", best_map=0.88, seconds=200.0, plateau_span=0.004),
             dict(stage="step2", best_map=0.87, seconds=100.0), dict(stage="cal", best_map=0.86, seconds=5.0),
@@ -540,6 +541,10 @@ def test_demo_check_summarizes_runs_and_judges_the_goals():
     assert any("b: step 1 moved 2.0 points" in m for m in missed) and any("b: step 4 is 2.0 points" in m for m in missed)
     assert any("b: the demo took 500 s" in m for m in missed)
     assert len(dc.verdicts({"a": s, "b": far}, timed=False)) == 3          # --jobs > 1: times are not judged
+    assert dc.demo_threads() == 2                                            # command (a) runs examples/shapes.py's
+    for other in (dict(far, threads=1, kernels="default"), dict(far, threads=2, kernels="avx2")):
+        assert len(dc.verdicts({"a": s, "b": other}, timed=True)) == 3       # not command (a): seconds not judged
+    assert len(dc.verdicts({"a": s, "b": dict(far, threads=2, kernels="default")}, timed=True)) == 4
     assert "| a | 455 | 0.8800 | 0.4 | 0.8750 | 0.8880 | -1.3 |" in dc.format_table({"a": s})
     cmd = dc.command("/o", 2, 1)
     assert cmd[cmd.index("seed"):cmd.index("seed") + 4] == ["seed", "2", "threads", "1"] and "--control" in cmd
@@ -643,8 +648,9 @@ def test_demo_check_compares_weights_with_a_reference_where_kernels_and_torch_ag
 
 def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_device_cpu():
     """An override that repeats the demo's own value (``shapes_upright true`` once examples/shapes.py draws
-    upright triangles) is no override: the bundled upright references compare with a plain run; the older
-    references, drawn either way up (``shapes_upright false``), do not; another override keeps a run apart."""
+    upright triangles) is no override: a bundled upright reference compares with a run made without it; the
+    older references, drawn either way up (``shapes_upright false``), do not; another override keeps a run
+    apart. The x0.25 references carry ``gnetdet.width_mult 0.25``, the demo's width when they were made."""
     dc = _load("demo_check")
     assert dc.effective_overrides([]) == {} and dc.effective_overrides(["shapes_upright", "true"]) == {}
     assert dc.effective_overrides(["shapes_upright", "false"]) == {"shapes_upright": "False"}
@@ -655,14 +661,17 @@ def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_dev
         with open(os.path.join(REPO, "benchmarks", "reference", name + ".json"), encoding="utf-8") as fh:
             refs[name] = json.load(fh)["results"]
     up, old = refs["demo_upright_avx2_seeds012_t1"]["seed1-t1-default"], refs["demo_avx2_seeds12_t1"]["seed1-t1-default"]
-    assert up["overrides"] == ["shapes_upright", "true"] and old["overrides"] == ["shapes_upright", "false"]
-    plain = dict(up, overrides=[])        # the same run, made after the demo's default changed
+    x025 = ["gnetdet.width_mult", "0.25"]
+    assert up["overrides"] == ["shapes_upright", "true"] + x025 and old["overrides"] == ["shapes_upright", "false"] + x025
+    assert dc.effective_overrides(x025) == {"gnetdet.width_mult": "0.25"}        # the demo is x0.125 now
+    plain = dict(up, overrides=x025)      # the same run, made after the demo's default changed to upright
     notes, missed = dc.compare_reference({"mine": plain}, {"up": up, "old": old})
     assert missed == [] and notes == ["mine: step1, step4, control equal bit for bit to the reference's up"]
     notes, missed = dc.compare_reference({"mine": dict(plain, digests=old["digests"])}, {"up": up})
     assert missed and "differ from the reference's up" in missed[0]
-    notes, _ = dc.compare_reference({"mine": dict(plain, overrides=["gnetdet.box_slots", "1"])}, {"up": up})
-    assert "not compared" in notes[0]
+    for other in (["gnetdet.box_slots", "1"] + x025, []):           # another change, or the x0.125 demo
+        notes, _ = dc.compare_reference({"mine": dict(plain, overrides=other)}, {"up": up})
+        assert "not compared" in notes[0]
 
 
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
