@@ -523,7 +523,7 @@ def test_pipeline_prints_whether_step_1_reached_its_plateau_device_cpu(tmp_path)
         in r.stdout
 
 
-def test_demo_check_summarizes_runs_and_judges_the_goals():
+def test_demo_check_summarizes_runs_and_judges_the_goals_device_cpu():
     """demo_check: a variant's numbers from run_pipeline's JSON rows (the demo's seconds without the
     control, the cost against the better float model), and every goal it names, each missed once; the
     8 minutes only for a variant run as command (a) is (the demo's 2 threads, the default kernels)."""
