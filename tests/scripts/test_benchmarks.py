@@ -674,6 +674,35 @@ def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_dev
         assert "not compared" in notes[0]
 
 
+def test_every_bundled_demo_reference_can_be_compared_device_cpu():
+    """Each JSON under benchmarks/reference is a demo_check --json with a note: every variant names its
+    seed, threads, torch and CPU capability and holds a 64-hex digest per DIGEST_STAGES stage, its numbers
+    agree with its own cost and verdict, and the x0.125 references (no width override) compare with a run
+    of the demo as it is now: a run with their digests is equal, one with another step 4 is a miss."""
+    dc = _load("demo_check")
+    folder = os.path.join(REPO, "benchmarks", "reference")
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    assert {"demo_w125_avx2_t1.json", "demo_w125_avx512_t1.json", "demo_w125_avx512_t2.json"} <= set(names)
+    current = 0
+    for name in names:
+        with open(os.path.join(folder, name), encoding="utf-8") as fh:
+            data = json.load(fh)
+        assert data["note"] and data["results"], name
+        for variant, r in data["results"].items():
+            assert r["seed"] >= 0 and r["threads"] in (1, 2) and r["torch"] and r["cpu_capability"], (name, variant)
+            assert all(len(r["digests"][k]) == 64 and int(r["digests"][k], 16) >= 0 for k in dc.DIGEST_STAGES)
+            assert r["cost"] == pytest.approx(r["step4"] - max(r["step1"], r["control"]), abs=1e-12)
+            moved = r["plateau"] >= 0.01
+            assert moved == any(m.startswith(variant + ": step 1 moved") for m in data.get("missed", [])), (name, variant)
+            if dc.effective_overrides(r.get("overrides")) == {}:
+                current += 1
+                notes, missed = dc.compare_reference({"mine": dict(r)}, {variant: r})
+                assert missed == [] and "equal bit for bit" in notes[0]
+                other = dict(r, digests=dict(r["digests"], step4="0" * 64))
+                assert dc.compare_reference({"mine": other}, {variant: r})[1]
+    assert current == 6 + 3 + 3 + 1      # x0.125: AVX2 t1 and t2, AVX-512 t1, AVX-512 t2, generic seed 0
+
+
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
     """With a GPU (faked here) the CUDA lane and the suite run at the same time, the timed parts after
     them one by one in PARTS order, and summary.json is rewritten after each part: a run killed midway
