@@ -181,9 +181,12 @@ def summarize(records: Sequence[dict]) -> Dict[str, object]:
 
 def effective_overrides(overrides: Sequence[str]) -> Dict[str, str]:
     """The config ``overrides`` (``key value`` words) that change the demo: {field: value} for those whose
-    resolved value differs from examples/shapes.py's, the key as written and the value as its ``repr``. So ``shapes_upright true`` is no override once the demo draws upright triangles,
-    and a reference run made with it compares with a run made without. Words the config does not take (a
-    file from another version) are kept as written."""
+    resolved value differs from examples/shapes.py's in step 1 or in a later stage (the demo sets some
+    fields per stage: ``eval_interval 2`` changes steps 2-4 only), the key as written and the value as the
+    ``repr`` of its step-1 value (of its values in steps 1-4 where step 1 keeps the demo's). So
+    ``shapes_upright true`` is no override once the demo draws upright triangles, and a reference run made
+    with it compares with a run made without. Words the config does not take (a file from another version)
+    are kept as written."""
     from gnetmdk.config.overrides import ConfigError, build_config, config_value, load_config_class, split_overrides
 
     try:
@@ -191,8 +194,17 @@ def effective_overrides(overrides: Sequence[str]) -> Dict[str, str]:
         if not pairs:
             return {}
         klass = load_config_class(DEMO_CONFIG)
-        base, cfg = build_config(klass), build_config(klass, list(overrides))
-        return {k: repr(config_value(cfg, k)) for k, _ in pairs if config_value(cfg, k) != config_value(base, k)}
+        steps = (1, 2, 3, 4)
+        base = [build_config(klass, step=k) for k in steps]
+        cfg = [build_config(klass, list(overrides), step=k) for k in steps]
+        out = {}
+        for key, _ in pairs:
+            mine, theirs = [config_value(c, key) for c in cfg], [config_value(c, key) for c in base]
+            if mine[0] != theirs[0]:
+                out[key] = repr(mine[0])
+            elif mine != theirs:
+                out[key] = repr(mine)
+        return out
     except ConfigError:          # an unknown field or value: compare the words themselves
         return {str(i): w for i, w in enumerate(overrides)}
 

@@ -196,6 +196,8 @@ class BaseConfig:
     resume_changes: List[str] = []          # settings a resume may change (schedule, world_size; docs/training.md)
     eval_before: bool = True                # evaluate the loaded model before training
     eval_interval: int = 1                  # evaluate every N epochs (and always after the last)
+    eval_from: int = 0                      # no evaluation after epochs before this one (counted from 1) but the
+                                            # last: 0 = from the first; a plateau check needs only the last quarter
     eval_batch_size: int = 0                # images per evaluation forward on every rank (0 = batch_size); the
                                             # last batch is padded: outputs independent of the process count
     patience: int = 0                       # early stopping: end the stage when val mAP has not improved for N epochs (0 = off)

@@ -497,6 +497,8 @@ def validate_config(cfg: BaseConfig) -> None:
         bad("shapes_images", "must be two numbers TRAIN VAL, each at least 1 (images --make-shapes writes)")
     if cfg.eval_interval < 1:
         bad("eval_interval", "must be at least 1 (epochs between evaluations; the last epoch is always evaluated)")
+    if cfg.eval_from < 0:
+        bad("eval_from", "must be 0 (evaluate from the first epoch) or the first epoch, counted from 1, to evaluate after")
     if cfg.eval_stitch and cfg.model_name != "gnetdet":
         bad("eval_stitch", f"scores GNetDet's tiles on their whole images; model {cfg.model_name!r} has no "
                            "tiled evaluation: set eval_stitch false")

@@ -18,7 +18,7 @@ from gnetmdk.config import build_config
 #: what a control stage takes from the quantized stage it stands for: its schedule and optimizer
 SCHEDULE_FIELDS = ("learning_rate", "num_epochs", "min_steps", "warmup_epochs", "warmup_factor", "lr_scheduler",
                    "min_lr_ratio", "lr_step_size", "lr_milestones", "lr_gamma", "lr_restart_epochs",
-                   "lr_restart_mult", "eval_interval", "patience", "ema", "ema_decay", "ema_ramp", "optimizer",
+                   "lr_restart_mult", "eval_interval", "eval_from", "patience", "ema", "ema_decay", "ema_ramp", "optimizer",
                    "weight_decay", "momentum", "nesterov", "grad_clip", "batch_size", "accumulate")
 #: the quantized stages whose schedules the control follows, in order
 CONTROL_OF = (2, 3, 4)

@@ -254,9 +254,18 @@ class TensorboardHook(HookBase):
             self._guard(close)
 
 
+def evaluates_after(epoch: int, cfg) -> bool:
+    """Whether the stage evaluates after ``epoch`` (counted from 1): every ``eval_interval`` epochs from
+    ``eval_from`` on (0: from the first), and always after the last (``num_epochs``)."""
+    if epoch == cfg.num_epochs:
+        return True
+    return epoch % max(cfg.eval_interval, 1) == 0 and epoch >= cfg.eval_from
+
+
 class EvalHook(HookBase):
     """Evaluation (VOC mAP on the val split) before training (``eval_before``: the entry model is the
-    stage's first candidate for best.pth) and after every ``eval_interval`` epochs and the last; the
+    stage's first candidate for best.pth) and after every ``eval_interval`` epochs from ``eval_from`` on
+    and after the last (:func:`evaluates_after`); the
     best is written as best.pth (:meth:`save_best`). Each evaluation's mAP (COCO mAP, val loss) goes
     into the trainer's event storage (gnetmdk.engine.events).
 
@@ -323,11 +332,11 @@ class EvalHook(HookBase):
         self.save_best(0, 0)
 
     def after_epoch(self, epoch: int, result: Dict[str, object]) -> None:
-        """Every ``eval_interval`` epochs and after the last: evaluate, put the result in ``result["eval"]``,
+        """Every ``eval_interval`` epochs from ``eval_from`` on and after the last: evaluate, put the result in ``result["eval"]``,
         write best.pth (``result["best"]``) when the mAP beats the best so far, and put the best's mAP
         and epoch in ``result["best_map"]`` / ``result["best_epoch"]``."""
         t, cfg = self.trainer, self.trainer.cfg
-        if not ((epoch + 1) % max(cfg.eval_interval, 1) == 0 or epoch + 1 == cfg.num_epochs):
+        if not evaluates_after(epoch + 1, cfg):
             return
         res = t.evaluate(f"epoch{epoch + 1}")
         result["eval"] = res

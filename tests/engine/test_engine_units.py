@@ -216,13 +216,40 @@ def test_early_stop_hook_counts_epochs_since_the_best_device_cpu(epoch, best_epo
     assert "stop" not in quiet
 
 
+def test_evaluation_epochs_follow_eval_interval_from_eval_from_and_always_the_last_device_cpu():
+    """Epochs (from 1) after which a stage evaluates: every eval_interval epochs from eval_from on (0: from
+    the first), and the last epoch whatever the two say; the hook evaluates after exactly those."""
+    from gnetmdk.engine.hooks import evaluates_after
+
+    def epochs(**kw):
+        cfg = SimpleNamespace(**kw)
+        return [e for e in range(1, cfg.num_epochs + 1) if evaluates_after(e, cfg)]
+    assert epochs(num_epochs=40, eval_interval=2, eval_from=32) == [32, 34, 36, 38, 40]     # the shapes demo
+    assert epochs(num_epochs=40, eval_interval=2, eval_from=31) == [32, 34, 36, 38, 40]
+    assert epochs(num_epochs=10, eval_interval=5, eval_from=0) == [5, 10]
+    assert epochs(num_epochs=7, eval_interval=3, eval_from=0) == [3, 6, 7]
+    assert epochs(num_epochs=6, eval_interval=1, eval_from=4) == [4, 5, 6]
+    assert epochs(num_epochs=6, eval_interval=2, eval_from=50) == [6]
+    t, _ = _trainer(resume=False, eval_before=False, eval_interval=2, eval_from=4, num_epochs=7)
+    t.summary, t.storage, t.t_start, t.iteration = {}, EventStorage(), 0.0, 0
+    seen = []
+    t.evaluate = lambda tag: seen.append(tag) or {"map": 0.1, "loss": {"total": 1.0}, "seconds": 0.1}
+    t.save = lambda *a, **k: None
+    t.caps = lambda: []
+    hook = EvalHook()
+    hook.trainer = t
+    for epoch in range(7):
+        hook.after_epoch(epoch, {})
+    assert seen == ["epoch4", "epoch6", "epoch7"]
+
+
 def test_eval_hook_owns_the_best_and_writes_best_pth_only_when_beaten_device_cpu():
     """The evaluation hook keeps the best mAP, its epoch and the latest mAP itself: best.pth is written
     for the entry model and then only for a higher mAP; every epoch's result carries the best's mAP and
     epoch; state_dict / load_state_dict carry the record across a resume; nothing is set on the trainer."""
     maps = iter([0.30, 0.50, 0.40, 0.60])
     saved = []
-    t, logs = _trainer(resume=False, eval_before=True, eval_interval=1, num_epochs=4)
+    t, logs = _trainer(resume=False, eval_before=True, eval_interval=1, eval_from=0, num_epochs=4)
     t.summary, t.storage, t.t_start, t.iteration = {}, EventStorage(), 0.0, 0
     t.evaluate = lambda tag: {"map": next(maps), "loss": {"total": 1.0}, "seconds": 0.1}
     t.save = lambda name, epoch, iteration, full=False: saved.append((name, epoch))

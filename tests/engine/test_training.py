@@ -316,6 +316,20 @@ def test_min_steps_adds_the_epochs_that_hold_them_device_cpu(workdir, tmp_path, 
     assert [c.min_steps for c in ctl] == [0, 40, 0]
 
 
+def test_eval_from_is_checked_and_the_control_takes_each_stage_s_own_device_cpu(workdir, tmp_path):
+    """eval_from below 0 is refused naming the field; the float control's stages evaluate as the quantized
+    stages they stand for do, not from step 1's eval_from (a 10-epoch stage evaluating from epoch 32 would
+    evaluate its last epoch only)."""
+    from gnetmdk.engine.control import control_configs
+    _, path = workdir
+    with pytest.raises(ConfigError, match="eval_from"):
+        _cfg(path, tmp_path, "bad", "eval_from", -1)
+    klass = load_config_class(path)
+    klass.per_step = {1: dict(eval_from=32, eval_interval=2), 3: dict(eval_from=4, eval_interval=3)}
+    ctl = control_configs(klass, ["checkpoint_root", str(tmp_path / "c")])
+    assert [(c.eval_from, c.eval_interval) for c in ctl] == [(0, 1), (4, 3), (0, 1)]
+
+
 def test_patience_shorter_than_the_evaluation_interval_is_refused(workdir, tmp_path):
     _, path = workdir
     with pytest.raises(ConfigError, match="patience.*eval_interval 5"):

@@ -312,6 +312,29 @@ def test_torch_and_numpy_inputs_agree():
     assert r_np["num_gt"] == [2, 1] and r_np["num_det"] == [5, 2]
 
 
+def test_iou_of_a_whole_image_equals_one_detection_at_a_time_bit_for_bit_device_cpu():
+    """The matching computes one IoU matrix per image and class; box_iou is elementwise, so every row is
+    the IoU of that detection alone, bit for bit, in any order of images and detections."""
+    from gnetmdk.evaluation.voc import _iou_one_to_many, _iou_rows
+    rng = np.random.default_rng(3)
+    img = rng.integers(0, 7, 300)
+    xy = rng.uniform(0, 200, (300, 2))
+    boxes = np.concatenate([xy, xy + rng.uniform(1, 60, (300, 2))], 1)
+    cls_gt = []
+    for i in range(7):
+        g = rng.integers(0, 5) if i != 4 else 0                  # image 4 has no ground truth of the class
+        gxy = rng.uniform(0, 200, (g, 2))
+        cls_gt.append((np.concatenate([gxy, gxy + rng.uniform(1, 60, (g, 2))], 1), None, None))
+    sel = rng.permutation(300)[:250]
+    rows = _iou_rows(sel, img, boxes, cls_gt)
+    assert set(rows) == {int(j) for j in sel if len(cls_gt[img[j]][0])}
+    for j in sel:
+        if len(cls_gt[img[j]][0]):
+            want = _iou_one_to_many(boxes[j], cls_gt[img[j]][0])
+            assert rows[j].dtype == np.float64 and np.array_equal(rows[j], want), j
+    assert _iou_rows(np.zeros(0, np.int64), img, boxes, cls_gt) == {}
+
+
 def test_input_validation():
     with pytest.raises(ValueError, match="same length"):
         evaluate_detections([det([], [], [])], [], num_classes=1)

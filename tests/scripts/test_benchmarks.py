@@ -661,9 +661,18 @@ def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_dev
         with open(os.path.join(REPO, "benchmarks", "reference", name + ".json"), encoding="utf-8") as fh:
             refs[name] = json.load(fh)["results"]
     up, old = refs["demo_upright_avx2_seeds012_t1"]["seed1-t1-default"], refs["demo_avx2_seeds12_t1"]["seed1-t1-default"]
+    v240 = ["shapes_images", "240,240", "eval_interval", "2", "eval_from", "0"]     # the val split they had
     x025 = ["gnetdet.width_mult", "0.25"]
-    assert up["overrides"] == ["shapes_upright", "true"] + x025 and old["overrides"] == ["shapes_upright", "false"] + x025
-    assert dc.effective_overrides(x025) == {"gnetdet.width_mult": "0.25"}        # the demo is x0.125 now
+    assert up["overrides"] == ["shapes_upright", "true"] + x025 + v240
+    assert old["overrides"] == ["shapes_upright", "false"] + x025 + v240
+    x025 += v240
+    assert dc.effective_overrides(x025) == {"gnetdet.width_mult": "0.25", "shapes_images": "[240, 240]",
+                                            "eval_interval": "[2, 2, 2, 2]", "eval_from": "0"}
+    # a field the demo sets per stage counts where only a later stage changes: steps 2-4 evaluate every 5, 5, 3
+    assert dc.effective_overrides(["eval_interval", "2"]) == {"eval_interval": "[2, 2, 2, 2]"}
+    assert dc.effective_overrides(["eval_from", "32"]) == {"eval_from": "[32, 32, 32, 32]"}
+    assert dc.effective_overrides(["shapes_images", "240,960", "eval_interval", "2", "eval_from", "32"]) == {
+        "eval_interval": "[2, 2, 2, 2]", "eval_from": "[32, 32, 32, 32]"}
     plain = dict(up, overrides=x025)      # the same run, made after the demo's default changed to upright
     notes, missed = dc.compare_reference({"mine": plain}, {"up": up, "old": old})
     assert missed == [] and notes == ["mine: step1, step4, control equal bit for bit to the reference's up"]
@@ -677,12 +686,13 @@ def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_dev
 def test_every_bundled_demo_reference_can_be_compared_device_cpu():
     """Each JSON under benchmarks/reference is a demo_check --json with a note: every variant names its
     seed, threads, torch and CPU capability and holds a 64-hex digest per DIGEST_STAGES stage, its numbers
-    agree with its own cost and verdict, and the x0.125 references (no width override) compare with a run
-    of the demo as it is now: a run with their digests is equal, one with another step 4 is a miss."""
+    agree with its own cost and verdict, and the references of the demo as it is now (no override that
+    changes it) compare with a run of it: a run with their digests is equal, one with another step 4 is a miss."""
     dc = _load("demo_check")
     folder = os.path.join(REPO, "benchmarks", "reference")
     names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
-    assert {"demo_w125_avx2_t1.json", "demo_w125_avx512_t1.json", "demo_w125_avx512_t2.json"} <= set(names)
+    assert {"demo_w125_avx2_t1.json", "demo_w125_avx512_t2.json", "demo_v960_avx512_t2.json", "demo_v960_avx2_t2.json",
+            "demo_v960_t1.json"} <= set(names)
     current = 0
     for name in names:
         with open(os.path.join(folder, name), encoding="utf-8") as fh:
@@ -700,7 +710,7 @@ def test_every_bundled_demo_reference_can_be_compared_device_cpu():
                 assert missed == [] and "equal bit for bit" in notes[0]
                 other = dict(r, digests=dict(r["digests"], step4="0" * 64))
                 assert dc.compare_reference({"mine": other}, {variant: r})[1]
-    assert current == 6 + 3 + 3 + 1      # x0.125: AVX2 t1 and t2, AVX-512 t1, AVX-512 t2, generic seed 0
+    assert current == 3 + 3 + 6          # the demo as it is (960 val images): seeds 0-2 x threads 2, 1 x AVX-512, AVX2
 
 
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
