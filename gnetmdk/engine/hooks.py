@@ -256,7 +256,14 @@ class TensorboardHook(HookBase):
 
 def evaluates_after(epoch: int, cfg) -> bool:
     """Whether the stage evaluates after ``epoch`` (counted from 1): every ``eval_interval`` epochs from
-    ``eval_from`` on (0: from the first), and always after the last (``num_epochs``)."""
+    ``eval_from`` on (0: from the first), and always after the last (``num_epochs``).
+
+    Args:
+        epoch: the epoch just trained, an int counted from 1.
+        cfg: the stage's config (reads ``num_epochs``, ``eval_interval``, ``eval_from``; validated by
+            gnetmdk.config.overrides, so an interval below 1 is read as 1 here and nothing is raised).
+    Returns:
+        True when the stage evaluates after that epoch (docs/training.md, "When a stage evaluates")."""
     if epoch == cfg.num_epochs:
         return True
     return epoch % max(cfg.eval_interval, 1) == 0 and epoch >= cfg.eval_from
