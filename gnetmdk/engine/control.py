@@ -5,11 +5,13 @@ Steps 2, 3 and 4 each fine-tune for their own schedule (``per_step``: learning r
 EMA, evaluation interval), and a step-4 model that beats step 1 may only have trained longer. The
 control runs three float stages (step 1's model: BatchNorm, no quantizer) with exactly those
 schedules, each from the previous one's best.pth, the first from step 1's: the same epochs, the same
-learning rates, the same EMA and the same choice of best.pth by val mAP. The cost of quantization is
+learning rates, the same EMA, the same loss and augmentation (where a stage sets its own) and the same
+choice of best.pth by val mAP. The cost of quantization is
 then ``step 4 - max(step 1, control)`` (docs/results.md).
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -20,6 +22,17 @@ SCHEDULE_FIELDS = ("learning_rate", "num_epochs", "min_steps", "warmup_epochs", 
                    "min_lr_ratio", "lr_step_size", "lr_milestones", "lr_gamma", "lr_restart_epochs",
                    "lr_restart_mult", "eval_interval", "eval_from", "patience", "ema", "ema_decay", "ema_ramp", "optimizer",
                    "weight_decay", "momentum", "nesterov", "grad_clip", "batch_size", "accumulate")
+#: ... and its loss and data augmentation: the fields of a model family's config section that change what a
+#: float stage trains towards. A stage that sets one of them (``per_step[3] = dict(l_range=1.0)``) gets a
+#: control stage that trains with it too, so the cost compares quantization and nothing else; the model's
+#: structure and its quantization settings stay step 1's
+TRAINING_SECTION_FIELDS = {
+    "gnetdet": ("l_coord", "l_noobj", "l_class", "l_range", "score_loss", "hsv_gain", "scale_range",
+                "shift_fraction", "flip_prob", "blur_prob", "mosaic_prob", "rotate_prob", "finetune",
+                "freeze_convs", "freeze_at"),
+    "ppyolo": ("ignore_thresh", "label_smooth", "iou_loss_weight", "iou_aware_loss_weight", "train_sizes",
+               "random_interp", "mixup_epochs", "mixup_alpha", "mixup_beta"),
+}
 #: the quantized stages whose schedules the control follows, in order
 CONTROL_OF = (2, 3, 4)
 
@@ -27,8 +40,8 @@ CONTROL_OF = (2, 3, 4)
 def control_configs(klass, overrides: Sequence[str] = ()) -> List[object]:
     """The configs of the control's three float stages (step 1 with the schedules of steps 2, 3, 4).
 
-    Each is ``build_config(klass, overrides, step=1)`` with :data:`SCHEDULE_FIELDS` taken from the
-    config of the step it stands for, ``load`` the previous stage's best.pth (the first: step 1's), and
+    Each is ``build_config(klass, overrides, step=1)`` with :data:`SCHEDULE_FIELDS` and the model
+    family's :data:`TRAINING_SECTION_FIELDS` taken from the config of the step it stands for, ``load`` the previous stage's best.pth (the first: step 1's), and
     its outputs in ``<checkpoint_root>/control/as_step<k>`` (logs in ``<log_root>/control/as_step<k>``),
     so step 1's own outputs are never touched.
 
@@ -43,6 +56,10 @@ def control_configs(klass, overrides: Sequence[str] = ()) -> List[object]:
         cfg = build_config(klass, overrides, step=1)
         for f in SCHEDULE_FIELDS:
             setattr(cfg, f, getattr(like, f))
+        for section, fields in TRAINING_SECTION_FIELDS.items():
+            if hasattr(cfg, section) and hasattr(like, section):
+                for f in fields:
+                    setattr(getattr(cfg, section), f, copy.deepcopy(getattr(getattr(like, section), f)))
         cfg.load = prev
         cfg.checkpoint_root = os.path.join(first.checkpoint_root, "control", f"as_step{k}")
         cfg.log_root = os.path.join(first.log_root, "control", f"as_step{k}")

@@ -330,6 +330,27 @@ def test_eval_from_is_checked_and_the_control_takes_each_stage_s_own_device_cpu(
     assert [(c.eval_from, c.eval_interval) for c in ctl] == [(0, 1), (4, 3), (0, 1)]
 
 
+def test_the_control_trains_with_each_stage_s_loss_and_augmentation_not_its_quantization_device_cpu(
+        workdir, tmp_path):
+    """A loss weight or augmentation field set for one quantized stage reaches the control stage standing
+    for it and no other; a quantization field (mask_bits) stays step 1's; every listed field is a field
+    of its family's section."""
+    from gnetmdk.config.base import ensure_sections
+    from gnetmdk.engine.control import TRAINING_SECTION_FIELDS, control_configs
+    sections = ensure_sections()
+    for name, fields in TRAINING_SECTION_FIELDS.items():
+        assert set(fields) <= set(sections[name].field_types()), name
+    _, path = workdir
+    klass = load_config_class(path)
+    klass.per_step = {2: dict(l_range=1.0), 3: dict(flip_prob=0.0, mask_bits=[8, 8, 8, 8, 8, 8])}
+    ctl = control_configs(klass, ["checkpoint_root", str(tmp_path / "c")])
+    base = build_config(klass, ["checkpoint_root", str(tmp_path / "c")], step=1)
+    assert [c.gnetdet.l_range for c in ctl] == [1.0, base.gnetdet.l_range, base.gnetdet.l_range]
+    assert [c.gnetdet.flip_prob for c in ctl] == [base.gnetdet.flip_prob, 0.0, base.gnetdet.flip_prob]
+    assert all(c.gnetdet.mask_bits == base.gnetdet.mask_bits for c in ctl)
+    assert base.gnetdet.l_range != 1.0 and base.gnetdet.flip_prob != 0.0
+
+
 def test_patience_shorter_than_the_evaluation_interval_is_refused(workdir, tmp_path):
     _, path = workdir
     with pytest.raises(ConfigError, match="patience.*eval_interval 5"):
