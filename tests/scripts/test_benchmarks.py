@@ -663,8 +663,12 @@ def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_dev
     up, old = refs["demo_upright_avx2_seeds012_t1"]["seed1-t1-default"], refs["demo_avx2_seeds12_t1"]["seed1-t1-default"]
     v240 = ["shapes_images", "240,240", "eval_interval", "2", "eval_from", "0"]     # the val split they had
     x025 = ["gnetdet.width_mult", "0.25"]
-    assert up["overrides"] == ["shapes_upright", "true"] + x025 + v240
-    assert old["overrides"] == ["shapes_upright", "false"] + x025 + v240
+    no_range = ["gnetdet.l_range", "0"]          # no range term in steps 2-4 then
+    assert up["overrides"] == ["shapes_upright", "true"] + x025 + v240 + no_range
+    assert old["overrides"] == ["shapes_upright", "false"] + x025 + v240 + no_range
+    # the demo sets the range term from step 2 on: l_range 0 changes steps 2-4, so it counts
+    assert dc.effective_overrides(no_range) == {"gnetdet.l_range": "[0.0, 0.0, 0.0, 0.0]"}
+    assert dc.effective_overrides(["gnetdet.l_range", "1"]) == {"gnetdet.l_range": "1.0"}      # step 1 changes
     x025 += v240
     assert dc.effective_overrides(x025) == {"gnetdet.width_mult": "0.25", "shapes_images": "[240, 240]",
                                             "eval_interval": "[2, 2, 2, 2]", "eval_from": "0"}
@@ -673,6 +677,7 @@ def test_demo_check_compares_references_by_the_config_they_ran_not_the_words_dev
     assert dc.effective_overrides(["eval_from", "32"]) == {"eval_from": "[32, 32, 32, 32]"}
     assert dc.effective_overrides(["shapes_images", "240,960", "eval_interval", "2", "eval_from", "32"]) == {
         "eval_interval": "[2, 2, 2, 2]", "eval_from": "[32, 32, 32, 32]"}
+    x025 += no_range
     plain = dict(up, overrides=x025)      # the same run, made after the demo's default changed to upright
     notes, missed = dc.compare_reference({"mine": plain}, {"up": up, "old": old})
     assert missed == [] and notes == ["mine: step1, step4, control equal bit for bit to the reference's up"]
@@ -692,7 +697,7 @@ def test_every_bundled_demo_reference_can_be_compared_device_cpu():
     folder = os.path.join(REPO, "benchmarks", "reference")
     names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
     assert {"demo_w125_avx2_t1.json", "demo_w125_avx512_t2.json", "demo_v960_avx512_t2.json", "demo_v960_avx2_t2.json",
-            "demo_v960_t1.json"} <= set(names)
+            "demo_v960_t1.json", "demo_v960r_avx512_t2.json", "demo_v960r_avx2_t2.json", "demo_v960r_t1.json"} <= set(names)
     current = 0
     for name in names:
         with open(os.path.join(folder, name), encoding="utf-8") as fh:
@@ -710,7 +715,9 @@ def test_every_bundled_demo_reference_can_be_compared_device_cpu():
                 assert missed == [] and "equal bit for bit" in notes[0]
                 other = dict(r, digests=dict(r["digests"], step4="0" * 64))
                 assert dc.compare_reference({"mine": other}, {variant: r})[1]
-    assert current == 3 + 3 + 6          # the demo as it is (960 val images): seeds 0-2 x threads 2, 1 x AVX-512, AVX2
+    # the demo as it is (960 val images, the range term from step 2 on): seeds 0-2 x threads 2, 1 x AVX-512, AVX2;
+    # every earlier reference carries the overrides that repeat its config
+    assert current == 3 + 3 + 6
 
 
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
