@@ -6,8 +6,8 @@ EMA, evaluation interval), and a step-4 model that beats step 1 may only have tr
 control runs three float stages (step 1's model: BatchNorm, no quantizer) with exactly those
 schedules, each from the previous one's best.pth, the first from step 1's: the same epochs, the same
 learning rates, the same EMA, the same loss and augmentation (where a stage sets its own) and the same
-choice of best.pth by val mAP. The cost of quantization is
-then ``step 4 - max(step 1, control)`` (docs/results.md).
+choice of best.pth by val mAP. The cost of quantization is then ``step 4 - max(step 1, control)``
+(docs/results.md).
 """
 from __future__ import annotations
 
@@ -40,10 +40,11 @@ CONTROL_OF = (2, 3, 4)
 def control_configs(klass, overrides: Sequence[str] = ()) -> List[object]:
     """The configs of the control's three float stages (step 1 with the schedules of steps 2, 3, 4).
 
-    Each is ``build_config(klass, overrides, step=1)`` with :data:`SCHEDULE_FIELDS` and the model
-    family's :data:`TRAINING_SECTION_FIELDS` taken from the config of the step it stands for, ``load`` the previous stage's best.pth (the first: step 1's), and
-    its outputs in ``<checkpoint_root>/control/as_step<k>`` (logs in ``<log_root>/control/as_step<k>``),
-    so step 1's own outputs are never touched.
+    Each is ``build_config(klass, overrides, step=1)`` with :data:`SCHEDULE_FIELDS` and the config
+    sections' :data:`TRAINING_SECTION_FIELDS` taken from the config of the step it stands for, ``load``
+    the previous stage's best.pth (the first: step 1's), and its outputs in
+    ``<checkpoint_root>/control/as_step<k>`` (logs in ``<log_root>/control/as_step<k>``), so step 1's
+    own outputs are never touched.
 
     Returns:
         a list of 3 resolved configs, run in order.
