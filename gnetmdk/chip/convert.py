@@ -92,8 +92,9 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
                               "(train steps 2..4 from it)")
     try:
         spec = get_chip_spec(meta.get("chip"))
+        head = float(meta.get("head_width_mult", 0.0))       # 0 in checkpoints from before the field
         layers = gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
-                                str(meta["chip"]), meta.get("mask_bits") or ())
+                                str(meta["chip"]), meta.get("mask_bits") or (), head)
         check_chip_limits(layers, spec, int(meta["image_size"]))
     except KeyError as exc:
         raise ConversionError(f"checkpoint '{path}': model_meta lacks {exc}; it was not written by gnetmdk's "
@@ -106,7 +107,7 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
     from gnetmdk.models.gnetdet.config import check_gnetdet_memory
     try:
         check_gnetdet_memory(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
-                             str(meta["chip"]), meta.get("mask_bits") or ())
+                             str(meta["chip"]), meta.get("mask_bits") or (), head_width_mult=head)
     except ChipSpecError as exc:
         raise ConversionError(f"checkpoint '{path}' cannot run on chip {spec.name}: {exc} (and retrain)") from None
 

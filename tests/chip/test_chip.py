@@ -120,6 +120,23 @@ def test_emulator_bit_exact_every_layer_on_real_images(which, request):
     assert len(np.unique(codes[:, :s.chip.used_channels])) > 10
 
 
+def test_wide_head_converts_from_its_checkpoint_and_runs_bit_exact_device_cpu(raccoon, tmp_path):
+    """A head wider than the rest (head_width_mult 0.25 at width_mult 1/16: 64 channels in 6.1 and 6.2,
+    16 before) converts from its checkpoint (the converter reads head_width_mult from the model's
+    meta), pads the output layer to the head's 64 channels, and the emulator equals the step-4 model
+    in every layer's codes."""
+    s = raccoon
+    model, caps = build_step4_model(1, s.images[:8], head_width_mult=0.25)
+    assert [c.out_channels for c in model.convs()][-4:] == [16, 64, 64, 11]
+    ckpt = save_step4_checkpoint(str(tmp_path / "step4" / "best.pth"), model, s.config)
+    chip, rebuilt = convert_checkpoint(ckpt)
+    assert [c.weight.shape for c in rebuilt.convs()] == [c.weight.shape for c in model.convs()]
+    assert chip.used_channels == 11 and chip.output_channels == 64
+    assert [l.out_channels for l in chip.layers][-3:] == [64, 64, 64]
+    rep = check_bit_exact(model, ChipEmulator(chip).run, chip, images=s.images, batch_size=16)
+    assert rep.mismatches == [0] * 16 and rep.padded_nonzero == 0 and rep.ok, rep.format()
+
+
 @needs_data
 def test_emulator_backends_agree(raccoon):
     """int8 GEMM (default), integer conv2d and the numpy int64 reference give the same codes."""

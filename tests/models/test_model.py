@@ -228,3 +228,49 @@ def test_a_stage_is_set_by_the_models_family_device_cpu(monkeypatch):
     plain = torch.nn.Linear(2, 2).train()
     DetectorFamily.prepare_stage(None, plain, STAGES["step3"])
     assert plain.training
+
+
+def test_head_width_mult_widens_only_the_last_major_layers_hidden_convs_device_cpu():
+    """head_width_mult sets the channels of the last major layer's hidden sublayers (6.1, 6.2 of
+    GNetDet-224); every other layer keeps width_mult's, the output layer its 10 + C; 0 is width_mult."""
+    base = gnetdet_layers(224, 3, 0.25, "5801")
+    wide = gnetdet_layers(224, 3, 0.25, "5801", (), head_width_mult=1.0)
+    assert [l.out_channels for l in base] == [16, 16, 32, 32, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 13]
+    assert [l.out_channels for l in wide] == [16, 16, 32, 32, 64, 64, 64, 64, 64, 64, 64, 64, 64, 256, 256, 13]
+    assert [l.in_channels for l in wide][-3:] == [64, 256, 256]
+    assert [(l.major, l.weight_format, l.pool_after) for l in wide] == \
+        [(l.major, l.weight_format, l.pool_after) for l in base]
+    assert [l.out_channels for l in gnetdet_layers(224, 3, 0.25, "5801", (), head_width_mult=0.0)] == \
+        [l.out_channels for l in base]
+    # at 448 the head is major layer 7; the chip's maximum still bounds it
+    l448 = gnetdet_layers(448, 20, 0.25, "5801", (), head_width_mult=8.0)
+    assert [l.out_channels for l in l448][-3:] == [1024, 1024, 30] and l448[-4].out_channels == 64
+
+
+def test_head_width_mult_round_trips_through_a_checkpoint_and_must_match_the_config_device_cpu():
+    from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.config import BaseConfig, build_config
+    from gnetmdk.models import model_from_config
+    from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
+    cfg = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625", "head_width_mult", "0.25"])
+    m = model_from_config(cfg)
+    assert [c.out_channels for c in m.convs()][-3:] == [64, 64, 10 + cfg.num_classes] and m.meta()["head_width_mult"] == 0.25
+    ckpt = {"model_meta": m.meta(), "model": m.state_dict(), "stage": "step1"}
+    back = build_model_from_checkpoint(ckpt, cfg)
+    assert [c.weight.shape for c in back.convs()] == [c.weight.shape for c in m.convs()]
+    narrow = build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625"])
+    with pytest.raises(CheckpointError, match="head_width_mult: checkpoint 0.25 vs config 0.0"):
+        check_compatible(ckpt, narrow, "x.pth")
+    # a checkpoint written before the field (no head_width_mult in its meta) is a head at width_mult
+    old_narrow = {k: v for k, v in model_from_config(narrow).meta().items() if k != "head_width_mult"}
+    check_compatible({"model_meta": old_narrow}, narrow, "o.pth")
+    with pytest.raises(CheckpointError, match="head_width_mult: checkpoint 0.0 vs config 0.25"):
+        check_compatible({"model_meta": old_narrow}, cfg, "o.pth")
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_head_width_mult_out_of_range_is_refused_naming_the_field(value):
+    from gnetmdk.config import BaseConfig, build_config
+    # -1 is a number the section refuses; nan and inf the command line already refuses as numbers
+    with pytest.raises(ConfigError, match=r"head_width_mult' = .*must be a finite number"):
+        build_config(BaseConfig, ["image_size", "224", "width_mult", "0.0625", "head_width_mult", value])

@@ -23,6 +23,8 @@ class GNetDetConfig(ConfigSection):
 
     # ---------------------------------------------------------------- model and chip
     width_mult: float = 1.0                 # channel multiplier; widths rounded to powers of 2
+    head_width_mult: float = 0.0            # the last major layer's hidden convs (the head): their own
+                                            # multiplier; 0 = width_mult (docs/pipeline.md "The head's width")
     use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
     chip: str = "5801"                      # 2801, 2803 or 5801
     mask_bits: List[int] = []               # weight format per major layer; [] = chip default (docs/quantization.md)
@@ -126,8 +128,10 @@ def check_gnetdet_config(cfg) -> None:
     for name in ("finetune", "freeze_convs", "freeze_at"):
         if getattr(g, name) < 0:
             bad(name, "must be >= 0")
-    if g.width_mult <= 0:
-        bad("width_mult", "must be positive")
+    if not (math.isfinite(g.width_mult) and g.width_mult > 0):
+        bad("width_mult", "must be a finite number above 0")
+    if not (math.isfinite(g.head_width_mult) and g.head_width_mult >= 0):
+        bad("head_width_mult", "must be a finite number >= 0 (0: the head at width_mult)")
     spec = get_chip_spec(str(g.chip))  # raises ChipSpecError (a ConfigError) for unknown chips
     if cfg.image_size not in spec.input_sizes:
         raise ConfigError(f"config field 'image_size' = {cfg.image_size!r}: chip {g.chip} accepts input sizes "
@@ -144,10 +148,11 @@ def check_gnetdet_config(cfg) -> None:
                 f"major layer, or [] for the chip's default")
     if cfg.image_size in (224, 448):
         check_gnetdet_memory(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits),
-                             "config section 'gnetdet'")
+                             "config section 'gnetdet'", float(g.head_width_mult))
 
 
-def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits, where: str = ""):
+def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits, where: str = "",
+                         head_width_mult: float = 0.0):
     """Refuse a GNetDet that breaks its chip's memory limits (per-layer input + output in feature-map
     values, coefficient memory in 8-bit-kernel units; gnetmdk.gti.memory, docs/chip.md "Memory limits"),
     counted with the output layer's used channels (``10 + C``): over by that count, it is over by every
@@ -158,6 +163,7 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
         image_size: 224 or 448 (pixels); num_classes: C; width_mult, chip: as the gnetdet section;
         mask_bits: the weight formats per major layer ([] = the chip's default).
         where: a prefix naming the source of the model in the message.
+        head_width_mult: the head's multiplier (0 = width_mult; gnetmdk.models.gnetdet.model.gnetdet_layers).
     Returns:
         the gnetmdk.gti.memory.MemoryReport, when the model fits.
     Raises:
@@ -168,23 +174,25 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
     from gnetmdk.gti.spec import get_chip_spec
     from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_weight_formats
     spec = get_chip_spec(chip)
-    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult)
     layers = gnetdet_memory_layers(specs, image_size, chip, padded=False)
     width_fix = "a narrower width_mult"
     if not memory_report(layers, spec).fits:
-        w = width_mult
-        for _ in range(8):                          # halve the width until the model fits (widths are powers of 2)
-            w /= 2
-            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_weight_formats(specs))
+        w, h = width_mult, head_width_mult
+        for _ in range(8):                          # halve the widths until the model fits (widths are powers of 2)
+            w, h = w / 2, h / 2
+            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_weight_formats(specs), h)
             if memory_report(gnetdet_memory_layers(narrow, image_size, chip, padded=False), spec).fits:
-                width_fix = f"width_mult {w:g}"
+                width_fix = f"width_mult {w:g}" + (f" and head_width_mult {h:g}" if head_width_mult > 0 else "")
                 break
-    shown = f"{where} (GNetDet-{image_size}, width_mult {width_mult:g}, chip {spec.name}" + (
+    head = f", head_width_mult {head_width_mult:g}" if head_width_mult > 0 else ""
+    shown = f"{where} (GNetDet-{image_size}, width_mult {width_mult:g}{head}, chip {spec.name}" + (
         ", mask_bits [] = the chip default" if not mask_bits else "") + ")"
     return check_chip_memory(layers, spec, shown if where else "", width_fix)
 
 
-def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits) -> str:
+def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits,
+                        head_width_mult: float = 0.0) -> str:
     """One line when a GNetDet fits its chip's coefficient budget counted with the output layer's used
     channels but not with its zero filters (the reading docs/chip.md leaves open; GTI's own 5801
     GNetDet-448 is such a model), else "".
@@ -197,7 +205,7 @@ def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, ch
     spec = get_chip_spec(chip)
     if spec.max_coef_memory is None or image_size not in (224, 448):
         return ""
-    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult)
     used = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=False), spec)
     padded = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=True), spec)
     if not used.fits or padded.fits:

@@ -79,7 +79,8 @@ class GNetDetFamily(DetectorFamily):
     def build(self, cfg, builder=None, **overrides) -> nn.Module:
         """A fresh GNetDet for ``cfg`` (``builder``: a registered variant's constructor)."""
         g = cfg.gnetdet
-        kw = dict(num_classes=cfg.num_classes, image_size=cfg.image_size, width_mult=g.width_mult, use_bn=g.use_bn,
+        kw = dict(num_classes=cfg.num_classes, image_size=cfg.image_size, width_mult=g.width_mult,
+                  head_width_mult=g.head_width_mult, use_bn=g.use_bn,
                   chip=str(g.chip), mask_bits=list(g.mask_bits), weight_scale=g.weight_scale,
                   score_head=g.score_head, score_offset=g.score_offset, score_scale=g.score_scale,
                   size_head=g.size_head, size_min=g.size_min,
@@ -169,17 +170,27 @@ class GNetDetFamily(DetectorFamily):
         the band docs/chip.md leaves open, else nothing."""
         from .config import gnetdet_memory_note
         g = cfg.gnetdet
-        note = gnetdet_memory_note(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits))
+        note = gnetdet_memory_note(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits),
+                                   float(g.head_width_mult))
         return [note] if note else []
 
     def describe(self, cfg) -> str:
-        """Input side and width multiplier, e.g. ``448px x1.0``."""
-        return f"{cfg.image_size}px x{cfg.gnetdet.width_mult}"
+        """Input side and width multiplier, e.g. ``448px x1.0`` (``224px x0.25, head x1.0`` with a
+        head width of its own)."""
+        g = cfg.gnetdet
+        head = f", head x{g.head_width_mult}" if g.head_width_mult > 0 else ""
+        return f"{cfg.image_size}px x{g.width_mult}{head}"
+
+    def meta_defaults(self) -> Dict[str, Any]:
+        """``head_width_mult 0.0`` (the head at ``width_mult``): what checkpoints from before the field
+        were built with."""
+        return {"head_width_mult": 0.0}
 
     def compat_fields(self, cfg) -> Dict[str, Any]:
-        """``image_size``, ``width_mult`` and ``chip``: a checkpoint must match them."""
+        """``image_size``, ``width_mult``, ``head_width_mult`` and ``chip``: a checkpoint must match them."""
         g = cfg.gnetdet
-        return {"image_size": cfg.image_size, "width_mult": float(g.width_mult), "chip": str(g.chip)}
+        return {"image_size": cfg.image_size, "width_mult": float(g.width_mult),
+                "head_width_mult": float(g.head_width_mult), "chip": str(g.chip)}
 
     def check_config(self, cfg) -> None:
         """Check the ``gnetdet`` section (check_gnetdet_config).

@@ -20,9 +20,9 @@ from .model import gnetdet_layers, gnetdet_memory_layers, major_weight_formats
 
 
 def _gnetdet_row(label: str, image_size: int, num_classes: int, width_mult: float, chip: str,
-                 mask_bits: Sequence[int]) -> Dict[str, object]:
+                 mask_bits: Sequence[int], head_width_mult: float = 0.0) -> Dict[str, object]:
     """One row of the table (see :func:`memory_table`) for one GNetDet configuration."""
-    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult)
     spec = get_chip_spec(chip)
     rep = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=False), spec)
     pad = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=True), spec)
@@ -62,7 +62,8 @@ def memory_table(config_files: Sequence[str] = ()) -> List[Dict[str, object]]:
         parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
         label = f"{parent}/{os.path.basename(path)}" if parent == "examples" else os.path.basename(path)
         for bits in ([], list(g.mask_bits)) if g.mask_bits else ([],):
-            rows.append(_gnetdet_row(label, cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), bits))
+            rows.append(_gnetdet_row(label, cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), bits,
+                                     float(g.head_width_mult)))
         if g.mask_bits:
             examples_bits.setdefault(cfg.image_size, list(g.mask_bits))
     for size in (224, 448):

@@ -53,11 +53,13 @@ class LayerSpec:
 
 
 def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, chip: str = "5801",
-                   mask_bits: Sequence[int] = ()) -> List[LayerSpec]:
+                   mask_bits: Sequence[int] = (), head_width_mult: float = 0.0) -> List[LayerSpec]:
     """Expand the GNetDet layer list for an input size, class count, width multiplier and chip.
 
-    Hidden widths are ``width * width_mult`` rounded to a power of 2 (at least the chip's minimum);
-    the last conv has 10 + num_classes outputs.
+    Hidden widths are ``width * width_mult`` rounded to a power of 2 (at least the chip's minimum,
+    at most its maximum); the hidden sublayers of the last major layer (the head, which the output
+    layer reads) take ``head_width_mult`` instead where it is above 0 (docs/pipeline.md, "The head's
+    width"); the last conv has 10 + num_classes outputs.
 
     Raises:
         ChipLimitError: unsupported input size, or ``mask_bits`` whose length is not the number of
@@ -82,11 +84,12 @@ def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, c
     layers: List[LayerSpec] = []
     cin = 3
     for m, (chans, pool) in enumerate(table):
+        mult = head_width_mult if (m == n_major - 1 and head_width_mult > 0) else width_mult
         for j, c in enumerate(chans):
             if c == "OUT":
                 cout = 10 + num_classes
             else:
-                cout = min(spec.max_channels, max(spec.min_channels, _pow2(float(c) * width_mult)))
+                cout = min(spec.max_channels, max(spec.min_channels, _pow2(float(c) * mult)))
             layers.append(LayerSpec(m, j, cin, cout, weight_formats[m], pool and j == len(chans) - 1))
             cin = cout
     return layers
@@ -218,6 +221,8 @@ class GNetDet(nn.Module):
         num_classes: C.
         image_size: 224 or 448 (input is (N, 3, image_size, image_size) float, 5-bit chip codes 0..31, BGR).
         width_mult: channel multiplier (0.25 gives widths 16..64, a CPU-trainable model).
+        head_width_mult: the channel multiplier of the last major layer's hidden sublayers (the head);
+            0 = ``width_mult`` (see :func:`gnetdet_layers`).
         use_bn: BatchNorm after each hidden conv (step 1 only; folded on entry to step 2).
         chip: "2801", "2803" or "5801"; mask_bits: weight format per major layer ([] = chip default).
         weight_scale: "gti" or "mse"; cap_percentile: calibration percentile (hidden layers);
@@ -253,15 +258,16 @@ class GNetDet(nn.Module):
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
                  score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False, box_slots: int = 2,
-                 size_head: str = "linear", size_min: float = 1.0 / 64):
+                 size_head: str = "linear", size_min: float = 1.0 / 64, head_width_mult: float = 0.0):
         super().__init__()
         self.gain_aware = bool(gain_aware)
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
         self.width_mult = float(width_mult)
+        self.head_width_mult = float(head_width_mult)
         self.chip = str(chip)
         self.grid_size = 14
-        self.specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits)
+        self.specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, self.head_width_mult)
         check_chip_limits(self.specs, get_chip_spec(chip), image_size)
         n = len(self.specs)
         self.layers = nn.ModuleList(
@@ -314,7 +320,8 @@ class GNetDet(nn.Module):
     def meta(self) -> Dict[str, object]:
         """What is needed to rebuild this model (stored in every checkpoint)."""
         return {"name": "gnetdet", "num_classes": self.num_classes, "image_size": self.image_size,
-                "width_mult": self.width_mult, "use_bn": self.has_bn, "chip": self.chip,
+                "width_mult": self.width_mult, "head_width_mult": self.head_width_mult,
+                "use_bn": self.has_bn, "chip": self.chip,
                 "mask_bits": [int(s) for s in self.mask_bits()],
                 "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
                 "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware,
