@@ -10,7 +10,10 @@ the chip row runs <model_root>/chip_model.json with the integer emulator, or, wh
 absent, the step-4 checkpoint converted in memory. All stages see the same images and are decoded
 with the config's thresholds. Columns: mAP@0.5, its change from the stage before, mean and max
 |prediction difference| from the stage before, and mean |difference| from the first stage (step 1,
-the float model). Step 4 -> chip must read exactly 0.
+the float model). Step 4 -> chip must read exactly 0. Under the table, with a step-3 checkpoint:
+the mAP of step 3's weights with every activation float (the checkpoint under step 2's switches,
+gnetmdk.chip.report.float_activation_map), its change from step 1 (the part of step 3's cost that lies
+in the weights) and step 3's mAP minus it (the part its 5-bit activations cost).
 
 A second table gives each sublayer's output drift from step 1 (relative L2 error, in value units:
 code-domain stages scaled back by their calibrated caps) on the first --drift-images images, so a
@@ -102,6 +105,14 @@ def main(argv) -> int:
     if chip_note:
         print(f"chip model: {chip_note}")
     print(format_report(rows))
+    by = {r.name: r for r in rows}
+    if "step3" in by:
+        from gnetmdk.chip.report import float_activation_map
+        flt = float_activation_map(dataset, ckpts["step3"], cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
+                                   args.batch_size, cfg)
+        base = f", {flt - by['step1'].map:+.4f} from step 1 (the weights)" if "step1" in by else ""
+        print(f"step 3's weights with float activations (step 2's switches): mAP {flt:.4f}{base}; with step 3's "
+              f"5-bit activations {by['step3'].map - flt:+.4f} (the activations)")
     if drift is not None:
         from gnetmdk.chip.report import format_drift
         print()
@@ -113,7 +124,6 @@ def main(argv) -> int:
                                    drift.reference if drift else "step1", {r.name: r.map for r in rows},
                                    title=f"{cfg.DS_NAME} {args.split}: mAP and per-layer drift per stage")
         print(f"plots: {', '.join(written)}")
-    by = {r.name: r for r in rows}
     if "chip" in by and "step4" in by and rows.index(by["chip"]) == rows.index(by["step4"]) + 1:
         if by["chip"].max_diff_prev != 0.0 or by["chip"].d_map != 0.0:
             print("step 4 and the chip model DIFFER: run tools/chip_eval.py --check for the layer that breaks")

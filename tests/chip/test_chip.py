@@ -644,3 +644,22 @@ def test_stage_report_step1_to_chip(raccoon, tmp_path, capsys):
     assert rows["chip"][2] == "+0.0000" and rows["chip"][3] == "0" and rows["chip"][4] == "0"
     assert float(rows["step2"][3]) > 0                            # weight quantization moved the outputs
     assert "bit-exact" in text
+    # step 3's weights with float activations: the step-3 checkpoint holds the step-2 weights here, so
+    # under step 2's switches it scores the step-2 row's mAP exactly; the rest is what its activations cost
+    line = next(l for l in text.splitlines() if l.startswith("step 3's weights with float activations"))
+    m2, m3 = float(rows["step2"][1]), float(rows["step3"][1])
+    assert f"mAP {m2:.4f}," in line
+    # the printed difference comes from unrounded mAPs, the rows' from 4-decimal ones: 1e-4 apart at most
+    act = float(line.split("5-bit activations ")[1].split()[0])
+    assert abs(act - (m3 - m2)) <= 1e-4 + 1e-12 and line.endswith("(the activations)")
+    from gnetmdk.checkpoint.io import CheckpointError
+    from gnetmdk.chip.report import float_activation_map
+    cfg = load_config(cfg_file)
+    val = build_dataset(cfg, "valid")
+    val.augment = False
+    got = float_activation_map(val, str(folder / "checkpoint" / "step3" / "best.pth"), cfg.conf_thresh,
+                               cfg.nms_thresh, cfg.max_detections, 16, cfg)
+    assert f"{got:.4f}" == rows["step2"][1]
+    for k, needle in ((1, "step-1 \\(float\\) model"), (4, "pass the step-3 checkpoint")):
+        with pytest.raises(CheckpointError, match=needle):
+            float_activation_map(val, str(folder / "checkpoint" / f"step{k}" / "best.pth"), cfg=cfg)
