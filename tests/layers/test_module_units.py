@@ -422,7 +422,7 @@ def test_gnetdet_family_build_takes_config_and_overrides_device_cpu():
     assert fam.build(cfg, builder=lambda **kw: seen.update(kw) or "built") == "built"
     assert seen["width_mult"] == 0.0625 and seen["chip"] == "5801" and seen["l_coord"] == 3.5
     assert fam.describe(cfg) == "224px x0.0625"
-    assert fam.compat_fields(cfg) == {"image_size": 224, "width_mult": 0.0625, "chip": "5801"}
+    assert fam.compat_fields(cfg) == {"image_size": 224, "width_mult": 0.0625, "head_width_mult": 0.0, "chip": "5801"}
     # the output cap rule: 2 x 1 for the linear heads; a model's logit head replaces the config's
     assert fam.output_cap_limit(cfg) == 2.0
     logit = GNetDet(num_classes=2, image_size=224, width_mult=0.0625, score_head="logit", score_offset=1.0)
