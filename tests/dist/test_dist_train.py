@@ -179,6 +179,14 @@ def test_step2_two_processes_equal_one_process(ws):
     _assert_equal(ws, "s2", 2, rec)
 
 
+def test_step2_batchnorm_kept_two_processes_equal_one_process_device_cpu(ws):
+    """Step 2 with ``gnetdet.step2_bn keep``: BatchNorm trained on the global batch's statistics while
+    the convs quantize their folded weights; 2 processes and 1 replaying them end bit-identical."""
+    a, b, rec = _record_and_replay(ws, "s2bn", ["--step", "2"], ["load", ws["warm"], "gnetdet.step2_bn", "keep"])
+    assert "kept 15 BatchNorm layers" in a.stdout and "folded 15" not in a.stdout
+    _assert_equal(ws, "s2bn", 2, rec)
+
+
 @pytest.mark.parametrize("method,equalize", [("percentile", "0"), ("mse", "0"), ("mse", "0.5")])
 def test_cal_virtual_ranks_equal_two_processes(ws, method, equalize):
     """Calibration: 2 processes and one process with 2 virtual ranks (each rank observes its own chunk;

@@ -430,3 +430,43 @@ def test_eval_voc_reports_the_map_training_recorded_device_cpu(workdir, tmp_path
     assert json.loads(out.read_text())["map"] == summary["best_map"]
     with pytest.raises(ConfigError, match="eval_batch_size"):
         _cfg(path, tmp_path, "ev2", "eval_batch_size", -1)
+
+
+# ---------------------------------------------------------------------------------------------- BatchNorm in step 2
+def test_step2_bn_keep_trains_batchnorm_on_quantized_folded_weights_and_cal_folds_it_device_cpu(workdir, tmp_path,
+                                                                                                capsys):
+    """gnetdet.step2_bn keep: step 2 keeps the BatchNorm layers (its checkpoint has them, their running
+    statistics moved), evaluates exactly the folded quantized model, and the cal stage folds them: cal's
+    entry mAP is step 2's best mAP bit for bit; a bad value and in-place ABN are refused (device cpu)."""
+    _, path = workdir
+    run_stage(_cfg(path, tmp_path, "bn", "num_epochs", 1, "device", "cpu"))
+    s1 = load_checkpoint(str(tmp_path / "bn" / "step1" / "last.pth"))
+    capsys.readouterr()
+    common = ["num_epochs", 1, "max_train_images", 16, "device", "cpu", "gnetdet.step2_bn", "keep"]
+    s2 = run_stage(_cfg(path, tmp_path, "bn", *common, step=2))
+    assert "kept " in capsys.readouterr().out
+    last = load_checkpoint(str(tmp_path / "bn" / "step2" / "last.pth"))
+    assert last["model_meta"]["use_bn"] is True
+    k = "layers.0.bn.running_mean"
+    assert k in last["model"] and not torch.equal(last["model"][k], s1["model"][k])
+    # evaluation: the BN-kept model computes what the folded model computes, bit for bit
+    from gnetmdk.gti.transforms import fold_bn
+    kept = build_model_from_checkpoint(last)
+    folded = build_model_from_checkpoint(last)
+    assert fold_bn(folded) > 0
+    for m in (kept, folded):
+        apply_stage(m, STAGES["step2"])
+        m.eval()
+    x = torch.rand(2, 3, 224, 224) * 31
+    with torch.no_grad():
+        assert torch.equal(kept(x), folded(x))
+    cal = run_stage(build_config(load_config_class(path), ["checkpoint_root", str(tmp_path / "bn"), "log_root",
+                                                           str(tmp_path / "log-bn"), "device", "cpu",
+                                                           "max_train_images", 16], step=2, cal=True))
+    ck = load_checkpoint(str(tmp_path / "bn" / "step2" / "cal.pth"))
+    assert ck["model_meta"]["use_bn"] is False and not any(".bn." in n for n in ck["model"])
+    assert cal["entry_map"] == s2["best_map"]
+    with pytest.raises(ConfigError, match="step2_bn"):
+        _cfg(path, tmp_path, "bn", "gnetdet.step2_bn", "batch", step=2)
+    with pytest.raises(ConfigError, match="inplace_abn"):
+        _cfg(path, tmp_path, "bn", "gnetdet.step2_bn", "keep", "inplace_abn", "true", step=2)

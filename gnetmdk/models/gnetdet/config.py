@@ -26,6 +26,9 @@ class GNetDetConfig(ConfigSection):
     head_width_mult: float = 0.0            # the last major layer's hidden convs (the head): their own
                                             # multiplier; 0 = width_mult (docs/pipeline.md "The head's width")
     use_bn: bool = True                     # BatchNorm in step 1 (folded into the conv on entry to step 2)
+    step2_bn: str = "fold"                  # "fold": BatchNorm folded on entry to step 2 | "keep": step 2 trains
+                                            # with it, quantizing the folded weights; folded on entry to cal
+                                            # (docs/quantization.md "BatchNorm kept through step 2")
     chip: str = "5801"                      # 2801, 2803 or 5801
     mask_bits: List[int] = []               # weight format per major layer; [] = chip default (docs/quantization.md)
     weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
@@ -106,6 +109,11 @@ def check_gnetdet_config(cfg) -> None:
     if g.cap_lr > 0 and not g.gain_aware:
         bad("cap_lr", "learned caps need gain_aware true (the caps reach the loss through the gains); "
                       "set cap_lr 0 or gain_aware true")
+    if g.step2_bn not in ("fold", "keep"):
+        bad("step2_bn", "must be 'fold' (BatchNorm folded on entry to step 2) or 'keep' (folded on entry to cal)")
+    if g.step2_bn == "keep" and getattr(cfg, "inplace_abn", False):
+        bad("step2_bn", "'keep' trains step 2 through the sublayer's own conv + BatchNorm, which in-place "
+                        "activated BatchNorm replaces: set inplace_abn false or step2_bn 'fold'")
     if g.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
     from .head import check_score_head, check_size_head

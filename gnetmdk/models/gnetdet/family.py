@@ -165,6 +165,20 @@ class GNetDetFamily(DetectorFamily):
         model.set_gains()         # no conv keeps a previous stage's gain until the next forward
         model.train(model.training)
 
+    def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
+        """The stage table's entry edits (gnetmdk.models.stages), except that with ``gnetdet.step2_bn
+        "keep"`` step 2 keeps the BatchNorm layers (each sublayer then quantizes its folded weights,
+        Sublayer._quantized_conv_bn) and the cal stage folds them on its entry.
+
+        Raises:
+            RuntimeError: the model cannot enter the stage (step 3 without caps).
+        """
+        if stage.name == "step2" and str(cfg.gnetdet.step2_bn) == "keep":
+            kept = sum(1 for layer in model.layers if layer.bn is not None)
+            return [f"kept {kept} BatchNorm layers (step2_bn keep): the convs quantize their folded weights; "
+                    "folded on entry to cal"] if kept else []
+        return super().enter_stage(model, stage, source_stage, cfg)
+
     def configure(self, model: nn.Module, cfg) -> List[str]:
         """The chip-memory note (gnetmdk.models.gnetdet.config.gnetdet_memory_note) when the model lies in
         the band docs/chip.md leaves open, else nothing."""

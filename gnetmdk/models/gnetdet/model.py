@@ -13,8 +13,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from gnetmdk.config.base import ConfigError
+from gnetmdk.gti.quantize import quantize_conv_params
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
 from gnetmdk.layers.quant import QConv2d, QReLU, quantize_convs
 from gnetmdk.layers.pool import max_pool_2x2
@@ -205,13 +207,57 @@ class Sublayer(ConvBNQReLU):
         if self.recompute_stem and self.stem_ok(x):
             from gnetmdk.layers.stem import conv_bn_act
             return conv_bn_act(x, self.conv, self.bn, "relu", pool=self.pool_after)
-        x = self.conv(x)
-        if self.bn is not None:
-            x = self.bn(x)
+        if self.bn is not None and self.conv.fake_quant_enabled:
+            x = self._quantized_conv_bn(x)        # step 2 with step2_bn "keep"
+        else:
+            x = self.conv(x)
+            if self.bn is not None:
+                x = self.bn(x)
         x = self.relu(x)
         if self.pool_after:
             x = max_pool_2x2(x)          # F.max_pool2d's values and gradients, no int64 indices kept
         return x
+
+
+    def folded_params(self):
+        """The conv's weight and bias with this sublayer's BatchNorm folded in, as
+        :func:`gnetmdk.gti.transforms.fold_bn` writes them (the same float64 expression, then the
+        parameter dtype), with gradients to the conv and the BatchNorm's affine parameters:
+
+            s = gamma / sqrt(running_var + eps),   W' = W s,   b' = (b - running_mean) s + beta
+
+        Returns (W' (O, I, 3, 3), b' (O,), s (O,) float64). Raises AttributeError without BatchNorm."""
+        bn, conv = self.bn, self.conv
+        s = bn.weight.double() / torch.sqrt(bn.running_var.double() + bn.eps)
+        w = (conv.weight.double() * s.view(-1, 1, 1, 1)).to(conv.weight.dtype)
+        b = ((conv.bias.double() - bn.running_mean.double()) * s + bn.bias.double()).to(conv.bias.dtype)
+        return w, b, s
+
+    def _quantized_conv_bn(self, x: torch.Tensor) -> torch.Tensor:
+        """Conv + BatchNorm with the chip's quantizer on the folded weights (``step2_bn "keep"``;
+        docs/quantization.md, "BatchNorm kept through step 2"): BN folding simulated in training, with
+        the running statistics in the fold and the batch's in the normalization, as in Krishnamoorthi
+        2018 ("Quantizing deep convolutional networks for efficient inference: A whitepaper",
+        arXiv:1806.08342) and torch.ao's fused ConvBn modules; Jacob et al. 2018 (CVPR, section 3.2)
+        fold the batch's statistics instead.
+
+        Evaluation (the BatchNorm in eval mode): conv(x, q(W'), q(b')), which is what the folded model
+        computes after :func:`gnetmdk.gti.transforms.fold_bn` with the weights quantized: bit for bit
+        the model the cal stage starts from. Training: conv(x, q(W')) / s + b, then the BatchNorm
+        with the batch's statistics (and its running statistics updated): the weights see the
+        rounding of their folded form while the layer keeps batch normalization.
+        (N, C_in, H, W) -> (N, C_out, H, W) float32 (autocast off, as every quantized conv).
+        """
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return self._quantized_conv_bn(x.float())
+        conv = self.conv
+        w, b, s = self.folded_params()
+        w_q, b_q, _ = quantize_conv_params(w, b, conv.weight_format, conv.weight_bits, conv.bias_bits, conv.method)
+        if not self.bn.training:
+            return F.conv2d(x, w_q, b_q, 1, 1)
+        y = F.conv2d(x, w_q, None, 1, 1) / s.to(x.dtype).view(1, -1, 1, 1) + conv.bias.view(1, -1, 1, 1)
+        return self.bn(y)
 
 
 class GNetDet(nn.Module):
