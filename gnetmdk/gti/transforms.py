@@ -10,6 +10,28 @@ from typing import List
 import torch
 
 
+def folded_conv_params(conv, bn):
+    """The weight and bias of ``conv`` with ``bn`` folded in (docs/quantization.md, "BN folding"):
+
+        s = gamma / sqrt(running_var + eps),   W' = W s,   b' = (b - running_mean) s + beta
+
+    computed in float64 and returned in the conv's dtype, with gradients to the conv's and the
+    BatchNorm's parameters (no gradient is taken inside :func:`fold_bn`). The one expression behind
+    both :func:`fold_bn` and the BatchNorm-kept step 2 (gnetmdk.models.gnetdet.model.Sublayer), so the
+    two give the same bits.
+
+    Args:
+        conv: an ``nn.Conv2d`` with bias, weight (O, I, kh, kw).
+        bn: an ``nn.BatchNorm2d`` (or subclass) over O channels, with affine parameters.
+    Returns:
+        (W' (O, I, kh, kw), b' (O,)) in the conv's dtype, and s (O,) float64.
+    """
+    s = bn.weight.double() / torch.sqrt(bn.running_var.double() + bn.eps)
+    w = (conv.weight.double() * s.view(-1, 1, 1, 1)).to(conv.weight.dtype)
+    b = ((conv.bias.double() - bn.running_mean.double()) * s + bn.bias.double()).to(conv.bias.dtype)
+    return w, b, s
+
+
 @torch.no_grad()
 def fold_bn(model) -> int:
     """Fold every BatchNorm into the conv before it and remove it (in place).
@@ -30,12 +52,9 @@ def fold_bn(model) -> int:
         if bn is None:
             continue
         conv = layer.conv
-        sd = torch.sqrt(bn.running_var.double() + bn.eps)
-        g = bn.weight.double() / sd
-        w = conv.weight.double() * g.view(-1, 1, 1, 1)
-        b = (conv.bias.double() - bn.running_mean.double()) * g + bn.bias.double()
-        conv.weight.copy_(w.to(conv.weight.dtype))
-        conv.bias.copy_(b.to(conv.bias.dtype))
+        w, b, _ = folded_conv_params(conv, bn)
+        conv.weight.copy_(w)
+        conv.bias.copy_(b)
         layer.bn = None
         n += 1
     return n

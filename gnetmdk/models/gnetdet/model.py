@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from gnetmdk.config.base import ConfigError
 from gnetmdk.gti.quantize import quantize_conv_params
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
+from gnetmdk.gti.transforms import folded_conv_params
 from gnetmdk.layers.quant import QConv2d, QReLU, quantize_convs
 from gnetmdk.layers.pool import max_pool_2x2
 from gnetmdk.layers.units import ConvBNQReLU
@@ -221,17 +222,11 @@ class Sublayer(ConvBNQReLU):
 
     def folded_params(self):
         """The conv's weight and bias with this sublayer's BatchNorm folded in, as
-        :func:`gnetmdk.gti.transforms.fold_bn` writes them (the same float64 expression, then the
-        parameter dtype), with gradients to the conv and the BatchNorm's affine parameters:
-
-            s = gamma / sqrt(running_var + eps),   W' = W s,   b' = (b - running_mean) s + beta
-
-        Returns (W' (O, I, 3, 3), b' (O,), s (O,) float64). Raises AttributeError without BatchNorm."""
-        bn, conv = self.bn, self.conv
-        s = bn.weight.double() / torch.sqrt(bn.running_var.double() + bn.eps)
-        w = (conv.weight.double() * s.view(-1, 1, 1, 1)).to(conv.weight.dtype)
-        b = ((conv.bias.double() - bn.running_mean.double()) * s + bn.bias.double()).to(conv.bias.dtype)
-        return w, b, s
+        :func:`gnetmdk.gti.transforms.fold_bn` writes them (the same function,
+        :func:`gnetmdk.gti.transforms.folded_conv_params`), with gradients to the conv and the
+        BatchNorm's affine parameters. Returns (W' (O, I, 3, 3), b' (O,) float32, s = gamma / sigma
+        (O,) float64). Raises AttributeError without BatchNorm."""
+        return folded_conv_params(self.conv, self.bn)
 
     def _quantized_conv_bn(self, x: torch.Tensor) -> torch.Tensor:
         """Conv + BatchNorm with the chip's quantizer on the folded weights (``step2_bn "keep"``;
