@@ -117,20 +117,21 @@ def stage_report(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None
 def float_activation_map(dataset, checkpoint: str, conf_thresh: float = BaseConfig.conf_thresh, nms_thresh: float = 0.5,
                          max_detections: int = 100, batch_size: int = 16, cfg=None) -> float:
     """mAP@0.5 of a quantized checkpoint's weights with every activation a plain ReLU: the checkpoint
-    (step 3 or step 4) evaluated under step 2's switches (weights quantized by the chip's rule from the
-    model's unedited weights, no cap, no rounding, no gains), decoded like :func:`stage_report`'s rows.
+    (step 2, cal or step 3) evaluated under step 2's switches (weights quantized by the chip's rule
+    from the model's unedited weights, no cap, no rounding, no gains), decoded like
+    :func:`stage_report`'s rows.
     Set against the checkpoint's own mAP it splits the checkpoint's cost in two: what its 5-bit
     activations cost at inference, and what is left, the weights (docs/chip.md, "Where accuracy went").
 
     Args:
         dataset: a GNetDetDataset (no augmentation is applied).
-        checkpoint: path of a step-2, cal, step-3 or step-4 checkpoint.
+        checkpoint: path of a step-2, cal or step-3 checkpoint.
         cfg: a config the checkpoint must fit (optional).
     Returns:
         the mAP in [0, 1].
     Raises:
-        CheckpointError: a checkpoint that cannot be read, does not fit ``cfg``, or is a float (step-1)
-        model (it has no quantized weights to read).
+        CheckpointError: a checkpoint that cannot be read, does not fit ``cfg``, is a float (step-1)
+        model (it has no quantized weights to read) or a step-4 one (gain-edited weights).
     """
     from gnetmdk.checkpoint.io import CheckpointError
     from gnetmdk.models.stages import STAGES, apply_stage
