@@ -66,7 +66,7 @@ class QConv2d(nn.Conv2d):
         #: (w_q, b_q, shift) computed for this forward by quantize_convs (one pass over all convs), or None
         self.batched_params: Optional[tuple] = None
 
-    def quantized_params(self):
+    def quantized_params(self, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
         """(w_q, b_q, shift): the weights this layer computes with now (straight-through gradients).
 
         w_q and b_q are integer multiples of 2^-shift. Without a gain they are what integer_params
@@ -74,9 +74,14 @@ class QConv2d(nn.Conv2d):
         will hold them (code domain), with the gradient passed to the unedited parameters times the
         gain (d w_q / d W = cap_in / cap_out, d b_q / d b = 31 / cap_out); integer_params ignores the
         gain (it describes the parameters as they are now).
+
+        ``weight`` (O, I, 3, 3) and ``bias`` (O,), when given, stand for the layer's own parameters
+        (a BatchNorm-kept sublayer passes its folded weight and bias; gnetmdk.models.gnetdet.model.Sublayer).
         """
+        weight = self.weight if weight is None else weight
+        bias = self.bias if bias is None else bias
         if not self.fake_quant_enabled:
-            return self.weight, self.bias, None
+            return weight, bias, None
         if self.gain is not None:
             cap_in, cap_out = (float(g) for g in self.gain)
             if self.gain_tensors is not None:          # learned caps: the gain carries their gradient
@@ -85,12 +90,12 @@ class QConv2d(nn.Conv2d):
             else:
                 gw, gb = cap_in / cap_out, ACT_MAX / cap_out
             # the values fold_requant_multipliers will write (float64 product, then the parameter dtype) ...
-            w_val = (self.weight.detach().double() * cap_in / cap_out).to(self.weight.dtype)
-            b_val = (self.bias.detach().double() * ACT_MAX / cap_out).to(self.bias.dtype)
+            w_val = (weight.detach().double() * cap_in / cap_out).to(weight.dtype)
+            b_val = (bias.detach().double() * ACT_MAX / cap_out).to(bias.dtype)
             # ... quantized as in step 4 (the gradient reaches weight and bias through the gain)
-            return quantize_conv_params(ste(self.weight * gw, w_val), ste(self.bias * gb, b_val),
+            return quantize_conv_params(ste(weight * gw, w_val), ste(bias * gb, b_val),
                                         self.weight_format, self.weight_bits, self.bias_bits, self.method)
-        return quantize_conv_params(self.weight, self.bias, self.weight_format, self.weight_bits,
+        return quantize_conv_params(weight, bias, self.weight_format, self.weight_bits,
                                     self.bias_bits, self.method)
 
     def integer_params(self):
@@ -110,6 +115,12 @@ class QConv2d(nn.Conv2d):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b, shift = self.batched_params if self.batched_params is not None else self.quantized_params()
+        return self.convolve(x, w, b, shift)
+
+    def convolve(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, shift: Optional[int]) -> torch.Tensor:
+        """3x3 / stride 1 / padding 1 convolution of ``x`` (N, I, H, W) with ``w`` (O, I, 3, 3) and ``b`` (O,)
+        in this layer's precision: with ``exact``, or a gain in eval mode, exactly (float32 where
+        :meth:`float32_exact` holds for ``shift``, on CPU; else float64), otherwise in ``x``'s dtype."""
         if self.exact or (self.gain is not None and not self.training):
             # float32 only on CPU (direct convolution); on CUDA TF32 and algorithm choice could round
             if shift is not None and x.device.type == "cpu" and self.float32_exact(w, b, shift):

@@ -60,7 +60,9 @@ class Stage:
     trainable_caps: bool = False
 
 
-def _fold(model, source_stage: str) -> str:
+def fold_hook(model, source_stage: str) -> str:
+    """The entry edit that folds every BatchNorm into its conv (gnetmdk.gti.transforms.fold_bn);
+    returns its log line ("" when there was none)."""
     n = fold_bn(model)
     return f"folded {n} BatchNorm layers into their convs" if n else ""
 
@@ -85,13 +87,13 @@ def _gain(model, source_stage: str) -> str:
 STAGES: Dict[str, Stage] = {
     "step1": Stage("step1", 1, False, False, False, (0, "best.pth"), False, 1,
                    fresh_hint="(optional pretrained model)", partial_source=True),
-    "step2": Stage("step2", 2, True, False, False, (1, "best.pth"), True, 2, (_fold,),
+    "step2": Stage("step2", 2, True, False, False, (1, "best.pth"), True, 2, (fold_hook,),
                    "run step 1 first: python3 train.py --step 1"),
-    "cal": Stage("cal", 2, True, False, False, (2, "best.pth"), True, 2, (_fold,),
+    "cal": Stage("cal", 2, True, False, False, (2, "best.pth"), True, 2, (fold_hook,),
                  "run step 2 first: python3 train.py --step 2", calibration=True),
-    "step3": Stage("step3", 3, True, True, False, (2, "cal.pth"), True, 3, (_fold, _require_caps),
+    "step3": Stage("step3", 3, True, True, False, (2, "cal.pth"), True, 3, (fold_hook, _require_caps),
                    "run calibration first: python3 train.py --cal", trainable_caps=True),
-    "step4": Stage("step4", 4, True, True, True, (3, "best.pth"), True, 4, (_fold, _gain),
+    "step4": Stage("step4", 4, True, True, True, (3, "best.pth"), True, 4, (fold_hook, _gain),
                    "run step 3 first: python3 train.py --step 3"),
 }
 

@@ -187,6 +187,19 @@ def test_step2_batchnorm_kept_two_processes_equal_one_process_device_cpu(ws):
     _assert_equal(ws, "s2bn", 2, rec)
 
 
+def test_step3_batchnorm_kept_two_processes_equal_one_process_device_cpu(ws):
+    """Step 3 with ``gnetdet.step3_bn keep``: calibrated with the BatchNorm layers kept (cal.pth keeps
+    them), then trained gain-aware on the global batch's statistics; 2 processes and 1 replaying them
+    end bit-identical."""
+    root, keep = ws["root"], ["gnetdet.step2_bn", "keep", "gnetdet.step3_bn", "keep"]
+    run([TRAIN, "--config", ws["cfg"], "--cal", "load", ws["warm"], *keep, *_out(root, "cal_bn")], root).check()
+    cal = os.path.join(root, "cal_bn", "checkpoint", "step2", "cal.pth")
+    assert "layers.0.bn.running_var" in torch.load(cal, weights_only=True)["model"]
+    a, b, rec = _record_and_replay(ws, "s3bn", ["--step", "3"], ["load", cal, *keep])
+    assert "kept 15 BatchNorm layers (step3_bn keep)" in a.stdout and "folded 15" not in a.stdout
+    _assert_equal(ws, "s3bn", 3, rec)
+
+
 @pytest.mark.parametrize("method,equalize", [("percentile", "0"), ("mse", "0"), ("mse", "0.5")])
 def test_cal_virtual_ranks_equal_two_processes(ws, method, equalize):
     """Calibration: 2 processes and one process with 2 virtual ranks (each rank observes its own chunk;

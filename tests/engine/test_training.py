@@ -470,3 +470,56 @@ def test_step2_bn_keep_trains_batchnorm_on_quantized_folded_weights_and_cal_fold
         _cfg(path, tmp_path, "bn", "gnetdet.step2_bn", "batch", step=2)
     with pytest.raises(ConfigError, match="inplace_abn"):
         _cfg(path, tmp_path, "bn", "gnetdet.step2_bn", "keep", "inplace_abn", "true", step=2)
+
+
+def test_step3_bn_keep_keeps_batchnorm_through_cal_and_step3_and_step4_starts_from_step3_exactly_device_cpu(
+        workdir, tmp_path, capsys):
+    """gnetdet.step3_bn keep (with step2_bn keep): cal and step 3 keep the BatchNorm layers, step 3
+    trains them on batch statistics while its gain-aware evaluation is the folded, gain-edited model's
+    bit for bit, and step 4 folds them on entry: its entry mAP is step 3's best mAP exactly; the
+    combinations it cannot serve are refused (device cpu)."""
+    _, path = workdir
+    run_stage(_cfg(path, tmp_path, "b3", "num_epochs", 1, "device", "cpu"))
+    capsys.readouterr()
+    keep = ["gnetdet.step2_bn", "keep", "gnetdet.step3_bn", "keep"]
+    common = ["num_epochs", 1, "max_train_images", 16, "device", "cpu", *keep]
+    # each stage from the one before's last.pth: a 1-epoch stage's best.pth can be its untrained entry
+    run_stage(_cfg(path, tmp_path, "b3", *common, "load", tmp_path / "b3" / "step1" / "last.pth", step=2))
+    assert "folded on entry to step 4" in capsys.readouterr().out
+    run_stage(build_config(load_config_class(path), ["checkpoint_root", str(tmp_path / "b3"), "log_root",
+                                                     str(tmp_path / "log-b3"), "device", "cpu", "max_train_images",
+                                                     16, "load", str(tmp_path / "b3" / "step2" / "last.pth"), *keep],
+                           step=2, cal=True))
+    cal = load_checkpoint(str(tmp_path / "b3" / "step2" / "cal.pth"))
+    k = "layers.0.bn.running_mean"
+    assert cal["model_meta"]["use_bn"] is True and cal["model"][k].abs().sum() > 0
+    s3 = run_stage(_cfg(path, tmp_path, "b3", *common, step=3))
+    assert "kept 15 BatchNorm layers (step3_bn keep)" in capsys.readouterr().out
+    last = load_checkpoint(str(tmp_path / "b3" / "step3" / "last.pth"))
+    assert not torch.equal(last["model"][k], cal["model"][k])          # step 3 moved the running statistics
+    # evaluation: the BN-kept gain-aware step-3 model computes the folded one's codes, bit for bit
+    from gnetmdk.gti.transforms import fold_bn
+    kept, folded = build_model_from_checkpoint(last), build_model_from_checkpoint(last)
+    assert fold_bn(folded) == 15
+    for m in (kept, folded):
+        apply_stage(m, STAGES["step3"])
+        m.eval()
+    x = torch.randint(0, 32, (2, 3, 224, 224)).float()
+    with torch.no_grad():
+        a, b = kept(x), folded(x)
+    assert kept.gain_aware and kept.layers[0].conv.gain is not None
+    assert torch.equal(a, b) and a.abs().sum() > 0
+    # training: batch statistics, in the code domain of the ReLUs (finite, and unlike the evaluation)
+    kept.train()
+    y = kept(x)
+    assert torch.isfinite(y).all() and not torch.equal(y.detach(), a)
+    y.sum().backward()
+    assert kept.layers[0].bn.weight.grad is not None and kept.layers[0].conv.weight.grad.abs().sum() > 0
+    s4 = run_stage(_cfg(path, tmp_path, "b3", *common, step=4))
+    assert s4["entry_map"] == s3["best_map"]
+    ck4 = load_checkpoint(str(tmp_path / "b3" / "step4" / "best.pth"))
+    assert ck4["model_meta"]["use_bn"] is False
+    for bad in (["gnetdet.step3_bn", "keep"], [*keep, "gnetdet.equalize", 0.5], [*keep, "gnetdet.bias_correct", "true"],
+                [*keep, "gnetdet.cap_lr", 1e-3], ["gnetdet.step3_bn", "yes"]):
+        with pytest.raises(ConfigError, match="step3_bn"):
+            _cfg(path, tmp_path, "b3", *bad, step=3)

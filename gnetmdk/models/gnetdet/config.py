@@ -29,6 +29,8 @@ class GNetDetConfig(ConfigSection):
     step2_bn: str = "fold"                  # "fold": BatchNorm folded on entry to step 2 | "keep": step 2 trains
                                             # with it, quantizing the folded weights; folded on entry to cal
                                             # (docs/quantization.md "BatchNorm kept through step 2")
+    step3_bn: str = "fold"                  # "keep" (with step2_bn keep): cal and step 3 keep it too, folded on
+                                            # entry to step 4 (docs/quantization.md "BatchNorm kept through step 3")
     chip: str = "5801"                      # 2801, 2803 or 5801
     mask_bits: List[int] = []               # weight format per major layer; [] = chip default (docs/quantization.md)
     weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
@@ -114,6 +116,16 @@ def check_gnetdet_config(cfg) -> None:
     if g.step2_bn == "keep" and getattr(cfg, "inplace_abn", False):
         bad("step2_bn", "'keep' trains step 2 through the sublayer's own conv + BatchNorm, which in-place "
                         "activated BatchNorm replaces: set inplace_abn false or step2_bn 'fold'")
+    if g.step3_bn not in ("fold", "keep"):
+        bad("step3_bn", "must be 'fold' (BatchNorm folded by the cal stage at the latest) or 'keep' (folded on "
+                        "entry to step 4)")
+    if g.step3_bn == "keep":
+        if g.step2_bn != "keep":
+            bad("step3_bn", "'keep' needs step2_bn 'keep' (a BatchNorm folded in step 2 cannot come back)")
+        for field, on in (("equalize", g.equalize > 0), ("bias_correct", g.bias_correct), ("cap_lr", g.cap_lr > 0)):
+            if on:
+                bad("step3_bn", f"'keep' does not combine with {field} (it edits or trains folded convs): set "
+                                f"{field} off or step3_bn 'fold'")
     if g.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
     from .head import check_score_head, check_size_head

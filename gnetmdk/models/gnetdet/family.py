@@ -8,6 +8,7 @@ import numpy as np
 import torch.nn as nn
 
 from gnetmdk.models.base import ALL_STAGES, DetectorFamily
+from gnetmdk.models.stages import fold_hook
 from .model import GNetDet, gnetdet_layers, major_weight_formats
 
 #: stages whose weights were fine-tuned under a weight scale rule
@@ -168,16 +169,25 @@ class GNetDetFamily(DetectorFamily):
     def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:
         """The stage table's entry edits (gnetmdk.models.stages), except that with ``gnetdet.step2_bn
         "keep"`` step 2 keeps the BatchNorm layers (each sublayer then quantizes its folded weights,
-        Sublayer._quantized_conv_bn) and the cal stage folds them on its entry.
+        Sublayer._quantized_conv_bn) and the cal stage folds them on its entry; with ``step3_bn "keep"``
+        as well cal and step 3 keep them (their other edits apply) and step 4 folds them.
 
         Raises:
             RuntimeError: the model cannot enter the stage (step 3 without caps).
         """
-        if stage.name == "step2" and str(cfg.gnetdet.step2_bn) == "keep":
-            kept = sum(1 for layer in model.layers if layer.bn is not None)
-            return [f"kept {kept} BatchNorm layers (step2_bn keep): the convs quantize their folded weights; "
-                    "folded on entry to cal"] if kept else []
-        return super().enter_stage(model, stage, source_stage, cfg)
+        g = cfg.gnetdet
+        kept = sum(1 for layer in model.layers if layer.bn is not None)
+        keep = ((stage.name == "step2" and str(g.step2_bn) == "keep")
+                or (stage.name in ("cal", "step3") and str(g.step3_bn) == "keep"))
+        if not keep:
+            return super().enter_stage(model, stage, source_stage, cfg)
+        out = [msg for msg in (hook(model, source_stage) for hook in stage.enter if hook is not fold_hook) if msg]
+        if kept:
+            until = "cal" if stage.name == "step2" and str(g.step3_bn) != "keep" else "step 4"
+            option = "step2_bn" if stage.name == "step2" else "step3_bn"
+            out.insert(0, f"kept {kept} BatchNorm layers ({option} keep): the convs quantize their folded weights; "
+                          f"folded on entry to {until}")
+        return out
 
     def configure(self, model: nn.Module, cfg) -> List[str]:
         """The chip-memory note (gnetmdk.models.gnetdet.config.gnetdet_memory_note) when the model lies in

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gnetmdk.config.base import ConfigError
-from gnetmdk.gti.quantize import quantize_conv_params
+from gnetmdk.gti.quantize import ACT_MAX, quantize_conv_params
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
 from gnetmdk.gti.transforms import folded_conv_params
 from gnetmdk.layers.quant import QConv2d, QReLU, quantize_convs
@@ -229,30 +229,44 @@ class Sublayer(ConvBNQReLU):
         return folded_conv_params(self.conv, self.bn)
 
     def _quantized_conv_bn(self, x: torch.Tensor) -> torch.Tensor:
-        """Conv + BatchNorm with the chip's quantizer on the folded weights (``step2_bn "keep"``;
-        docs/quantization.md, "BatchNorm kept through step 2"): BN folding simulated in training, with
-        the running statistics in the fold and the batch's in the normalization, as in Krishnamoorthi
-        2018 ("Quantizing deep convolutional networks for efficient inference: A whitepaper",
-        arXiv:1806.08342) and torch.ao's fused ConvBn modules; Jacob et al. 2018 (CVPR, section 3.2)
-        fold the batch's statistics instead.
+        """Conv + BatchNorm with the chip's quantizer on the folded weights (``step2_bn "keep"``, and
+        ``step3_bn "keep"`` in step 3; docs/quantization.md, "BatchNorm kept through step 2" and "...
+        through step 3"): BN folding simulated in training, with the running statistics in the fold
+        and the batch's in the normalization, as in Krishnamoorthi 2018 ("Quantizing deep
+        convolutional networks for efficient inference: A whitepaper", arXiv:1806.08342) and torch.ao's
+        fused ConvBn modules; Jacob et al. 2018 (CVPR, section 3.2) fold the batch's statistics instead.
 
-        Evaluation (the BatchNorm in eval mode): conv(x, q(W'), q(b')), which is what the folded model
-        computes after :func:`gnetmdk.gti.transforms.fold_bn` with the weights quantized: bit for bit
-        the model the cal stage starts from. Training: conv(x, q(W')) / s + b, then the BatchNorm
+        Evaluation (the BatchNorm in eval mode): conv(x, q(W'), q(b')) in the conv's precision
+        (QConv2d.convolve), which is what the folded model computes after
+        :func:`gnetmdk.gti.transforms.fold_bn` with the weights quantized: bit for bit the model the
+        next stage starts from once it folds. Training: conv(x, q(W')) / s + b, then the BatchNorm
         with the batch's statistics (and its running statistics updated): the weights see the
         rounding of their folded form while the layer keeps batch normalization.
-        (N, C_in, H, W) -> (N, C_out, H, W) float32 (autocast off, as every quantized conv).
+
+        With the conv's gain (gain-aware step 3, QConv2d.gain = (cap_in, cap_out)) x holds codes
+        0..31 and q(W'), q(b') are the gain-edited folded weights (QConv2d.quantized_params), so the
+        evaluation is the gain-edited step-4 layer's, in pre-activation codes. In training the
+        convolution's codes are taken back to values (times cap_out / 31, the inverse of the gain on
+        the weights, since x = a 31 / cap_in), normalized as above, and returned in codes (times 31 /
+        cap_out) for the code-domain ReLU.
+        (N, C_in, H, W) -> (N, C_out, H, W) float32 (autocast off, as every quantized conv; float64
+        where the exact evaluation needs it).
         """
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
                 return self._quantized_conv_bn(x.float())
         conv = self.conv
         w, b, s = self.folded_params()
-        w_q, b_q, _ = quantize_conv_params(w, b, conv.weight_format, conv.weight_bits, conv.bias_bits, conv.method)
+        w_q, b_q, shift = conv.quantized_params(w, b)
         if not self.bn.training:
-            return F.conv2d(x, w_q, b_q, 1, 1)
-        y = F.conv2d(x, w_q, None, 1, 1) / s.to(x.dtype).view(1, -1, 1, 1) + conv.bias.view(1, -1, 1, 1)
-        return self.bn(y)
+            return conv.convolve(x, w_q, b_q, shift)
+        z = F.conv2d(x, w_q, None, 1, 1)
+        if conv.gain is not None:
+            z = z * (float(conv.gain[1]) / ACT_MAX)
+        y = self.bn(z / s.to(x.dtype).view(1, -1, 1, 1) + conv.bias.view(1, -1, 1, 1))
+        if conv.gain is not None:
+            y = y * (ACT_MAX / float(conv.gain[1]))
+        return y
 
 
 class GNetDet(nn.Module):
