@@ -120,6 +120,7 @@ class Trainer:
         self._chain_next: Optional[tuple] = None
         self.learned_caps = LearnedCaps([])                 # caps trained in step 3 (cap_lr > 0; learned_caps.py)
         self.finetune = Finetune(self.family, cfg.section())  # finetune N (gnetmdk.engine.freezing)
+        self._epoch_mode: Optional[str] = None  # the family's epoch_mode line last logged
         self.frozen_at: List[torch.nn.Parameter] = []
         self.t_start: Optional[float] = None
         self.start_epoch = self.start_batch = 0
@@ -469,6 +470,10 @@ class Trainer:
         """
         cfg, model = self.cfg, self.model
         model.train()
+        mode = self.family.epoch_mode(model, self.stage, epoch, cfg)
+        if mode and mode != self._epoch_mode:
+            self.log(f"[{self.stage.name}] epoch {epoch + 1}: {mode}")
+        self._epoch_mode = mode
         self.apply_finetune(epoch)
         self.batch_in_epoch = self.start_batch if epoch == self.start_epoch else 0
         self.train_sampler.set_epoch(epoch, self.batch_in_epoch)

@@ -14,7 +14,7 @@ from gnetmdk.engine import runtime as R
 from gnetmdk.engine.cli import run_stage
 from gnetmdk.engine.stages import STAGES, apply_stage
 from gnetmdk.engine.trainer import Trainer
-from gnetmdk.models import model_from_config
+from gnetmdk.models import get_family, model_from_config
 
 from test_pipeline import make_cards_workdir
 
@@ -519,6 +519,36 @@ def test_step3_bn_keep_keeps_batchnorm_through_cal_and_step3_and_step4_starts_fr
     assert s4["entry_map"] == s3["best_map"]
     ck4 = load_checkpoint(str(tmp_path / "b3" / "step4" / "best.pth"))
     assert ck4["model_meta"]["use_bn"] is False
+    # step3_bn_freeze 1: epoch 2 normalizes with the running statistics and leaves them alone (BatchNorm
+    # counts the batches it updated them with: the 1-epoch run's count, not 2 epochs' worth)
+    n = "layers.0.bn.num_batches_tracked"
+    per_epoch = int(last["model"][n]) - int(cal["model"][n])
+    assert per_epoch > 0
+    capsys.readouterr()
+    run_stage(_cfg(path, tmp_path, "b3", *common, "num_epochs", 2, "gnetdet.step3_bn_freeze", 1, step=3))
+    out = capsys.readouterr().out
+    assert out.count("normalize with their running statistics, frozen from epoch 2") == 1
+    assert "epoch 2: 15 BatchNorm layers" in out
+    frozen = load_checkpoint(str(tmp_path / "b3" / "step3" / "last.pth"))
+    assert int(frozen["model"][n]) == int(cal["model"][n]) + per_epoch
+    # frozen, the training forward is the folded, gain-edited model's evaluation (the model step 4 starts from)
+    m = build_model_from_checkpoint(frozen)
+    ref = build_model_from_checkpoint(frozen)
+    fold_bn(ref)
+    cfg3 = _cfg(path, tmp_path, "b3", *common, "gnetdet.step3_bn_freeze", 1, step=3)
+    for mm in (m, ref):
+        apply_stage(mm, STAGES["step3"])
+    m.train()
+    assert get_family("gnetdet").epoch_mode(m, STAGES["step3"], 0, cfg3) is None
+    assert all(layer.bn.training for layer in m.layers if layer.bn is not None)
+    assert "frozen from epoch 2" in get_family("gnetdet").epoch_mode(m, STAGES["step3"], 1, cfg3)
+    assert not any(layer.bn.training for layer in m.layers if layer.bn is not None)
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    for bad in (["gnetdet.step3_bn_freeze", 2], [*keep, "gnetdet.step3_bn_freeze", -1]):
+        with pytest.raises(ConfigError, match="step3_bn_freeze"):
+            _cfg(path, tmp_path, "b3", *bad, step=3)
     for bad in (["gnetdet.step3_bn", "keep"], [*keep, "gnetdet.equalize", 0.5], [*keep, "gnetdet.bias_correct", "true"],
                 [*keep, "gnetdet.cap_lr", 1e-3], ["gnetdet.step3_bn", "yes"]):
         with pytest.raises(ConfigError, match="step3_bn"):

@@ -31,6 +31,8 @@ class GNetDetConfig(ConfigSection):
                                             # (docs/quantization.md "BatchNorm kept through step 2")
     step3_bn: str = "fold"                  # "keep" (with step2_bn keep): cal and step 3 keep it too, folded on
                                             # entry to step 4 (docs/quantization.md "BatchNorm kept through step 3")
+    step3_bn_freeze: int = 0                # with step3_bn keep: step 3's epochs on batch statistics; later epochs
+                                            # normalize with the running statistics, frozen (0 = never freeze)
     chip: str = "5801"                      # 2801, 2803 or 5801
     mask_bits: List[int] = []               # weight format per major layer; [] = chip default (docs/quantization.md)
     weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
@@ -126,6 +128,12 @@ def check_gnetdet_config(cfg) -> None:
             if on:
                 bad("step3_bn", f"'keep' does not combine with {field} (it edits or trains folded convs): set "
                                 f"{field} off or step3_bn 'fold'")
+    if isinstance(g.step3_bn_freeze, bool) or not isinstance(g.step3_bn_freeze, int) or g.step3_bn_freeze < 0:
+        bad("step3_bn_freeze", "must be an integer >= 0 (step 3's epochs on batch statistics before the BatchNorm "
+                               "statistics freeze; 0: never)")
+    if g.step3_bn_freeze > 0 and g.step3_bn != "keep":
+        bad("step3_bn_freeze", "freezes the BatchNorm statistics that step3_bn 'keep' trains step 3 with: set "
+                               "step3_bn 'keep' (and step2_bn 'keep'), or step3_bn_freeze 0")
     if g.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
     from .head import check_score_head, check_size_head

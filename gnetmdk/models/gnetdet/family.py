@@ -189,6 +189,25 @@ class GNetDetFamily(DetectorFamily):
                           f"folded on entry to {until}")
         return out
 
+    def epoch_mode(self, model: nn.Module, stage, epoch: int, cfg) -> Optional[str]:
+        """``gnetdet.step3_bn_freeze N`` (with ``step3_bn "keep"``): from step 3's epoch N (0-based: after
+        N epochs on batch statistics) every kept BatchNorm layer is put in eval mode while the model
+        trains, so it normalizes with its running statistics and no longer updates them: each sublayer
+        then trains its folded, gain-edited conv (Sublayer._quantized_conv_bn's evaluation path, with
+        straight-through gradients to the conv and the BatchNorm's affine parameters), the model that
+        step 4 starts from. This is freezing the BatchNorm statistics in quantization-aware training
+        (Krishnamoorthi 2018, arXiv:1806.08342, on BatchNorm folding; torch.ao's ``freeze_bn_stats``);
+        docs/quantization.md, "BatchNorm kept through step 3". Returns a log line for every
+        epoch it applies to (the same line every such epoch), else None."""
+        n = int(getattr(cfg.gnetdet, "step3_bn_freeze", 0) or 0)
+        if stage.name != "step3" or n <= 0 or epoch < n:
+            return None
+        bns = [layer.bn for layer in model.layers if layer.bn is not None]
+        for bn in bns:
+            bn.eval()
+        return (f"{len(bns)} BatchNorm layers normalize with their running statistics, frozen from epoch {n + 1} "
+                f"(step3_bn_freeze {n}): step 3 trains the folded model step 4 starts from") if bns else None
+
     def configure(self, model: nn.Module, cfg) -> List[str]:
         """The chip-memory note (gnetmdk.models.gnetdet.config.gnetdet_memory_note) when the model lies in
         the band docs/chip.md leaves open, else nothing."""
