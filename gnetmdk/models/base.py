@@ -109,8 +109,9 @@ class DetectorFamily:
     def epoch_mode(self, model: nn.Module, stage, epoch: int, cfg) -> Optional[str]:
         """Adjust ``model``, just put in train mode, for training epoch ``epoch`` (0-based) of ``stage``
         (e.g. BatchNorm layers that normalize with frozen running statistics); returns a log line while
-        such a change applies (the trainer logs it when it differs from the previous epoch's), else None. It must depend on the epoch alone, so that a resumed
-        run trains as an uninterrupted one. By default: nothing."""
+        such a change applies (the trainer logs it when it differs from the previous epoch's), else
+        None. It must depend on the epoch alone, so that a resumed run trains as an uninterrupted one.
+        By default: nothing."""
         return None
 
     def enter_stage(self, model: nn.Module, stage, source_stage: Optional[str], cfg) -> List[str]:

@@ -199,7 +199,7 @@ class GNetDetFamily(DetectorFamily):
         (Krishnamoorthi 2018, arXiv:1806.08342, on BatchNorm folding; torch.ao's ``freeze_bn_stats``);
         docs/quantization.md, "BatchNorm kept through step 3". Returns a log line for every
         epoch it applies to (the same line every such epoch), else None."""
-        n = int(getattr(cfg.gnetdet, "step3_bn_freeze", 0) or 0)
+        n = int(cfg.gnetdet.step3_bn_freeze)
         if stage.name != "step3" or n <= 0 or epoch < n:
             return None
         bns = [layer.bn for layer in model.layers if layer.bn is not None]
