@@ -5,6 +5,7 @@
     python3 benchmarks/accuracy.py --datasets shapes,dense --seeds 0,1 --out runs/acc threads 1
     python3 benchmarks/accuracy.py --table-only --out runs/acc       # the table of runs already made
     python3 benchmarks/accuracy.py --datasets plates=my_configs/plates.py --seeds 0,1,2   # your own config
+    python3 benchmarks/accuracy.py --datasets facemask --seeds 0 --folds 5   # 5-fold cross-validation
 
 Every (dataset, seed) runs `tools/run_pipeline.py --config examples/<config> seed K` as its own
 process, with its checkpoints, logs and chip files under OUT/<dataset>/seed<K> and the stage table in
@@ -30,6 +31,14 @@ max best mAP@0.5 over the seeds, and the quantization cost per seed, step 4 - ma
 worst), the goal being a mean within 1 point and no seed more than 2 points below. Every run trains the float
 control too (`run_pipeline.py --control`: the float model trained as long as steps 2-4, with their
 schedules; gnetmdk/engine/control.py), unless --no-control.
+With --folds K (or I,J/K for some of them) every dataset is run once per val fold of K-fold
+cross-validation instead of on its own split (`tools/xml_2_txt.py --fold I/K`, meta files named
+<DS_NAME>_fold<I>of<K>, runs under OUT/<dataset>/fold<I>of<K>/seed<S>): the K folds of one split seed
+score disjoint val images that together cover every image once, so a set too small for one val split to
+resolve a point or two is scored on all its images (docs/pipeline.md, "Cross-validation folds"). The
+table then has a row per fold and a row "<dataset> (folds pooled)" over every fold and seed, whose mean
+cost's interval averages each resample over the runs (independent draws on the disjoint folds). A set
+whose split comes from ImageSets/Main lists has no folds (xml_2_txt refuses them).
 Long runs (about 20 minutes per cell on 2 CPU cores); never part of the tests.
 """
 from __future__ import annotations
@@ -64,7 +73,41 @@ STAGES = ("step1", "step2", "cal", "step3", "step4", "control")
 
 
 def run_dir(out: str, dataset: str, seed: int) -> str:
+    """OUT/<dataset>/seed<K>; a fold's dataset name "<dataset>/fold<I>of<K>" puts it one folder deeper."""
     return os.path.join(out, dataset, f"seed{seed}")
+
+
+def parse_folds(spec: str) -> List[Tuple[int, int]]:
+    """--folds: "5" -> [(0, 5), ..., (4, 5)]; "1,3/5" -> [(1, 5), (3, 5)] (val fold I of K).
+
+    Raises:
+        ValueError: not K or I,J,.../K with K >= 2 and each 0 <= I < K, or an I given twice.
+    """
+    text = str(spec).strip()
+    head, slash, k_text = text.rpartition("/")
+    try:
+        k = int(k_text if slash else text)
+        folds = [int(v) for v in head.split(",")] if slash else list(range(k))
+    except ValueError:
+        raise ValueError(f"--folds {spec!r}: give K (every fold of K) or I,J/K (those folds of K), e.g. 5 or 0,1/5") from None
+    if k < 2 or not folds or any(not 0 <= i < k for i in folds) or len(set(folds)) != len(folds):
+        raise ValueError(f"--folds {spec!r}: needs K >= 2 and distinct folds I with 0 <= I < K")
+    return [(i, k) for i in folds]
+
+
+def fold_name(dataset: str, fold: Tuple[int, int]) -> str:
+    """The table's and the run folder's name of one fold of a dataset: "<dataset>/fold<I>of<K>"."""
+    return f"{dataset}/fold{fold[0]}of{fold[1]}"
+
+
+def fold_overrides(dataset: str, fold: Optional[Tuple[int, int]]) -> List[str]:
+    """The config overrides that point a run at a fold's meta files: DS_NAME <DS_NAME>_fold<I>of<K> and
+    dataset_path the dataset's own folder (its images stay where they are); [] without a fold."""
+    if fold is None:
+        return []
+    from gnetmdk.config import build_config, load_config_class
+    cfg = build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), [])
+    return ["DS_NAME", f"{cfg.DS_NAME}_fold{fold[0]}of{fold[1]}", "dataset_path", os.path.abspath(cfg.dataset_dir)]
 
 
 def pipeline_command(dataset: str, seed: int, out: str, overrides: Sequence[str], control: bool = True) -> List[str]:
@@ -83,10 +126,21 @@ def _dataset_dir(dataset: str) -> str:
     return build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), []).dataset_dir
 
 
-def prepare(dataset: str) -> None:
+def prepare(dataset: str, fold: Optional[Tuple[int, int]] = None) -> None:
     """Generate a synthetic set (and its meta files) when its folder is missing, cut a tiled set from its
-    source; xml_2_txt for all."""
+    source; xml_2_txt for all, with ``fold`` (I, K) the meta files of that val fold
+    (:func:`fold_overrides` names them).
+
+    Raises:
+        FileNotFoundError: a fetched set whose folder is missing. ValueError: a fold of a tiled set (its
+            tiles' split is the source's; cut the tiles with tools/tile_voc.py --fold instead).
+        subprocess.CalledProcessError: a tool failed (xml_2_txt refuses a fold where ImageSets lists
+            decide the split; its message is on stderr).
+    """
     config, make = DATASETS[dataset]
+    if fold is not None and dataset in TILED:
+        raise ValueError(f"--folds: {dataset} is cut into tiles from {TILED[dataset][0]}, whose split its tiles keep; "
+                         f"run the folds of a tiled set from tiles cut with tools/tile_voc.py --fold I/K")
     from gnetmdk.config import build_config, load_config_class
     cfg = build_config(load_config_class(os.path.join(ROOT, config)), [])
     if dataset in FETCHED and not os.path.isdir(cfg.dataset_dir):
@@ -107,8 +161,9 @@ def prepare(dataset: str) -> None:
         cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir, "--objects", str(lo), str(hi),
                "--num-train", str(n_train), "--num-val", str(n_val)] + (["--upright"] if cfg.shapes_upright else [])
         subprocess.run(cmd + (["--dense"] if make == "dense" else []), check=True, cwd=ROOT)
+    fold_args = [] if fold is None else ["--fold", f"{fold[0]}/{fold[1]}", "--name", fold_overrides(dataset, fold)[1]]
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
-                    os.path.join(ROOT, config)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                    os.path.join(ROOT, config), *fold_args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides: Sequence[str]) -> List[str]:
@@ -158,15 +213,21 @@ def cost_interval(dataset: str, seed: int, out: str) -> Optional[dict]:
             "num_images": b.get("num_images"), "seed": b.get("seed")}
 
 
-def mean_interval(found: Sequence[Optional[dict]], level: float = 0.95) -> Optional[Tuple[float, float]]:
+def mean_interval(found: Sequence[Optional[dict]], level: float = 0.95,
+                  same_images: bool = True) -> Optional[Tuple[float, float]]:
     """The interval of the mean cost over the seeds: every run scored on the same images with the same
     bootstrap seed drew the same resamples, so each resample's differences are averaged over the runs and
     the percentile interval taken of those means (gnetmdk.evaluation.voc.bootstrap_map). None unless every
-    run has its samples from the same draws."""
+    run has its samples from the same draws. With ``same_images`` False (the pooled folds) the runs may
+    score different images: runs on disjoint val folds are independent, and averaging their independent
+    resamples draw by draw resamples the mean of independent costs; the runs of one fold still share
+    their draws. None unless every run has as many samples, with the same bootstrap seed."""
     import numpy as np
     if not found or any(f is None or not f.get("samples") for f in found):
         return None
-    if len({(f["num_images"], f["seed"], len(f["samples"])) for f in found}) != 1:
+    key = (lambda f: (f["num_images"], f["seed"], len(f["samples"]))) if same_images else \
+        (lambda f: (f["seed"], len(f["samples"])))
+    if len({key(f) for f in found}) != 1:
         return None
     means = np.mean(np.array([f["samples"] for f in found], dtype=np.float64), axis=0)
     lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
@@ -242,14 +303,16 @@ def whole_rows(dataset: str, seed: int, out: str) -> List[dict]:
 
 
 def aggregate(results: Dict[str, Dict[int, List[dict]]],
-              intervals: Optional[Dict[str, Dict[int, Optional[dict]]]] = None) -> Dict[str, dict]:
+              intervals: Optional[Dict[str, Dict[int, Optional[dict]]]] = None,
+              same_images: bool = True) -> Dict[str, dict]:
     """Per dataset: {"seeds", "stages": {stage: {"mean", "min", "max"}}, "delta": [the quantization cost per
     seed], "delta_mean", "delta_worst", "goal", "delta_interval": [per seed the cost's paired 95% bootstrap
     interval (low, high) over the val images, or None], "delta_mean_interval": that of the mean cost or None}
     from {dataset: {seed: run_pipeline's --json rows}} and {dataset: {seed: :func:`cost_interval`'s dict}};
     mAP as fractions. The quantization cost is step4 - max(step1, control) when the run has the float control
     (gnetmdk/engine/control.py), else step4 - step1. "goal": its mean at least -0.01 and every seed's
-    at least -0.02."""
+    at least -0.02. ``same_images`` False: the runs of a dataset score different val folds (the pooled
+    row of --folds; :func:`mean_interval`); the "seeds" keys are then "<fold>:<seed>" strings."""
     table = {}
     for ds, runs in results.items():
         stages: Dict[str, dict] = {}
@@ -268,7 +331,7 @@ def aggregate(results: Dict[str, Dict[int, List[dict]]],
         found = [got.get(seed) for seed in sorted(runs)]
         table[ds] = {"seeds": sorted(runs), "stages": stages, "delta": deltas,
                      "delta_interval": [None if f is None else f["interval"] for f in found],
-                     "delta_mean_interval": mean_interval(found),
+                     "delta_mean_interval": mean_interval(found, same_images=same_images),
                      "delta_mean": statistics.fmean(deltas) if deltas else None,
                      "delta_worst": min(deltas) if deltas else None,
                      "goal": bool(deltas) and statistics.fmean(deltas) >= -0.01 and min(deltas) >= -0.02}
@@ -316,13 +379,16 @@ def parse_args(argv):
     p.add_argument("--no-chip", action="store_true", help="do not convert and check the chip models")
     p.add_argument("--no-control", action="store_true",
                    help="do not train the float control (the cost is then step 4 - step 1)")
+    p.add_argument("--folds", default=None, metavar="K | I,J/K",
+                   help="run every dataset on each val fold of K-fold cross-validation (all K, or folds I,J of K) "
+                        "instead of its own split; a row per fold and one pooled over the folds")
     return p.parse_with_overrides(argv)
 
 
 @tool_main
 def main(argv) -> int:
     """Run (or only tabulate) the matrix (module docstring); returns the exit status (0, or 2 for bad input)."""
-    args, overrides = parse_args(argv)
+    args, base_overrides = parse_args(argv)
     datasets, bad = [], []
     for item in (d.strip() for d in args.datasets.split(",") if d.strip()):
         name, eq, config = item.partition("=")
@@ -344,16 +410,32 @@ def main(argv) -> int:
     except ValueError:
         print(f"error: --seeds {args.seeds!r}: comma-separated integers", file=sys.stderr)
         return 2
-    results: Dict[str, Dict[int, List[dict]]] = {}
-    intervals: Dict[str, Dict[int, Optional[Tuple[float, float]]]] = {}
-    whole: Dict[str, Dict[int, List[dict]]] = {}
+    try:
+        folds: List[Optional[Tuple[int, int]]] = [None] if args.folds is None else parse_folds(args.folds)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cells = []                                  # (name in the table and under OUT, dataset, fold)
     for ds in datasets:
+        for fold in folds:
+            name = ds if fold is None else fold_name(ds, fold)
+            if fold is not None:
+                DATASETS[name] = DATASETS[ds]
+            cells.append((name, ds, fold))
+    results: Dict[str, Dict[int, List[dict]]] = {}
+    intervals: Dict[str, Dict[int, Optional[dict]]] = {}
+    whole: Dict[str, Dict[int, List[dict]]] = {}
+    for ds, source, fold in cells:
         if not args.table_only:
             try:
-                prepare(ds)
-            except FileNotFoundError as e:
+                prepare(source, fold)
+            except (FileNotFoundError, ValueError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
+            except subprocess.CalledProcessError:
+                print(f"error: {ds}: the meta files could not be written (the tool's message is above)", file=sys.stderr)
+                return 2
+        overrides = list(base_overrides) + fold_overrides(source, fold)
         for seed in seeds:
             js = os.path.join(run_dir(args.out, ds, seed), "stages.json")
             if not os.path.isfile(js) and not args.table_only:
@@ -385,13 +467,24 @@ def main(argv) -> int:
                 rows = whole_rows(ds, seed, args.out)
                 if rows:
                     whole.setdefault(f"{ds} (whole images)", {})[seed] = rows
-    table = aggregate(results, intervals)
+    for ds in datasets:
+        pooled = {f"{fold[0]}:{seed}": results[fold_name(ds, fold)][seed]
+                  for fold in folds if fold is not None and fold_name(ds, fold) in results
+                  for seed in results[fold_name(ds, fold)]}
+        if pooled:
+            results[f"{ds} (folds pooled)"] = pooled
+            intervals[f"{ds} (folds pooled)"] = {
+                f"{fold[0]}:{seed}": intervals.get(fold_name(ds, fold), {}).get(seed)
+                for fold in folds if fold is not None for seed in results.get(fold_name(ds, fold), {})}
+    table = aggregate({k: v for k, v in results.items() if not k.endswith("(folds pooled)")}, intervals)
+    table.update(aggregate({k: v for k, v in results.items() if k.endswith("(folds pooled)")}, intervals,
+                           same_images=False))
     text = format_table(table)
     if whole:
         table.update(aggregate(whole))
         text += "\n\nTiled sets scored on the whole images (tools/eval_voc.py --stitch):\n\n" + \
             format_table(aggregate(whole))
-    chips = chip_lines(args.out, {ds: seeds for ds in datasets})
+    chips = chip_lines(args.out, {name: seeds for name, _, _ in cells})
     if chips:
         text += "\n\nChip models against step 4 (tools/chip_eval.py --check on the val split):\n\n" + "\n".join(chips)
     print(text)

@@ -42,6 +42,9 @@ def main(argv) -> int:
     p.add_argument("--val-fraction", type=float, default=0.2,
                    help="val share of the random split used when SRC has no ImageSets/Main lists (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="seed of that split (default 0)")
+    p.add_argument("--fold", default=None, metavar="I/K",
+                   help="val = the I-th of K disjoint folds of that split instead of its first --val-fraction "
+                        "(the photos tools/xml_2_txt.py --fold I/K puts in val)")
     args = p.parse_args(argv)
 
     from gnetmdk.dataset.tiling import tile_voc_dataset
@@ -58,8 +61,10 @@ def main(argv) -> int:
         if not classes:
             raise ValueError("the class list is empty")
         t0 = time.time()
+        from gnetmdk.dataset.voc import parse_fold
         rep = tile_voc_dataset(args.src, args.dst, classes, args.tiles, args.overlap, args.min_visible,
-                               val_fraction=args.val_fraction, seed=args.seed)
+                               val_fraction=args.val_fraction, seed=args.seed,
+                               fold=None if args.fold is None else parse_fold(args.fold))
     except (VOCFormatError, FileExistsError, ValueError, OSError) as exc:
         print(f"error: {exc} (tile_voc)", file=sys.stderr)
         return 2

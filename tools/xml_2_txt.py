@@ -22,7 +22,7 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from gnetmdk.config.cli import Parser  # noqa: E402
-from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_coco, convert_voc_to_meta  # noqa: E402
+from gnetmdk.dataset.voc import VOCFormatError, convert_voc_to_coco, convert_voc_to_meta, parse_fold  # noqa: E402
 from gnetmdk.engine.cli import tool_main  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs.py")
@@ -66,9 +66,14 @@ def parse_args(argv=None, doc=None):
                         "(left out by default)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip bad annotations/images and list them, instead of stopping at the first")
-    p.add_argument("--val-fraction", type=float, default=0.2,
+    p.add_argument("--val-fraction", type=float, default=None,
                    help="valid share for the random split used when ImageSets/Main/{train,val}.txt "
                         "are absent (default 0.2)")
+    p.add_argument("--fold", default=None, metavar="I/K",
+                   help="valid = the I-th (0 to K-1) of K disjoint folds of that random split instead of its "
+                        "first --val-fraction, for K-fold cross-validation: the K runs of one --seed each "
+                        "score different images and together score every image once; 0/5 is the default "
+                        "split (docs/pipeline.md, 'Cross-validation folds')")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of that random split (default: config seed, or 0 without a config)")
     args, args.overrides = p.parse_with_overrides(sys.argv[1:] if argv is None else argv)
@@ -373,10 +378,17 @@ def main(argv, coco: bool = False, doc=None) -> int:
         out_train = os.path.join(st["out_dir"], f"{st['name']}_train.{ext}")
         out_valid = os.path.join(st["out_dir"], f"{st['name']}_valid.{ext}")
         convert = convert_voc_to_coco if coco else convert_voc_to_meta
+        fold = None
+        if args.fold is not None:
+            if args.val_fraction is not None:
+                raise CLIError("--fold and --val-fraction both choose the val share: give one "
+                               "(a fold I/K holds 1/K of the images)")
+            fold = parse_fold(args.fold)
         report = convert(
             st["dataset_dir"], st["classes"], out_train, out_valid,
             keep_difficult=args.keep_difficult, skip_bad=args.skip_bad,
-            val_fraction=args.val_fraction, seed=st["seed"], keep_empty=args.keep_empty,
+            val_fraction=0.2 if args.val_fraction is None else args.val_fraction, seed=st["seed"],
+            keep_empty=args.keep_empty, fold=fold,
         )
     except (CLIError, VOCFormatError, OSError, ValueError) as exc:
         print(f"error: {exc} ({tool})", file=sys.stderr)

@@ -29,7 +29,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -106,7 +106,8 @@ def _whole_in(boxes: np.ndarray, rect: Sequence[int]) -> np.ndarray:
 
 def tile_voc_dataset(src: str, dst: str, class_names: Sequence[str], tiles: int, overlap: int = 0,
                      min_visible: float = 0.5, val_fraction: float = 0.2, seed: int = 0,
-                     image_dir: str = "JPEGImages", ann_dir: str = "Annotations") -> dict:
+                     image_dir: str = "JPEGImages", ann_dir: str = "Annotations",
+                     fold: Optional[Tuple[int, int]] = None) -> dict:
     """Write the ``tiles x tiles`` tiled copy of the VOC dataset ``src`` to ``dst``.
 
     ``dst`` gets ``JPEGImages/<id>_r<row>c<col>.png`` (lossless crops of the decoded image),
@@ -124,6 +125,7 @@ def tile_voc_dataset(src: str, dst: str, class_names: Sequence[str], tiles: int,
         class_names: the classes (objects of other classes are an error, as in tools/xml_2_txt.py).
         tiles: n (n x n tiles per image); overlap, min_visible: see :func:`tile_rects`, :func:`crop_boxes`.
         val_fraction, seed: the random split used when ``src`` has no ImageSets lists.
+        fold: ``(I, K)``: that split's I-th of K disjoint val folds instead (gnetmdk.dataset.voc._split_ids).
 
     Returns:
         {"dst", "images", "tiles", "boxes" (source boxes), "tile_boxes" (labels written), "not_whole"
@@ -131,7 +133,7 @@ def tile_voc_dataset(src: str, dst: str, class_names: Sequence[str], tiles: int,
 
     Raises:
         VOCFormatError: a bad annotation or image of ``src`` (the message names the file), or a
-            missing ``src`` folder. FileExistsError: ``dst`` exists. ValueError: bad tiling values.
+            missing ``src`` folder. FileExistsError: ``dst`` exists. ValueError: bad tiling values, or a bad ``fold``.
     """
     if not 0.0 <= float(min_visible) <= 1.0:
         raise ValueError(f"min_visible must be in [0, 1], got {min_visible}")
@@ -144,7 +146,7 @@ def tile_voc_dataset(src: str, dst: str, class_names: Sequence[str], tiles: int,
         raise FileExistsError(f"{dst} exists: remove it or name a new folder for the tiled dataset")
     from .image_io import ImageReadError, decode_image
     import cv2
-    train_ids, val_ids, split_source = _split_ids(src, src_ann, val_fraction, seed)
+    train_ids, val_ids, split_source = _split_ids(src, src_ann, val_fraction, seed, fold)
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiling-", dir=parent)

@@ -24,7 +24,7 @@ import math
 import os
 import random
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 from lxml import etree
@@ -262,10 +262,38 @@ def _check_image(path: str, ann: dict, xml_path: str) -> None:
         )
 
 
-def _split_ids(dataset_dir: str, ann_dir: str, val_fraction: float, seed: int):
+def parse_fold(text: str) -> Tuple[int, int]:
+    """``"I/K"`` -> ``(I, K)``: the val fold of a K-fold split (tools/xml_2_txt.py ``--fold``).
+
+    Raises:
+        ValueError: not two integers ``I/K`` with ``K >= 2`` and ``0 <= I < K``.
+    """
+    try:
+        i, k = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"fold {text!r} is not I/K (e.g. 1/5: the second of five disjoint val folds)") from None
+    if k < 2 or not 0 <= i < k:
+        raise ValueError(f"fold {text!r}: needs K >= 2 and 0 <= I < K (folds are numbered 0 to K - 1)")
+    return i, k
+
+
+def _split_ids(dataset_dir: str, ann_dir: str, val_fraction: float, seed: int,
+               fold: Optional[Tuple[int, int]] = None):
+    """(train ids, val ids, a line naming the split): ``ImageSets/Main`` lists when both exist, else a
+    random split of the annotation stems shuffled with ``seed``.
+
+    The random split's val ids are the first ``round(n * val_fraction)`` of the shuffled stems, or with
+    ``fold = (I, K)`` the shuffled stems ``round(n I / K)`` to ``round(n (I + 1) / K)``: the K folds of
+    one seed are disjoint and together cover every image once (K-fold cross-validation), and fold
+    ``0/K`` is the split of ``val_fraction = 1 / K``. Raises VOCFormatError (an id in both lists) or
+    ValueError (a bad ``val_fraction`` or ``fold``, or a ``fold`` where lists decide the split).
+    """
     sets = os.path.join(dataset_dir, "ImageSets", "Main")
     train_list, val_list = os.path.join(sets, "train.txt"), os.path.join(sets, "val.txt")
     if os.path.isfile(train_list) and os.path.isfile(val_list):
+        if fold is not None:
+            raise ValueError(f"{sets}/{{train,val}}.txt decide the split, so a fold ({fold[0]}/{fold[1]}) cannot "
+                             f"choose one: drop the fold, or move the two lists away for a random split")
         train_ids, val_ids = _read_id_list(train_list), _read_id_list(val_list)
         both = sorted(set(train_ids) & set(val_ids))
         if both:
@@ -282,11 +310,16 @@ def _split_ids(dataset_dir: str, ann_dir: str, val_fraction: float, seed: int):
     stems = sorted(f[:-4] for f in os.listdir(ann_dir) if f.endswith(".xml"))
     order = list(stems)
     random.Random(seed).shuffle(order)
-    n_val = int(round(len(order) * val_fraction))
-    val = set(order[:n_val])
+    if fold is not None:
+        i, k = parse_fold(f"{fold[0]}/{fold[1]}")
+        val = set(order[int(round(len(order) * i / k)):int(round(len(order) * (i + 1) / k))])
+        source = f"random split (seed={seed}, val fold {i}/{k})"
+    else:
+        val = set(order[:int(round(len(order) * val_fraction))])
+        source = f"random split (seed={seed}, val_fraction={val_fraction:g})"
     train_ids = [s for s in stems if s not in val]
     val_ids = [s for s in stems if s in val]
-    return train_ids, val_ids, f"random split (seed={seed}, val_fraction={val_fraction:g})"
+    return train_ids, val_ids, source
 
 
 SIZES_FORMAT = "gnetmdk-image-sizes"
@@ -363,12 +396,14 @@ def convert_voc_to_meta(
     check_images: bool = True,
     writer=None,
     keep_empty: bool = False,
+    fold: Optional[Tuple[int, int]] = None,
 ) -> dict:
     """Convert a VOC-layout dataset into the two meta files.
 
     Split: ``ImageSets/Main/train.txt`` and ``val.txt`` when both exist, otherwise a random split
     of all ``<ann_dir>/*.xml`` stems, deterministic for a given ``seed`` (``round(n *
-    val_fraction)`` ids go to valid). Images whose objects are all dropped (none, or only difficult
+    val_fraction)`` ids go to valid, or with ``fold = (I, K)`` the I-th of K disjoint val folds of the
+    same shuffle: :func:`_split_ids`). Images whose objects are all dropped (none, or only difficult
     ones) are left out and counted, or with ``keep_empty`` written as background images (a line with
     the image name alone): training then learns "no object" from them, and evaluation counts the
     detections on them as false positives. Image names in the output are relative to ``image_dir``; boxes
@@ -383,6 +418,8 @@ def convert_voc_to_meta(
         keep_difficult: keep objects marked difficult.
         skip_bad: skip bad annotations/images (listed in the report) instead of failing.
         val_fraction, seed: used only for the random split.
+        fold: ``(I, K)``: valid is the I-th (0-based) of the K disjoint folds of that random split
+            instead of its first ``val_fraction`` (cross-validation); refused where ImageSets lists exist.
         image_dir, ann_dir: sub-folders of ``dataset_dir``.
         keep_empty: write the images without (kept) objects too, as background images.
         check_images: decode every image (a truncated or undecodable file, or one whose size differs
@@ -406,6 +443,8 @@ def convert_voc_to_meta(
             ``skip_bad``, an id in both train.txt and val.txt, and a train split left without any
             image with objects (an empty valid split is written with a warning). Nothing is written
             when it is raised.
+        ValueError: an empty or duplicated class list, a ``val_fraction`` outside [0, 1), or a bad
+            ``fold`` (:func:`parse_fold`), or one given where ImageSets lists decide the split.
     """
     dataset_dir = str(dataset_dir)
     if not os.path.isdir(dataset_dir):
@@ -424,7 +463,7 @@ def convert_voc_to_meta(
     if len(set(class_names)) != len(class_names):
         raise ValueError(f"class_names has duplicates: {class_names}")
 
-    train_ids, val_ids, split_source = _split_ids(dataset_dir, ann_root, val_fraction, seed)
+    train_ids, val_ids, split_source = _split_ids(dataset_dir, ann_root, val_fraction, seed, fold)
 
     skipped: list[tuple[str, str]] = []
     splits: "OrderedDict[str, dict]" = OrderedDict()

@@ -301,3 +301,26 @@ def test_eval_stitch_refusals_are_one_line_before_training_device_cpu(source, tm
     with pytest.raises(FileNotFoundError, match="not a tiled dataset"):
         run_stage(cfg)
     assert not glob.glob(str(tmp_path / "ck" / "**" / "*.pth"), recursive=True)    # nothing was trained or written
+
+
+def test_tile_voc_fold_puts_the_tiles_of_that_folds_photos_in_val_device_cpu(source, tmp_path):
+    """fold (I, K) (tools/tile_voc.py --fold I/K): the val tiles are those of the photos in the I-th of K
+    val folds of the random split, the photos xml_2_txt --fold I/K puts in val; refused with one line
+    where ImageSets lists decide the split, and nothing is written."""
+    import shutil
+    import subprocess
+    import sys
+    from gnetmdk.dataset.voc import _split_ids
+    src = str(tmp_path / "nolists")
+    shutil.copytree(source, src, ignore=shutil.ignore_patterns("ImageSets"))
+    _, want, how = _split_ids(src, os.path.join(src, "Annotations"), 0.2, 5, (1, 4))
+    assert len(want) == 2 and how.endswith("val fold 1/4)")             # round(8 * 2 / 4) - round(8 / 4)
+    rep = tile_voc_dataset(src, str(tmp_path / "t"), SHAPES, tiles=2, overlap=32, seed=5, fold=(1, 4))
+    assert rep["split_source"] == how
+    with open(os.path.join(tmp_path, "t", "ImageSets", "Main", "val.txt")) as fh:
+        assert fh.read().split() == [f"{s}_r{r}c{c}" for s in want for r in range(2) for c in range(2)]
+    res = subprocess.run([sys.executable, os.path.join(REPO, "tools", "tile_voc.py"), source, str(tmp_path / "u"),
+                          "--tiles", "2", "--classes", ",".join(SHAPES), "--fold", "0/4"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "decide the split" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "u").exists()

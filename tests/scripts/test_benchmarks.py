@@ -207,6 +207,71 @@ def test_accuracy_matrix_runs_a_config_of_your_own(tmp_path, capsys):
     acc.DATASETS.pop("mine")
 
 
+def test_accuracy_matrix_runs_each_val_fold_and_pools_them(tmp_path, monkeypatch, capsys):
+    """--folds: the folds parse (K, or I,J/K); each fold's meta files are written by xml_2_txt --fold under
+    <DS_NAME>_fold<I>of<K> and its runs are pointed at them; the table has a row per fold and a pooled
+    row whose mean interval averages each resample over folds of different sizes; a tiled set and a bad
+    spec are refused with one line."""
+    acc = _load("accuracy")
+    assert acc.parse_folds("3") == [(0, 3), (1, 3), (2, 3)] and acc.parse_folds("1,4/5") == [(1, 5), (4, 5)]
+    for bad in ("1", "5/5", "1,1/3", "a/3", "0/x"):
+        with pytest.raises(ValueError, match="--folds"):
+            acc.parse_folds(bad)
+    from gnetmdk.dataset.shapes import make_shapes_dataset
+    import shutil
+    make_shapes_dataset(str(tmp_path / "voc"), num_train=6, num_val=4, seed=0)
+    shutil.rmtree(tmp_path / "voc" / "ImageSets")                   # a random split, which has folds
+    config = tmp_path / "mine.py"
+    config.write_text("from gnetmdk.config import BaseConfig\nclass Config(BaseConfig):\n"
+                      f"    DS_NAME = 'mine'\n    dataset_path = {str(tmp_path / 'voc')!r}\n"
+                      f"    meta_root = {str(tmp_path / 'meta')!r}\n"
+                      "    VOC_CLASSES = ['circle', 'square', 'triangle']\n")
+    monkeypatch.setitem(acc.DATASETS, "mine", (str(config), None))
+    assert acc.fold_overrides("mine", (1, 5)) == ["DS_NAME", "mine_fold1of5", "dataset_path", str(tmp_path / "voc")]
+    assert acc.fold_overrides("mine", None) == []
+    acc.prepare("mine", (1, 5))
+    val = (tmp_path / "meta" / "mine_fold1of5_valid.txt").read_text().split("\n")
+    assert len([v for v in val if v]) == 2                              # round(10 * 2 / 5) - round(10 / 5)
+    with pytest.raises(ValueError, match="tile_voc.py --fold"):
+        acc.prepare("dense_tiles", (0, 2))
+    out = tmp_path / "out"
+    rows = lambda s1, s4: [{"stage": "step1", "best_map": s1}, {"stage": "step4", "best_map": s4}]
+    for fold, seed, s4, n, samples in ((0, 0, 0.79, 10, [-0.02, 0.0, 0.0, 0.01]), (1, 0, 0.78, 9, [-0.04, -0.02, 0.0, -0.01]),
+                                       (1, 1, 0.80, 9, [0.0, 0.0, 0.02, 0.01])):
+        d = out / "mine" / f"fold{fold}of2" / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "stages.json").write_text(json.dumps(rows(0.80, s4)))
+        (d / "cost_interval.json").write_text(json.dumps({"bootstrap": {
+            "interval_diff": [min(samples), max(samples)], "samples_diff": samples, "num_images": n, "seed": 0}}))
+    assert acc.main(["--datasets", "mine", "--seeds", "0,1", "--folds", "2", "--table-only", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| mine/fold0of2 | 0 |" in text and "| mine/fold1of2 | 0,1 |" in text
+    assert "| mine (folds pooled) | 0:0,1:0,1:1 | 0.800 [0.800-0.800] |" in text
+    saved = json.loads((out / "accuracy.json").read_text())
+    assert saved["mine (folds pooled)"]["delta"] == pytest.approx([-0.01, -0.02, 0.0])
+    # the pooled mean's resamples: (-0.02 - 0.04 + 0.0) / 3, ... = -0.02, -0.00667, 0.00667, 0.00333
+    means = sorted([-0.02, -0.02 / 3, 0.02 / 3, 0.01 / 3])
+    import numpy as np
+    assert saved["mine (folds pooled)"]["delta_mean_interval"] == pytest.approx(list(np.quantile(means, [0.025, 0.975])))
+    assert saved["mine/fold1of2"]["delta_mean_interval"] is not None     # one fold's seeds: the same images
+    assert acc.mean_interval([{"samples": [0.0], "num_images": 9, "seed": 0},
+                              {"samples": [0.0], "num_images": 10, "seed": 0}]) is None   # same images asked
+    assert acc.main(["--datasets", "mine", "--folds", "2/2", "--table-only", "--out", str(out)]) == 2
+    assert "--folds" in capsys.readouterr().err
+    ran = []                                       # a fold without runs yet: what main would run for it
+
+    class Done:
+        returncode = 0
+    monkeypatch.setattr(acc.subprocess, "run", lambda cmd, **kw: ran.append([str(c) for c in cmd]) or Done())
+    assert acc.main(["--datasets", "mine", "--seeds", "3", "--folds", "1/2", "--no-chip", "--out", str(out),
+                     "threads", "1"]) == 0
+    assert ran[0][1].endswith("xml_2_txt.py") and ran[0][-4:] == ["--fold", "1/2", "--name", "mine_fold1of2"]
+    pipe = ran[1]
+    assert pipe[1].endswith("run_pipeline.py") and pipe[pipe.index("--json") + 1] == str(
+        out / "mine" / "fold1of2" / "seed3" / "stages.json")
+    assert pipe[-6:] == ["threads", "1", "DS_NAME", "mine_fold1of2", "dataset_path", str(tmp_path / "voc")]
+
+
 def test_accuracy_matrix_names_where_to_get_a_missing_fetched_set(tmp_path, monkeypatch, capsys):
     """A real set that is not in the repository and not fetched yet: exit 2 and one line naming its folder
     and the page that says where to get it; nothing is run or written."""

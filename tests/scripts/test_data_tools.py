@@ -225,6 +225,54 @@ def test_random_split_deterministic_disjoint_complete(tmp_path):
     assert sorted(t3 + v3) == sorted(t1 + v1) and set(v3) != set(v1)
 
 
+def test_val_folds_are_disjoint_cover_every_image_and_fold_0_is_the_default_split(tmp_path):
+    """fold (I, K): the K val folds of one seed are disjoint, hold round(n (I+1)/K) - round(n I/K) images
+    each and together every image once; fold 0/K equals val_fraction 1/K. xml_2_txt --fold I/K writes
+    that split; a bad fold, --fold with --val-fraction, and a fold where ImageSets lists decide the
+    split are one error line each, and nothing is written."""
+    root = tmp_path / "ds"
+    ids = make_tree(root, n=23, imagesets=False)
+
+    def val(tag, **kw):
+        rep = convert_voc_to_meta(root, ["cat", "dog"], tmp_path / f"{tag}_t.txt", tmp_path / f"{tag}_v.txt",
+                                  seed=3, **kw)
+        t = [n for n, _, _ in read_meta(tmp_path / f"{tag}_t.txt")]
+        v = [n for n, _, _ in read_meta(tmp_path / f"{tag}_v.txt")]
+        assert sorted(t + v) == sorted(i + ".jpg" for i in ids) and not set(t) & set(v)
+        return v, rep["split_source"]
+
+    folds = [val(f"f{i}", fold=(i, 5)) for i in range(5)]
+    assert [len(v) for v, _ in folds] == [5, 4, 5, 4, 5]            # round(23 i / 5): 0, 5, 9, 14, 18, 23
+    assert sorted(n for v, _ in folds for n in v) == sorted(i + ".jpg" for i in ids)
+    assert folds[2][1] == "random split (seed=3, val fold 2/5)"
+    assert folds[0][0] == val("d", val_fraction=0.2)[0]
+    assert (tmp_path / "f0_v.txt").read_bytes() == (tmp_path / "d_v.txt").read_bytes()
+    assert set(val("s", fold=(0, 5))[0]) == set(folds[0][0])        # deterministic
+    for bad in ((5, 5), (0, 1), (-1, 3)):
+        with pytest.raises(ValueError, match="0 <= I < K"):
+            convert_voc_to_meta(root, ["cat", "dog"], tmp_path / "x_t.txt", tmp_path / "x_v.txt", fold=bad)
+    assert not (tmp_path / "x_t.txt").exists()
+
+    out = tmp_path / "meta"
+    res = run_tool(XML_2_TXT, "--name", "d", "--dataset-dir", root, "--classes", "cat,dog", "--out-dir", out,
+                   "--seed", 3, "--fold", "1/5")
+    assert res.returncode == 0, res.stderr
+    assert "val fold 1/5" in res.stdout
+    assert [n for n, _, _ in read_meta(out / "d_valid.txt")] == folds[1][0]
+    for args, msg in ((("--fold", "5/5"), "0 <= I < K"), (("--fold", "one/5"), "is not I/K"),
+                      (("--fold", "1/5", "--val-fraction", "0.2"), "give one")):
+        res = run_tool(XML_2_TXT, "--name", "e", "--dataset-dir", root, "--classes", "cat,dog", "--out-dir", out,
+                       *args)
+        assert res.returncode == 2 and msg in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+    assert not (out / "e_train.txt").exists()
+    listed = tmp_path / "listed"
+    make_tree(listed, n=6)
+    res = run_tool(XML_2_TXT, "--name", "e", "--dataset-dir", listed, "--classes", "cat,dog", "--out-dir", out,
+                   "--fold", "0/3")
+    assert res.returncode == 2 and "decide the split" in res.stderr and not (out / "e_train.txt").exists()
+
+
 def test_imagesets_split_is_used(tmp_path):
     root = tmp_path / "ds"
     ids = make_tree(root, n=9, val_every=3)
