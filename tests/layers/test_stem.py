@@ -31,7 +31,7 @@ from gnetmdk.dist.syncbn import DistBatchNorm2d, convert_sync_batchnorm
 from gnetmdk.layers.stem import conv_bn_act, convert_recompute_stem, count_recompute_stem
 from gnetmdk.models.gnetdet.model import GNetDet
 from gnetmdk.models.ppyolo.common import ConvBNLayer
-from test_inplace_abn import K, U, UB, _act, saved_storages, two_short_sgd_runs  # the unit roundoffs and the float64 activation
+from test_inplace_abn import K, U, UB, _act, assert_one_sgd_step_apart, saved_storages, two_short_sgd_runs  # the unit roundoffs and the float64 activation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -397,15 +397,11 @@ def test_sync_two_processes_equal_one_process_device_cpu(tmp_path):
 
 def test_config_switch_trains_like_the_plain_model_device_cpu(tmp_path_factory, capsys):
     """``recompute_stem true`` in a training run: the log names it, the checkpoint has the plain
-    model's keys, and 2 SGD iterations end where the plain run ends (SGD is linear in the gradient:
-    the runs differ by lr x gradient rounding; 1e-5 relative, as the in-place ABN switch's test)."""
-    ckpts, logs, _ = two_short_sgd_runs(tmp_path_factory, capsys, "stem", "recompute_stem")
-    weights = {k: ck["model"] for k, ck in ckpts.items()}
+    model's keys, and one SGD step ends where the plain run's step ends, within the gradients'
+    rounding (test_inplace_abn.assert_one_sgd_step_apart)."""
+    ckpts, logs, path = two_short_sgd_runs(tmp_path_factory, capsys, "stem", "recompute_stem")
     assert "recomputed stem: 1 block" in logs["true"] and "recomputed stem" not in logs["false"]
-    assert list(weights["false"]) == list(weights["true"])
-    for k, v in weights["false"].items():
-        if v.is_floating_point():
-            assert torch.allclose(weights["true"][k], v, rtol=1e-5, atol=1e-6), k
+    assert_one_sgd_step_apart(ckpts["false"]["model"], ckpts["true"]["model"], path)
 
 
 def test_float64_gradients_keep_float64_over_the_chunks_device_cpu(small_chunks):
