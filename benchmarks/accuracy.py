@@ -16,7 +16,9 @@ seed 0: every seed trains on the same images, so the seeds vary the training onl
 and benchmarks/demo_check.py make each seed's own images with that seed); dense_tiles is the dense
 set cut into 2 x 2 tiles with 16 px overlap (`tools/tile_voc.py`, examples/shapes_dense_tiles.py);
 cards and raccoon read ../shared/data; roadsigns and facemask (not run by default) read data/roadsigns and
-data/facemask, whose images docs/results/roadsigns.md and docs/results/facemask.md say where to get. A
+data/facemask, whose images docs/results/roadsigns.md and docs/results/facemask.md say where to get;
+facemask_tiles (examples/facemask_tiles.py) is facemask cut into 2 x 2 tiles with 64 px overlap, cut
+when missing. A
 dataset given as NAME=CONFIG is any config of your own (a copy of configs.py with the dataset fields
 changed), run like the examples. Each run's step-4 best.pth is converted into the chip model and
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
@@ -38,7 +40,10 @@ score disjoint val images that together cover every image once, so a set too sma
 resolve a point or two is scored on all its images (docs/pipeline.md, "Cross-validation folds"). The
 table then has a row per fold and a row "<dataset> (folds pooled)" over every fold and seed, whose mean
 cost's interval averages each resample over the runs (independent draws on the disjoint folds). A set
-whose split comes from ImageSets/Main lists has no folds (xml_2_txt refuses them).
+whose split comes from ImageSets/Main lists has no folds (xml_2_txt refuses them). A tiled set's fold is
+its source cut again with that fold's split (`tools/tile_voc.py --fold I/K` into <its folder>_fold<I>of<K>):
+facemask_tiles' fold I holds the tiles of facemask's fold-I photos (dense_tiles has no folds: its
+source's split comes from make_shapes' ImageSets lists, and tile_voc refuses a fold there).
 Long runs (about 20 minutes per cell on 2 CPU cores); never part of the tests.
 """
 from __future__ import annotations
@@ -60,13 +65,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATASETS = {"cards": ("examples/cards.py", None), "raccoon": ("examples/raccoon.py", None),
             "shapes": ("examples/shapes.py", "shapes"), "dense": ("examples/shapes_dense.py", "dense"),
             "dense_tiles": ("examples/shapes_dense_tiles.py", "dense_tiles"),
-            "roadsigns": ("examples/roadsigns.py", None), "facemask": ("examples/facemask.py", None)}
-#: the datasets run when --datasets is not given (roadsigns and facemask need their images fetched first)
+            "roadsigns": ("examples/roadsigns.py", None), "facemask": ("examples/facemask.py", None),
+            "facemask_tiles": ("examples/facemask_tiles.py", None)}
+#: the datasets run when --datasets is not given (roadsigns and the face masks need their images fetched first)
 DEFAULT_DATASETS = ("cards", "raccoon", "shapes", "dense", "dense_tiles")
 #: a real set that is not in the repository -> the page that says where to get it
 FETCHED = {"roadsigns": "docs/results/roadsigns.md", "facemask": "docs/results/facemask.md"}
-#: a tiled set: (the set it is cut from, tiles per side, overlap in pixels)
-TILED = {"dense_tiles": ("dense", 2, 16)}
+#: a tiled set: (the set it is cut from, tiles per side, overlap in pixels), as its example config says
+TILED = {"dense_tiles": ("dense", 2, 16), "facemask_tiles": ("facemask", 2, 64)}
 #: the stages a tiled set's runs are scored at on the whole images
 WHOLE_STAGES = ("step1", "step4")
 STAGES = ("step1", "step2", "cal", "step3", "step4", "control")
@@ -102,12 +108,21 @@ def fold_name(dataset: str, fold: Tuple[int, int]) -> str:
 
 def fold_overrides(dataset: str, fold: Optional[Tuple[int, int]]) -> List[str]:
     """The config overrides that point a run at a fold's meta files: DS_NAME <DS_NAME>_fold<I>of<K> and
-    dataset_path the dataset's own folder (its images stay where they are); [] without a fold."""
+    dataset_path the dataset's own folder (its images stay where they are), or for a tiled set the
+    folder of that fold's tiles (:func:`tiled_fold_dir`); [] without a fold."""
     if fold is None:
         return []
     from gnetmdk.config import build_config, load_config_class
     cfg = build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), [])
-    return ["DS_NAME", f"{cfg.DS_NAME}_fold{fold[0]}of{fold[1]}", "dataset_path", os.path.abspath(cfg.dataset_dir)]
+    folder = tiled_fold_dir(dataset, fold) if dataset in TILED else os.path.abspath(cfg.dataset_dir)
+    return ["DS_NAME", f"{cfg.DS_NAME}_fold{fold[0]}of{fold[1]}", "dataset_path", folder]
+
+
+def tiled_fold_dir(dataset: str, fold: Tuple[int, int]) -> str:
+    """The folder of a tiled set's val fold I of K: <its dataset folder>_fold<I>of<K> (absolute), the
+    source cut again with ``tools/tile_voc.py --fold I/K``. A tiled set's split is its source photos'
+    (the tiles of one photo never straddle train and val), so each fold is a tiling of its own."""
+    return os.path.abspath(_dataset_dir(dataset)) + f"_fold{fold[0]}of{fold[1]}"
 
 
 def pipeline_command(dataset: str, seed: int, out: str, overrides: Sequence[str], control: bool = True) -> List[str]:
@@ -129,41 +144,50 @@ def _dataset_dir(dataset: str) -> str:
 def prepare(dataset: str, fold: Optional[Tuple[int, int]] = None) -> None:
     """Generate a synthetic set (and its meta files) when its folder is missing, cut a tiled set from its
     source; xml_2_txt for all, with ``fold`` (I, K) the meta files of that val fold
-    (:func:`fold_overrides` names them).
+    (:func:`fold_overrides` names them). A fold of a tiled set is its source cut again with that fold's
+    split (``tools/tile_voc.py --fold I/K`` into :func:`tiled_fold_dir`, once): the same val photos as
+    the untiled set's fold I, in tiles.
 
     Raises:
-        FileNotFoundError: a fetched set whose folder is missing. ValueError: a fold of a tiled set (its
-            tiles' split is the source's; cut the tiles with tools/tile_voc.py --fold instead).
+        FileNotFoundError: a fetched set (or a tiled set's fetched source) whose folder is missing.
         subprocess.CalledProcessError: a tool failed (xml_2_txt refuses a fold where ImageSets lists
             decide the split; its message is on stderr).
     """
     config, make = DATASETS[dataset]
-    if fold is not None and dataset in TILED:
-        raise ValueError(f"--folds: {dataset} is cut into tiles from {TILED[dataset][0]}, whose split its tiles keep; "
-                         f"run the folds of a tiled set from tiles cut with tools/tile_voc.py --fold I/K")
     from gnetmdk.config import build_config, load_config_class
     cfg = build_config(load_config_class(os.path.join(ROOT, config)), [])
-    if dataset in FETCHED and not os.path.isdir(cfg.dataset_dir):
-        raise FileNotFoundError(f"dataset {dataset}: {cfg.dataset_dir} is missing: {FETCHED[dataset]} says where to "
+    source = TILED[dataset][0] if dataset in TILED else dataset
+    src_dir = _dataset_dir(source)
+    if source in FETCHED and not os.path.isdir(src_dir):
+        raise FileNotFoundError(f"dataset {source}: {src_dir} is missing: {FETCHED[source]} says where to "
                                 f"get the images and annotations")
-    if dataset in TILED and not os.path.isdir(cfg.dataset_dir):
-        source, n, overlap = TILED[dataset]
-        src_dir = _dataset_dir(source)
+    name_args = [] if fold is None else ["--name", fold_overrides(dataset, fold)[1]]
+    if dataset in TILED:
+        _, n, overlap = TILED[dataset]
+        dst = cfg.dataset_dir if fold is None else tiled_fold_dir(dataset, fold)
         if not os.path.isdir(src_dir):
             subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), src_dir, "--dense"],
                            check=True, cwd=ROOT)
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "tile_voc.py"), src_dir, cfg.dataset_dir,
-                        "--tiles", str(n), "--overlap", str(overlap), "--classes", ",".join(cfg.VOC_CLASSES)],
-                       check=True, cwd=ROOT)
-    elif make and not os.path.isdir(cfg.dataset_dir):
+        if not os.path.isdir(dst):
+            fold_args = [] if fold is None else ["--fold", f"{fold[0]}/{fold[1]}"]
+            subprocess.run([sys.executable, os.path.join(ROOT, "tools", "tile_voc.py"), src_dir, dst,
+                            "--tiles", str(n), "--overlap", str(overlap), "--classes", ",".join(cfg.VOC_CLASSES),
+                            *fold_args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        # the tiles' ImageSets lists carry the (fold's) split
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
+                        os.path.join(ROOT, config), "--dataset-dir", dst, *name_args],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return
+    if make and not os.path.isdir(cfg.dataset_dir):
         lo, hi = cfg.shapes_objects                                 # shapes per image (config shapes_objects)
         n_train, n_val = cfg.shapes_images                          # train and val images (config shapes_images)
         cmd = [sys.executable, os.path.join(ROOT, "tools", "make_shapes.py"), cfg.dataset_dir, "--objects", str(lo), str(hi),
                "--num-train", str(n_train), "--num-val", str(n_val)] + (["--upright"] if cfg.shapes_upright else [])
         subprocess.run(cmd + (["--dense"] if make == "dense" else []), check=True, cwd=ROOT)
-    fold_args = [] if fold is None else ["--fold", f"{fold[0]}/{fold[1]}", "--name", fold_overrides(dataset, fold)[1]]
+    fold_args = [] if fold is None else ["--fold", f"{fold[0]}/{fold[1]}"]
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
-                    os.path.join(ROOT, config), *fold_args], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                    os.path.join(ROOT, config), *fold_args, *name_args], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
 
 
 def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides: Sequence[str]) -> List[str]:
@@ -458,12 +482,12 @@ def main(argv) -> int:
                 if cmd is not None:
                     subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
             intervals.setdefault(ds, {})[seed] = cost_interval(ds, seed, args.out)
-            if ds in TILED and os.path.isfile(js) and not args.table_only:
+            if source in TILED and os.path.isfile(js) and not args.table_only:
                 for stage in WHOLE_STAGES:
                     if not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), f"whole_{stage}.json")):
                         subprocess.run(whole_image_command(ds, seed, args.out, stage, overrides), cwd=ROOT,
                                        stdout=subprocess.DEVNULL, check=False)
-            if ds in TILED:
+            if source in TILED:
                 rows = whole_rows(ds, seed, args.out)
                 if rows:
                     whole.setdefault(f"{ds} (whole images)", {})[seed] = rows
@@ -476,6 +500,10 @@ def main(argv) -> int:
             intervals[f"{ds} (folds pooled)"] = {
                 f"{fold[0]}:{seed}": intervals.get(fold_name(ds, fold), {}).get(seed)
                 for fold in folds if fold is not None for seed in results.get(fold_name(ds, fold), {})}
+        pooled_whole = {f"{fold[0]}:{seed}": rows for fold in folds if fold is not None
+                        for seed, rows in whole.get(f"{fold_name(ds, fold)} (whole images)", {}).items()}
+        if pooled_whole:
+            whole[f"{ds} (folds pooled) (whole images)"] = pooled_whole
     table = aggregate({k: v for k, v in results.items() if not k.endswith("(folds pooled)")}, intervals)
     table.update(aggregate({k: v for k, v in results.items() if k.endswith("(folds pooled)")}, intervals,
                            same_images=False))

@@ -210,8 +210,9 @@ def test_accuracy_matrix_runs_a_config_of_your_own(tmp_path, capsys):
 def test_accuracy_matrix_runs_each_val_fold_and_pools_them(tmp_path, monkeypatch, capsys):
     """--folds: the folds parse (K, or I,J/K); each fold's meta files are written by xml_2_txt --fold under
     <DS_NAME>_fold<I>of<K> and its runs are pointed at them; the table has a row per fold and a pooled
-    row whose mean interval averages each resample over folds of different sizes; a tiled set and a bad
-    spec are refused with one line."""
+    row whose mean interval averages each resample over folds of different sizes; a tiled set's fold is
+    its source tiled again with that fold's split (the same val photos); a bad spec is refused with one
+    line."""
     acc = _load("accuracy")
     assert acc.parse_folds("3") == [(0, 3), (1, 3), (2, 3)] and acc.parse_folds("1,4/5") == [(1, 5), (4, 5)]
     for bad in ("1", "5/5", "1,1/3", "a/3", "0/x"):
@@ -232,8 +233,24 @@ def test_accuracy_matrix_runs_each_val_fold_and_pools_them(tmp_path, monkeypatch
     acc.prepare("mine", (1, 5))
     val = (tmp_path / "meta" / "mine_fold1of5_valid.txt").read_text().split("\n")
     assert len([v for v in val if v]) == 2                              # round(10 * 2 / 5) - round(10 / 5)
-    with pytest.raises(ValueError, match="tile_voc.py --fold"):
-        acc.prepare("dense_tiles", (0, 2))
+    # a tiled set's fold: its source cut again with that fold's split, the tiles of the same val photos
+    tiles_config = tmp_path / "mine_tiles.py"
+    tiles_config.write_text(config.read_text().replace("'mine'", "'mine_tiles'").replace(
+        repr(str(tmp_path / "voc")), repr(str(tmp_path / "voc_tiles"))))
+    monkeypatch.setitem(acc.DATASETS, "mine_tiles", (str(tiles_config), None))
+    monkeypatch.setitem(acc.TILED, "mine_tiles", ("mine", 2, 8))
+    fold_dir = str(tmp_path / "voc_tiles") + "_fold1of5"
+    assert acc.fold_overrides("mine_tiles", (1, 5)) == ["DS_NAME", "mine_tiles_fold1of5", "dataset_path", fold_dir]
+    acc.prepare("mine_tiles", (1, 5))
+    stem = lambda line: line.split(" ")[0].rsplit(".", 1)[0]
+    photos = sorted(stem(v) for v in val if v)
+    listed = open(os.path.join(fold_dir, "ImageSets", "Main", "val.txt")).read().split()
+    assert sorted(listed) == sorted(f"{p}_r{r}c{c}" for p in photos for r in (0, 1) for c in (0, 1))
+    tiles_val = [stem(t) for t in (tmp_path / "meta" / "mine_tiles_fold1of5_valid.txt").read_text().split("\n") if t]
+    assert tiles_val and set(tiles_val) <= set(listed)           # xml_2_txt drops the tiles without a box
+    manifest = json.loads(open(os.path.join(fold_dir, "tiles.json")).read())
+    assert sorted(k for k, v in manifest["images"].items() if v["split"] == "val") == photos
+    assert not (tmp_path / "voc_tiles").exists()                 # only the fold's tiles were cut
     out = tmp_path / "out"
     rows = lambda s1, s4: [{"stage": "step1", "best_map": s1}, {"stage": "step4", "best_map": s4}]
     for fold, seed, s4, n, samples in ((0, 0, 0.79, 10, [-0.02, 0.0, 0.0, 0.01]), (1, 0, 0.78, 9, [-0.04, -0.02, 0.0, -0.01]),
@@ -270,6 +287,15 @@ def test_accuracy_matrix_runs_each_val_fold_and_pools_them(tmp_path, monkeypatch
     assert pipe[1].endswith("run_pipeline.py") and pipe[pipe.index("--json") + 1] == str(
         out / "mine" / "fold1of2" / "seed3" / "stages.json")
     assert pipe[-6:] == ["threads", "1", "DS_NAME", "mine_fold1of2", "dataset_path", str(tmp_path / "voc")]
+    done = out / "mine_tiles" / "fold1of2" / "seed3"                # a tiled fold's run: scored on its whole photos
+    done.mkdir(parents=True)
+    (done / "stages.json").write_text(json.dumps(rows(0.8, 0.79)))
+    ran.clear()
+    assert acc.main(["--datasets", "mine_tiles", "--seeds", "3", "--folds", "1/2", "--no-chip", "--out", str(out)]) == 0
+    assert ran[0][1].endswith("tile_voc.py") and ran[0][3] == str(tmp_path / "voc_tiles") + "_fold1of2"
+    stitched = [c for c in ran if c[1].endswith("eval_voc.py") and "--stitch" in c and "--against" not in c]
+    assert len(stitched) == 2 and all(c[-2:] == ["dataset_path", str(tmp_path / "voc_tiles") + "_fold1of2"]
+                                      for c in stitched)
 
 
 def test_accuracy_matrix_names_where_to_get_a_missing_fetched_set(tmp_path, monkeypatch, capsys):
@@ -288,6 +314,15 @@ def test_accuracy_matrix_names_where_to_get_a_missing_fetched_set(tmp_path, monk
     for fetched in ("roadsigns", "facemask"):
         assert fetched in acc.DATASETS and fetched not in acc.DEFAULT_DATASETS
         assert os.path.isfile(os.path.join(acc.ROOT, acc.FETCHED[fetched]))
+    # the face masks' tiles are cut as their example config says, from the fetched photos
+    source, n, overlap = acc.TILED["facemask_tiles"]
+    example = open(os.path.join(acc.ROOT, acc.DATASETS["facemask_tiles"][0])).read()
+    assert source == "facemask" and f"--tiles {n} --overlap {overlap}" in example
+    monkeypatch.setitem(acc.TILED, "fetched_tiles", ("fetched", 2, 8))
+    monkeypatch.setitem(acc.DATASETS, "fetched_tiles", (str(config), None))
+    with pytest.raises(FileNotFoundError, match="absent is missing: docs/results/fetched.md"):
+        acc.prepare("fetched_tiles", (0, 5))
+    assert not any(tmp_path.glob("absent*"))
 
 
 def test_memory_benchmark_variants_build_what_they_name_device_cpu():
