@@ -34,9 +34,9 @@ The goals (docs/results/shapes-demo.md), all of which must hold for exit status 
 
 ``--reference FILE`` (the ``--json`` of a run on another machine; repeatable) also compares weights, bit for bit:
 every variant's step 1, step 4 and control best.pth (their ``weights_sha256`` in run_pipeline's JSON)
-against the reference's run with the same seed and thread count, the same torch version and the same
+against the reference's run with the same seed and thread count, the same torch version, the same
 CPU capability (``torch.backends.cpu.get_cpu_capability()`` under the kernel set's environment, e.g.
-AVX2): where those agree, the two machines should have computed the same bits, and a differing digest
+AVX2) and the same OpenCV version (it makes the augmented pixels): where those agree, the two machines should have computed the same bits, and a differing digest
 is a missed goal; runs of another config are never compared (an override that repeats the demo's own
 value, as ``shapes_upright true`` does, is no other config). Variants without such a
 reference run are listed as not compared.
@@ -155,11 +155,14 @@ def run_variant(out: str, seed: int, threads: int, kernels: str, overrides: Sequ
 
 
 def kernel_identity(kernels: str) -> Dict[str, str]:
-    """What decides a run's bits besides its seed and threads: torch's version and the CPU capability ATen
-    dispatches to (``AVX2``, ``AVX512``, ...), read in a child process with the kernel set's environment,
-    as the runs see them. Raises subprocess.CalledProcessError when torch cannot be imported."""
-    code = ("import json, torch; print(json.dumps({'torch': torch.__version__, "
-            "'cpu_capability': torch.backends.cpu.get_cpu_capability()}))")
+    """What decides a run's bits besides its seed and threads: torch's version, the CPU capability ATen
+    dispatches to (``AVX2``, ``AVX512``, ...) and OpenCV's version (its resize and warpAffine make the
+    augmented pixels, and their rounding differs between releases: 4.14 and 5.1 differ by up to 4 codes
+    on 12-23% of the pixels of the cards photos), read in a child process with the kernel set's
+    environment, as the runs see them. Raises subprocess.CalledProcessError when torch or cv2 cannot be
+    imported."""
+    code = ("import json, cv2, torch; print(json.dumps({'torch': torch.__version__, "
+            "'cpu_capability': torch.backends.cpu.get_cpu_capability(), 'opencv': cv2.__version__}))")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **KERNELS[kernels]),
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -211,12 +214,14 @@ def effective_overrides(overrides: Sequence[str]) -> Dict[str, str]:
 
 def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
     """Weights of each variant against the reference's run with the same seed, threads, torch, CPU
-    capability and config (module docstring). ``results`` and ``reference`` map variant names to
-    summarize()'s dicts with ``seed``, ``threads``, ``torch``, ``cpu_capability`` and ``overrides`` (a
-    list; missing in files written before it existed, read as none) added; overrides agree when they change
-    the demo's config the same way (:func:`effective_overrides`). Returns (notes, missed): one note per
-    variant (equal, or not compared and why) and one missed line per variant whose digests differ."""
-    keys = ("seed", "threads", "torch", "cpu_capability")
+    capability, OpenCV and config (module docstring). ``results`` and ``reference`` map variant names to
+    summarize()'s dicts with ``seed``, ``threads``, ``torch``, ``cpu_capability``, ``opencv`` and
+    ``overrides`` (a list; missing in files written before it existed, read as none) added; overrides agree
+    when they change the demo's config the same way (:func:`effective_overrides`). A reference without
+    ``opencv`` (written before it was recorded) is compared with no run that records one: its OpenCV is
+    unknown. Returns (notes, missed): one note per variant (equal, or not compared and why) and one missed
+    line per variant whose digests differ."""
+    keys = ("seed", "threads", "torch", "cpu_capability", "opencv")
 
     def same(x, r):
         return (all(x.get(k) == r.get(k) for k in keys)
@@ -228,8 +233,8 @@ def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
         if not match:
             extra = f" and overrides {' '.join(r['overrides'])}" if r.get("overrides") else ""
             notes.append(f"{name}: not compared (no reference run with seed {r.get('seed')}, threads "
-                         f"{r.get('threads')}, torch {r.get('torch')} and CPU capability {r.get('cpu_capability')}"
-                         f"{extra})")
+                         f"{r.get('threads')}, torch {r.get('torch')}, CPU capability {r.get('cpu_capability')} "
+                         f"and OpenCV {r.get('opencv')}{extra})")
             continue
         ref_name, ref = match[0]
         mine, theirs = r.get("digests") or {}, ref.get("digests") or {}
@@ -240,7 +245,8 @@ def compare_reference(results: Dict[str, dict], reference: Dict[str, dict]):
         differ = [k for k in both if mine[k] != theirs[k]]
         if differ:
             missed.append(f"{name}: the weights of {', '.join(differ)} differ from the reference's {ref_name} "
-                          f"(same seed, threads, torch {r['torch']} and CPU capability {r['cpu_capability']})")
+                          f"(same seed, threads, torch {r['torch']}, CPU capability {r['cpu_capability']} "
+                          f"and OpenCV {r.get('opencv')})")
         else:
             notes.append(f"{name}: {', '.join(both)} equal bit for bit to the reference's {ref_name}")
     return notes, missed
@@ -301,7 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the table and the verdicts as JSON here")
     p.add_argument("--reference", action="append", default=[],
                    help="a --json of another machine's run (repeatable): compare the weights bit for bit where "
-                        "seed, threads, torch and CPU capability agree")
+                        "seed, threads, torch, CPU capability and OpenCV agree")
     p.add_argument("overrides", nargs="*", metavar="KEY VALUE",
                    help="config overrides for every variant, as run_pipeline takes them (e.g. gnetdet.box_slots 1)")
     args = p.parse_intermixed_args(argv)      # options may follow the overrides

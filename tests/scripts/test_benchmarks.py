@@ -708,6 +708,8 @@ def test_demo_check_keeps_runs_of_other_config_overrides_apart_device_cpu(tmp_pa
     assert recorded["seed"] == 1 and recorded["shapes_upright"] is True and "data_root" not in recorded
     r = json.load(open(js))["results"]["seed1-t1-avx2"]
     assert r["overrides"] == ["gnetdet.box_slots", "1"]
+    import cv2
+    assert r["opencv"] == cv2.__version__ and r["cpu_capability"] == "AVX2"     # read under the kernel set
     old = {"seed1-t1-avx2": {k: x for k, x in r.items() if k != "overrides"}}      # a file from before overrides
     notes, missed = dc.compare_reference({"seed1-t1-avx2": r}, old)
     assert missed == [] and notes[0].endswith("and overrides gnetdet.box_slots 1)")
@@ -724,19 +726,27 @@ def test_demo_check_compares_weights_with_a_reference_where_kernels_and_torch_ag
             dict(stage="control", best_map=0.9, seconds=1.0, weights_sha256="ac")]
     s = dc.summarize(rows)
     assert s["digests"] == {"step1": "a1", "step4": "a4", "control": "ac"}
-    ident = dict(torch="2.13.0+cpu", cpu_capability="AVX2")
+    ident = dict(torch="2.13.0+cpu", cpu_capability="AVX2", opencv="5.1.0")
     mine = {"seed0-t2-default": dict(s, seed=0, threads=2, **ident),
             "seed1-t1-avx2": dict(s, seed=1, threads=1, **ident),
-            "seed2-t1-avx2": dict(s, seed=2, threads=1, **ident)}
+            "seed2-t1-avx2": dict(s, seed=2, threads=1, **ident),
+            "seed3-t1-avx2": dict(s, seed=3, threads=1, **ident),
+            "seed4-t1-avx2": dict(s, seed=4, threads=1, **ident)}
     other = dict(s["digests"], step4="b4")
     ref = {"seed0-t2-avx2": dict(s, seed=0, threads=2, **ident),                      # same bits
            "seed1-t1-default": dict(s, seed=1, threads=1, digests=other, **ident),    # step 4 differs
-           "seed2-t1-default": dict(s, seed=2, threads=1, torch="2.11.0", cpu_capability="AVX2")}
+           "seed2-t1-default": dict(s, seed=2, threads=1, **dict(ident, torch="2.11.0")),
+           "seed3-t1-default": dict(s, seed=3, threads=1, digests=other, **dict(ident, opencv="4.14.0")),
+           "seed4-t1-default": dict(s, seed=4, threads=1, digests=other, torch="2.13.0+cpu", cpu_capability="AVX2")}
     notes, missed = dc.compare_reference(mine, ref)
     assert notes[0] == "seed0-t2-default: step1, step4, control equal bit for bit to the reference's seed0-t2-avx2"
     assert missed == ["seed1-t1-avx2: the weights of step4 differ from the reference's seed1-t1-default (same seed, "
-                      "threads, torch 2.13.0+cpu and CPU capability AVX2)"]
+                      "threads, torch 2.13.0+cpu, CPU capability AVX2 and OpenCV 5.1.0)"]
     assert notes[1].startswith("seed2-t1-avx2: not compared (no reference run with seed 2, threads 1, torch 2.13.0+cpu")
+    # another OpenCV makes other augmented pixels, and a reference that does not record its OpenCV is unknown:
+    # neither is compared (their step 4 differs, which would otherwise be a miss)
+    assert notes[2].startswith("seed3-t1-avx2: not compared") and notes[2].endswith("and OpenCV 5.1.0)")
+    assert notes[3].startswith("seed4-t1-avx2: not compared")
     no_digests = {"seed0-t2-avx2": dict(ref["seed0-t2-avx2"], digests={})}
     assert "not compared (no weights digests" in dc.compare_reference(mine, no_digests)[0][0]
     bad = tmp_path / "bad.json"
