@@ -24,7 +24,8 @@ changed), run like the examples. Each run's step-4 best.pth is converted into th
 checked against it (tools/convert_to_chip.py, tools/chip_eval.py --check; OUT/<dataset>/seed<K>/chip.json,
 left out with --no-chip; a run with a chip.json is not checked again). For a tiled set each run's step-1 and step-4 best.pth are also
 scored on the whole images (`tools/eval_voc.py --stitch --json`, OUT/<dataset>/seed<K>/whole_<stage>.json),
-and a second table holds those. Each run's step-4 best.pth is also scored against the better of step 1
+and a second table holds those, unless its config scores every evaluation on the whole images itself
+(`eval_stitch`, as facemask_tiles: its stage table is the whole-image table). Each run's step-4 best.pth is also scored against the better of step 1
 and the float control with a paired bootstrap over the val images (`tools/eval_voc.py --against`, with
 `--stitch` where the config scores the whole images; OUT/<dataset>/seed<K>/cost_interval.json): the 95%
 interval of the quantization cost as the val images drawn move it (docs/pipeline.md, "How far a mAP can
@@ -188,6 +189,14 @@ def prepare(dataset: str, fold: Optional[Tuple[int, int]] = None) -> None:
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "xml_2_txt.py"), "--config",
                     os.path.join(ROOT, config), *fold_args, *name_args], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
+
+
+def scores_whole_images(dataset: str, overrides: Sequence[str]) -> bool:
+    """Whether ``dataset``'s config (with ``overrides``) already scores every evaluation on the whole images
+    (``eval_stitch``, as examples/facemask_tiles.py does): its stage table is then the whole-image table,
+    and scoring its best.pth files again with ``--stitch`` would repeat it."""
+    from gnetmdk.config import build_config, load_config_class
+    return bool(build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), list(overrides)).eval_stitch)
 
 
 def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides: Sequence[str]) -> List[str]:
@@ -460,6 +469,7 @@ def main(argv) -> int:
                 print(f"error: {ds}: the meta files could not be written (the tool's message is above)", file=sys.stderr)
                 return 2
         overrides = list(base_overrides) + fold_overrides(source, fold)
+        stitched = None                 # a tiled set whose config scores the whole images itself: no second table
         for seed in seeds:
             js = os.path.join(run_dir(args.out, ds, seed), "stages.json")
             if not os.path.isfile(js) and not args.table_only:
@@ -482,12 +492,14 @@ def main(argv) -> int:
                 if cmd is not None:
                     subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
             intervals.setdefault(ds, {})[seed] = cost_interval(ds, seed, args.out)
-            if source in TILED and os.path.isfile(js) and not args.table_only:
+            if source in TILED and stitched is None:
+                stitched = scores_whole_images(ds, overrides)
+            if source in TILED and not stitched and os.path.isfile(js) and not args.table_only:
                 for stage in WHOLE_STAGES:
                     if not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), f"whole_{stage}.json")):
                         subprocess.run(whole_image_command(ds, seed, args.out, stage, overrides), cwd=ROOT,
                                        stdout=subprocess.DEVNULL, check=False)
-            if source in TILED:
+            if source in TILED and not stitched:
                 rows = whole_rows(ds, seed, args.out)
                 if rows:
                     whole.setdefault(f"{ds} (whole images)", {})[seed] = rows

@@ -296,6 +296,12 @@ def test_accuracy_matrix_runs_each_val_fold_and_pools_them(tmp_path, monkeypatch
     stitched = [c for c in ran if c[1].endswith("eval_voc.py") and "--stitch" in c and "--against" not in c]
     assert len(stitched) == 2 and all(c[-2:] == ["dataset_path", str(tmp_path / "voc_tiles") + "_fold1of2"]
                                       for c in stitched)
+    # a tiled config that scores every evaluation on the whole photos itself (eval_stitch): not scored again
+    assert not acc.scores_whole_images("mine_tiles", []) and acc.scores_whole_images("facemask_tiles", [])
+    ran.clear()
+    assert acc.main(["--datasets", "mine_tiles", "--seeds", "3", "--folds", "1/2", "--no-chip", "--out", str(out),
+                     "eval_stitch", "true"]) == 0
+    assert not [c for c in ran if c[1].endswith("eval_voc.py") and "--against" not in c]
 
 
 def test_accuracy_matrix_names_where_to_get_a_missing_fetched_set(tmp_path, monkeypatch, capsys):
