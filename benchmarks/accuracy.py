@@ -194,7 +194,8 @@ def prepare(dataset: str, fold: Optional[Tuple[int, int]] = None) -> None:
 def scores_whole_images(dataset: str, overrides: Sequence[str]) -> bool:
     """Whether ``dataset``'s config (with ``overrides``) already scores every evaluation on the whole images
     (``eval_stitch``, as examples/facemask_tiles.py does): its stage table is then the whole-image table,
-    and scoring its best.pth files again with ``--stitch`` would repeat it."""
+    and scoring its best.pth files again with ``--stitch`` would repeat it. Raises
+    gnetmdk.config.ConfigError for an override the config does not take."""
     from gnetmdk.config import build_config, load_config_class
     return bool(build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), list(overrides)).eval_stitch)
 
