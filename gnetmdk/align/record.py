@@ -50,8 +50,8 @@ from gnetmdk.config.base import ConfigError
 RECORD_FORMAT = "gnetmdk-npz-record"
 _NAME = re.compile(r"iter_(\d{6,})_rank(\d+)\.npz$")
 #: config fields that change what an iteration computes: a replay that differs warns about them
-_RELEVANT = ("model_name", "image_size", "width_mult", "head_width_mult", "use_bn", "step2_bn", "step3_bn",
-             "step3_bn_freeze", "mask_bits", "weight_scale", "l_coord", "l_noobj", "l_class", "batch_size",
+_RELEVANT = ("model_name", "image_size", "width_mult", "head_width_mult", "output_bits", "use_bn", "step2_bn",
+             "step3_bn", "step3_bn_freeze", "mask_bits", "weight_scale", "l_coord", "l_noobj", "l_class", "batch_size",
              "learning_rate", "optimizer", "momentum", "nesterov", "weight_decay", "grad_clip", "num_epochs",
              "lr_scheduler", "warmup_epochs", "warmup_factor", "min_lr_ratio", "lr_step_size",
              "lr_milestones", "lr_gamma", "sync_bn")

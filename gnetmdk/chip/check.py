@@ -73,18 +73,20 @@ def model_layer_codes(model, images: np.ndarray, with_predictions: bool = False)
     Returns:
         per sublayer (N, C_i, H_i, W_i) int64 codes (after pool) [, predictions].
     Raises:
-        ValueError: an activation is not an integer in 0..31 (the model is not in step-4 mode).
+        ValueError: an activation is not an integer in 0..31 (0..1023 in a 10-bit output layer; the model
+            is not in step-4 mode).
     """
     device = next(model.parameters()).device          # CPU or CUDA: the exact path is float64 on both
     x = image_to_codes(torch.from_numpy(np.ascontiguousarray(images))).permute(0, 3, 1, 2).float().to(device)
     y, outs = model.features(x, return_all=True)
     pred = (y * model.output_scale.to(y.dtype)).permute(0, 2, 3, 1).float().contiguous().cpu()
     res = []
-    for i, o in enumerate(outs):
+    for i, (o, relu) in enumerate(zip(outs, model.relus())):
         o = o.double().cpu()
-        if not torch.equal(o, torch.round(o)) or (o.numel() and (o.min() < 0 or o.max() > 31)):
-            raise ValueError(f"sublayer {i + 1} of the model does not output integer codes 0..31: put the model in "
-                             "step-4 eval mode (apply_stage(model, STAGES['step4']); model.eval())")
+        top = int(getattr(relu, "codes", 31))
+        if not torch.equal(o, torch.round(o)) or (o.numel() and (o.min() < 0 or o.max() > top)):
+            raise ValueError(f"sublayer {i + 1} of the model does not output integer codes 0..{top}: put the model "
+                             "in step-4 eval mode (apply_stage(model, STAGES['step4']); model.eval())")
         res.append(o.to(torch.int64).numpy())
     return (res, pred) if with_predictions else res
 

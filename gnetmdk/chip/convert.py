@@ -93,9 +93,10 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
     try:
         spec = get_chip_spec(meta.get("chip"))
         head = float(meta.get("head_width_mult", 0.0))       # 0 in checkpoints from before the field
+        output_bits = int(meta.get("output_bits", 5))          # 5 in checkpoints from before the field
         layers = gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
-                                str(meta["chip"]), meta.get("mask_bits") or (), head)
-        check_chip_limits(layers, spec, int(meta["image_size"]))
+                                str(meta["chip"]), meta.get("mask_bits") or (), head, output_bits)
+        check_chip_limits(layers, spec, int(meta["image_size"]), output_bits)
     except KeyError as exc:
         raise ConversionError(f"checkpoint '{path}': model_meta lacks {exc}; it was not written by gnetmdk's "
                               "trainer") from None
@@ -107,7 +108,8 @@ def check_checkpoint_for_chip(ckpt: Dict[str, Any], path: str = "?") -> None:
     from gnetmdk.models.gnetdet.config import check_gnetdet_memory
     try:
         check_gnetdet_memory(int(meta["image_size"]), int(meta["num_classes"]), float(meta["width_mult"]),
-                             str(meta["chip"]), meta.get("mask_bits") or (), head_width_mult=head)
+                             str(meta["chip"]), meta.get("mask_bits") or (), head_width_mult=head,
+                             output_bits=output_bits)
     except ChipSpecError as exc:
         raise ConversionError(f"checkpoint '{path}' cannot run on chip {spec.name}: {exc} (and retrain)") from None
 
@@ -138,14 +140,15 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
     if model.has_bn:
         raise ConversionError("the model still has BatchNorm: fold it (steps 2..4) before converting")
     caps = [float(r.cap) for r in model.relus()]
-    if any(c != ACT_MAX for c in caps):
-        raise ConversionError(f"the model is not gain-edited (ReLU caps {caps}, step 4 needs every cap = 31): "
-                              "convert a step-4 checkpoint")
+    codes = [int(getattr(r, "codes", ACT_MAX)) for r in model.relus()]
+    if any(c != k for c, k in zip(caps, codes)):
+        raise ConversionError(f"the model is not gain-edited (ReLU caps {caps}, step 4 needs every cap = 31, a "
+                              "10-bit output layer's = 1023): convert a step-4 checkpoint")
     if len(class_names) != model.num_classes:
         raise ConversionError(f"{len(class_names)} class names for a model with {model.num_classes} classes: "
                               "pass the dataset's VOC_CLASSES")
     try:
-        check_chip_limits(model.specs, spec, model.image_size)
+        check_chip_limits(model.specs, spec, model.image_size, int(getattr(model, "output_bits", 5)))
     except ChipLimitError as exc:
         raise ConversionError(f"the model cannot run on chip {spec.name}: {exc}") from None
     if calibrated_caps is not None and len(calibrated_caps) != len(model.layers):
@@ -174,7 +177,8 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
                                 out_channels=out_ch, weight_format=ls.weight_format, weight_bits=sub.conv.weight_bits,
                                 bias_bits=sub.conv.bias_bits, shift=int(shift), pool_after=bool(ls.pool_after),
                                 input_size=size, weight=w, bias=b,
-                                calibrated_cap=None if calibrated_caps is None else float(calibrated_caps[i])))
+                                calibrated_cap=None if calibrated_caps is None else float(calibrated_caps[i]),
+                                max_code=codes[i]))
         if ls.pool_after:
             size //= 2
     try:
@@ -196,22 +200,25 @@ def chip_model_from_gnetdet(model, class_names: Sequence[str], conf_thresh: floa
 
 
 def _calibrated_caps_from(ckpt: Dict[str, Any], output_scale: float, n: int,
-                          cap_file: Optional[str] = None) -> Optional[List[float]]:
+                          cap_file: Optional[str] = None, last_codes: int = ACT_MAX) -> Optional[List[float]]:
     """Pre-gain-edit caps: the checkpoint's ``calibrated_caps`` (saved by step 4), else its ``caps`` when
     they are not all 31 (a pre-edit list), else a relu_cap.txt (from calibration) with ``n`` entries
-    whose last matches output_scale * 31 (step-4 checkpoints written before calibrated_caps existed)."""
+    whose last matches output_scale * 31 (step-4 checkpoints written before calibrated_caps existed);
+    ``last_codes`` is the output layer's largest code (1023 for a 10-bit output layer), 31 above."""
     stored = ckpt.get("calibrated_caps")
     if stored is not None:
         ok = isinstance(stored, (list, tuple)) and len(stored) == n and n > 0
-        if ok and abs(float(stored[-1]) / ACT_MAX - output_scale) <= 1e-5 * max(output_scale, 1e-12):
+        if ok and abs(float(stored[-1]) / last_codes - output_scale) <= 1e-5 * max(output_scale, 1e-12):
             return [float(c) for c in stored]
-        detail = (f"last cap / 31 = {float(stored[-1]) / ACT_MAX:.6g} against output_scale {output_scale:.6g}"
+        detail = (f"last cap / {last_codes} = {float(stored[-1]) / last_codes:.6g} against output_scale "
+                  f"{output_scale:.6g}"
                   if ok else f"{len(stored) if isinstance(stored, (list, tuple)) else type(stored).__name__} "
                              f"entries for {n} convs")
         print(f"note: the checkpoint's calibrated_caps do not fit its model ({detail}); using the other "
               "sources of the calibrated caps", file=sys.stderr)
     caps = ckpt.get("caps")
-    if isinstance(caps, (list, tuple)) and len(caps) == n and any(float(c) != ACT_MAX for c in caps):
+    edited = [float(ACT_MAX)] * (n - 1) + [float(last_codes)]           # the caps of a gain-edited model
+    if isinstance(caps, (list, tuple)) and len(caps) == n and [float(c) for c in caps] != edited:
         return [float(c) for c in caps]
     if cap_file and os.path.isfile(cap_file):
         try:
@@ -219,7 +226,7 @@ def _calibrated_caps_from(ckpt: Dict[str, Any], output_scale: float, n: int,
                 vals = [float(t) for t in fh.read().split()]
         except (OSError, ValueError):
             return None
-        if len(vals) == n and abs(vals[-1] / ACT_MAX - output_scale) <= 1e-5 * max(output_scale, 1e-12):
+        if len(vals) == n and abs(vals[-1] / last_codes - output_scale) <= 1e-5 * max(output_scale, 1e-12):
             return vals
     return None
 
@@ -251,7 +258,8 @@ def convert_checkpoint(path: str, class_names: Optional[Sequence[str]] = None, c
     if len(names) != model.num_classes:
         raise ConversionError(f"checkpoint '{path}': {len(names)} class names in its config for "
                               f"{model.num_classes} classes: pass --classes a,b,c")
-    caps = _calibrated_caps_from(ckpt, float(model.output_scale), len(model.layers), cap_file)
+    caps = _calibrated_caps_from(ckpt, float(model.output_scale), len(model.layers), cap_file,
+                                 int(model.relus()[-1].codes))
     source = {"checkpoint": os.path.abspath(path), "sha256": file_sha256(path), "stage": ckpt.get("stage"),
               "epoch": ckpt.get("epoch"), "best_map": ckpt.get("best_map"), "dataset": cfg.get("DS_NAME"),
               "model_meta": dict(ckpt.get("model_meta") or {})}

@@ -6,7 +6,7 @@ Semantics (docs/chip.md, "What the chip computes"), per sublayer with shift s:
     acc    = sum(W_int * a) + b_int                        3x3, stride 1, zero padding 1 (exact integers)
     R(acc / 2^s) = (acc + 2^(s-1)) >> s                    for acc >= 0
                  = -((-acc + 2^(s-1)) >> s)                for acc < 0  (half away from zero; s = 0: acc)
-    out    = clamp(R(acc / 2^s), 0, 31)
+    out    = clamp(R(acc / 2^s), 0, 31)                    (0..1023 in a 10-bit output layer)
     then, where the sublayer ends its major layer with pooling, a 2x2/2 max pool on the codes.
 
 Every step is an integer tensor operation; nothing passes through floating point. Backends:
@@ -75,8 +75,14 @@ def rounding_shift(acc: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.where(acc < 0, -mag, mag)
 
 
-def activation_codes_from_acc(acc: torch.Tensor, shift: int) -> torch.Tensor:
-    """clamp(R(acc / 2^s), 0, 31) in four in-place integer passes (the fast path of the "gemm" backend).
+def _code_dtype(max_code: int) -> torch.dtype:
+    """int8 for 5-bit codes, int16 for a 10-bit output layer's."""
+    return torch.int8 if max_code <= 127 else torch.int16
+
+
+def activation_codes_from_acc(acc: torch.Tensor, shift: int, max_code: int = ACT_MAX) -> torch.Tensor:
+    """clamp(R(acc / 2^s), 0, 31) in four in-place integer passes (the fast path of the "gemm" backend;
+    31 stands for ``max_code``, 1023 in a 10-bit output layer).
 
     Computed as ``(clamp(acc, 0, 31 * 2^s) + 2^(s-1)) >> s``, which equals the literal rule: for
     acc < 0, R(acc / 2^s) <= 0 and both give 0; for 0 <= acc <= 31 * 2^s, (acc + 2^(s-1)) >> s is
@@ -86,13 +92,14 @@ def activation_codes_from_acc(acc: torch.Tensor, shift: int) -> torch.Tensor:
     Args:
         acc: integer tensor; it is not modified.
         shift: s in 0..12.
+        max_code: the largest code, 31 or 1023.
     Returns:
-        int8 tensor of codes 0..31, same shape.
+        int8 tensor of codes 0..31 (int16 for max_code 1023), same shape.
     """
-    y = torch.clamp(acc, 0, ACT_MAX << shift)
+    y = torch.clamp(acc, 0, int(max_code) << shift)
     if shift:
         y.add_(1 << (shift - 1)).bitwise_right_shift_(shift)
-    return y.to(torch.int8)
+    return y.to(_code_dtype(max_code))
 
 
 def accumulator_dtype(layer: ChipLayer) -> torch.dtype:
@@ -196,26 +203,28 @@ def _layer_nhwc(prep: _Prepared, x: torch.Tensor) -> torch.Tensor:
     """One sublayer on NHWC int8 codes (any backend); returns NHWC int8 codes."""
     layer = prep.layer
     if prep.kind == "gemm":
-        out = activation_codes_from_acc(_gemm_nhwc(prep, x), layer.shift)
+        out = activation_codes_from_acc(_gemm_nhwc(prep, x), layer.shift, layer.max_code)
     else:
         nchw = x.permute(0, 3, 1, 2)
         if prep.kind == "numpy":
             acc = torch.from_numpy(_conv_numpy(nchw.numpy().astype(np.int64), layer.weight, layer.bias))
         else:
             acc = F.conv2d(nchw.to(prep.acc_dtype), prep.weight, prep.bias, stride=1, padding=1)
-        out = rounding_shift(acc, layer.shift).clamp_(0, ACT_MAX).to(torch.int8).permute(0, 2, 3, 1).contiguous()
+        out = (rounding_shift(acc, layer.shift).clamp_(0, layer.max_code).to(_code_dtype(layer.max_code))
+               .permute(0, 2, 3, 1).contiguous())
     return _pool2_nhwc(out) if layer.pool_after else out
 
 
 def sublayer_codes(layer: ChipLayer, codes: torch.Tensor, backend: str = "gemm") -> torch.Tensor:
-    """One sublayer on the chip: integer 3x3 conv + bias, rounding shift, clamp to 0..31, optional 2x2 max pool.
+    """One sublayer on the chip: integer 3x3 conv + bias, rounding shift, clamp to 0..31 (0..1023 in a
+    10-bit output layer), optional 2x2 max pool.
 
     Args:
-        layer: the ChipLayer (W_int, b_int, shift, pool_after).
+        layer: the ChipLayer (W_int, b_int, shift, pool_after, max_code).
         codes: (N, in_channels, H, W) integer tensor of codes 0..31.
         backend: "gemm", "conv" or "numpy" (see the module docstring).
     Returns:
-        (N, out_channels, H', W') int32 codes 0..31 (H' = H / 2 after a pool).
+        (N, out_channels, H', W') int32 codes 0..max_code (H' = H / 2 after a pool).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown emulator backend '{backend}': use one of {BACKENDS}")
@@ -259,8 +268,9 @@ class ChipEmulator:
             codes: (N, 3, H, W) integer codes 0..31 (numpy or torch), H = W = input size.
             return_all: also return every sublayer's output codes.
         Returns:
-            out: (N, C_out, S, S) uint8 numpy codes (C_out includes the padded channels);
-            with ``return_all``, (out, [per-sublayer (N, C_i, H_i, W_i) uint8 numpy codes, after pool]).
+            out: (N, C_out, S, S) uint8 numpy codes (C_out includes the padded channels; uint16 codes
+            0..1023 from a 10-bit output layer); with ``return_all``, (out, [per-sublayer (N, C_i, H_i,
+            W_i) numpy codes, after pool, uint8 or, for a 10-bit layer, uint16]).
         Raises:
             ValueError: wrong shape, or codes outside 0..31.
         """
@@ -276,7 +286,9 @@ class ChipEmulator:
         finals = []
 
         def nchw(t):
-            return t.permute(0, 3, 1, 2).to(torch.uint8).contiguous().numpy()
+            if t.dtype == torch.int8:
+                return t.permute(0, 3, 1, 2).to(torch.uint8).contiguous().numpy()
+            return t.permute(0, 3, 1, 2).contiguous().numpy().astype(np.uint16)
         for start in range(0, x.shape[0], self.batch_size):
             a = x[start:start + self.batch_size].to(torch.int8).permute(0, 2, 3, 1).contiguous()
             for i, prep in enumerate(self._prep):
@@ -285,7 +297,8 @@ class ChipEmulator:
                     outs[i].append(nchw(a))
             finals.append(nchw(a))
         g = self.model.grid
-        out = np.concatenate(finals) if finals else np.zeros((0, self.model.output_channels, g, g), np.uint8)
+        wide = np.uint8 if self.model.output_max_code <= 255 else np.uint16
+        out = np.concatenate(finals) if finals else np.zeros((0, self.model.output_channels, g, g), wide)
         if not return_all:
             return out
         return out, [np.concatenate(o) if o else np.zeros((0,), np.uint8) for o in outs]

@@ -7,8 +7,10 @@
 * ``relu_cap.txt``: one cap per conv (the calibrated caps when known, see :func:`write_gti_files`).
 * the "dat" JSON ``<chip>_gnetdet_dat_<size>.json``: per major layer ``coef_bits``, ``image_size``,
   ``input_channels``, ``output_channels``, ``pooling``, ``sublayer_number``, ``scaling`` (its
-  shifts), ``major_layer`` (1-based), ``learning`` / ``last_layer_out`` (false), and
-  ``model: [{"ChipType", "MajorLayerNumber"}]``.
+  shifts), ``major_layer`` (1-based), ``learning`` / ``last_layer_out`` (false), ``ten_bits_enable``
+  (true on a 10-bit output layer's major layer only), and ``model: [{"ChipType", "MajorLayerNumber"}]``
+  (with ``"ActivationBitMode": 1`` for a 10-bit output, the chip's 10-bit output mode as GTI's kits
+  name it).
 * the "model" JSON ``<chip>_gnetdet_model_<size>.json``: image reader (CS_BGR24_PLANAR, size) ->
   GTICNN (chip, output H x W x C).
 """
@@ -20,7 +22,6 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from gnetmdk.gti.quantize import ACT_MAX
 from gnetmdk.chip.model_file import ChipModel
 
 
@@ -43,7 +44,12 @@ def dat_json(chip_model: ChipModel) -> Dict[str, object]:
                        "input_channels": m["input_channels"], "output_channels": m["output_channels"],
                        "pooling": m["pooling"], "sublayer_number": m["sublayer_number"], "scaling": m["scaling"],
                        "major_layer": m["major_layer"], "learning": False, "last_layer_out": False})
-    return {"layer": layers, "model": [{"ChipType": int(chip_model.chip), "MajorLayerNumber": len(layers)}]}
+        if m.get("ten_bits_enable"):
+            layers[-1]["ten_bits_enable"] = True
+    model = {"ChipType": int(chip_model.chip), "MajorLayerNumber": len(layers)}
+    if chip_model.output_bits == 10:
+        model["ActivationBitMode"] = 1
+    return {"layer": layers, "model": [model]}
 
 
 def model_json(chip_model: ChipModel, data_file: str = "") -> Dict[str, object]:
@@ -77,7 +83,7 @@ def gti_file_texts(chip_model: ChipModel, out_dir: str, data_file: str = "") -> 
     relu_cap.txt holds the calibrated (pre-gain-edit) caps when the chip model knows them; otherwise
     an existing relu_cap.txt in ``out_dir`` with one cap per conv whose last equals cap_last is kept
     (left out of the result: calibration wrote it), and only otherwise the chip's effective caps
-    (31 for every conv: after gain editing the codes are the activations).
+    (31 for every conv, 1023 for a 10-bit output layer: after gain editing the codes are the activations).
     """
     names = gti_file_names(chip_model)
     paths = {k: os.path.join(out_dir, v) for k, v in names.items()}
@@ -88,7 +94,7 @@ def gti_file_texts(chip_model: ChipModel, out_dir: str, data_file: str = "") -> 
     if caps is not None:
         texts[paths["relu_cap"]] = "".join(f"{c:.8g}\n" for c in caps)
     elif not _cap_file_matches(paths["relu_cap"], len(chip_model.layers), chip_model.cap_last):
-        texts[paths["relu_cap"]] = "".join(f"{float(ACT_MAX):.8g}\n" for _ in chip_model.layers)
+        texts[paths["relu_cap"]] = "".join(f"{float(l.max_code):.8g}\n" for l in chip_model.layers)
     texts[paths["dat"]] = json.dumps(dat_json(chip_model), indent=4, sort_keys=True) + "\n"
     texts[paths["model"]] = json.dumps(model_json(chip_model, data_file), indent=4, sort_keys=True) + "\n"
     return texts

@@ -1,7 +1,8 @@
 """Host side of the chip: images in, output codes -> predictions -> detections, datasets -> mAP.
 
 The arithmetic mirrors the step-4 model exactly: ``pred = float32(float64(codes) * float64(scale))``
-with ``scale = float32(cap_last / 31)``, permuted to (N, S, S, 10 + C); decoding is the training
+with ``scale = float32(cap_last / 31)`` (``/ 1023`` with a 10-bit output layer), permuted to
+(N, S, S, 10 + C); decoding is the training
 decoder (gnetmdk.models.gnetdet.decode.decode_gnetdet), and boxes go to original-image pixels as in
 gnetmdk.evaluation.evaluator.predict_loader. So equal codes give equal detections and equal mAP.
 """
@@ -17,15 +18,16 @@ from gnetmdk.models.gnetdet.decode import decode_gnetdet
 from gnetmdk.models.gnetdet.head import output_head
 from .model_file import ChipModel
 
-#: a runner maps (N, H, W, 3) uint8 BGR images to (N, C_out, S, S) uint8 codes
+#: a runner maps (N, H, W, 3) uint8 BGR images to (N, C_out, S, S) uint8 codes (uint16 from a 10-bit output)
 Runner = Callable[[np.ndarray], np.ndarray]
 
 
 def codes_to_predictions(codes: np.ndarray, chip_model: ChipModel) -> torch.Tensor:
-    """Output codes -> GNetDet predictions (the host-side rescale by cap_last / 31).
+    """Output codes -> GNetDet predictions (the host-side rescale by cap_last / 31, or / 1023).
 
     Args:
-        codes: (N, C_out, S, S) uint8 codes 0..31 (padded channels are dropped here).
+        codes: (N, C_out, S, S) uint8 codes 0..31, or uint16 codes 0..1023 from a 10-bit output layer
+            (padded channels are dropped here).
         chip_model: the ChipModel (used_channels, output_scale).
     Returns:
         (N, S, S, 10 + C) float32 tensor, bit-identical to the step-4 model's forward output.

@@ -25,8 +25,13 @@ from gnetmdk.config.base import BaseConfig, ConfigError
 from gnetmdk.gti.quantize import ACT_MAX, MAX_SHIFT
 
 FORMAT = "gnetmdk-chip-model"
-#: 2: a layer's weight format is stored as "weight_format" (version 1 named it "scheme"; both are read)
-VERSION = 2
+#: 2: a layer's weight format is stored as "weight_format" (version 1 named it "scheme"; both are read);
+#: 3: a layer's largest code, "max_code" (1023 for a 10-bit output layer). A file is written with the
+#: lowest version that describes it (2 while every code is 5 bits), so older readers refuse only what
+#: they would misread
+VERSION = 3
+#: the largest code of a 10-bit output layer (the chip's 10-bit output mode, docs/chip.md)
+OUTPUT_MAX_CODE_10 = 1023
 #: partial sums below this are exact in float32 (24-bit significand); docs/quantization.md, "Integer semantics"
 FLOAT32_EXACT_LIMIT = 2 ** 24
 
@@ -94,12 +99,14 @@ class ChipLayer:
         in_channels, out_channels: channel counts as stored (the last conv is padded, see
             gnetmdk.chip.convert.padded_output_channels).
         weight_format, weight_bits, bias_bits: mask bits and register widths (Bw, Bb) of the major layer.
-        shift: s, 0..12: out = clamp(R((sum W_int * a + b_int) / 2^s), 0, 31).
+        shift: s, 0..12: out = clamp(R((sum W_int * a + b_int) / 2^s), 0, max_code).
         pool_after: a 2x2/2 max pool on the codes follows.
         input_size: spatial side (pixels) of this sublayer's input.
         weight: (out_channels, in_channels, 3, 3) int64 W_int.
         bias: (out_channels,) int64 b_int.
         calibrated_cap: the cap calibration measured for this conv before gain editing (None if unknown).
+        max_code: the largest output code: 31, or 1023 for a 10-bit output layer (the last layer only,
+            alone in its major layer, without a pool: the chip's 10-bit output mode, docs/chip.md).
     """
     major: int
     index_in_major: int
@@ -114,6 +121,7 @@ class ChipLayer:
     weight: np.ndarray
     bias: np.ndarray
     calibrated_cap: Optional[float] = None
+    max_code: int = ACT_MAX
 
     @property
     def output_size(self) -> int:
@@ -121,7 +129,8 @@ class ChipLayer:
         return self.input_size // 2 if self.pool_after else self.input_size
 
     def max_abs_acc(self) -> int:
-        """Bound on |every partial sum| of the integer accumulation: max_o sum|W_int[o]| * 31 + |b_int[o]|."""
+        """Bound on |every partial sum| of the integer accumulation: max_o sum|W_int[o]| * 31 + |b_int[o]|
+        (the input codes are 5-bit: only the last layer may have wider codes)."""
         w = np.abs(self.weight.reshape(self.out_channels, -1)).sum(axis=1) * ACT_MAX
         return int((w + np.abs(self.bias)).max()) if self.out_channels else 0
 
@@ -141,7 +150,8 @@ class ChipModel:
         layers: the sublayers in order.
         class_names: C names, label order.
         used_channels: 10 + C, the output channels the host decodes (the rest is padding).
-        output_scale: float32 cap_last / 31: the host multiplies the output codes by it.
+        output_scale: float32 cap_last / 31 (cap_last / 1023 with a 10-bit output layer): the host
+            multiplies the output codes by it.
         grid: S, the output side (14).
         conf_thresh, nms_thresh, max_detections: decode settings used for mAP.
         predict_thresh: score threshold of tools/predict.py.
@@ -184,8 +194,23 @@ class ChipModel:
 
     @property
     def cap_last(self) -> float:
-        """The last conv's calibrated cap: output_scale * 31."""
-        return float(np.float32(self.output_scale)) * ACT_MAX
+        """The last conv's calibrated cap: output_scale * 31 (* 1023 with a 10-bit output layer)."""
+        return float(np.float32(self.output_scale)) * self.output_max_code
+
+    @property
+    def output_max_code(self) -> int:
+        """The output layer's largest code: 31, or 1023 in the chip's 10-bit output mode."""
+        return int(self.layers[-1].max_code) if self.layers else ACT_MAX
+
+    @property
+    def output_bits(self) -> int:
+        """The output codes' width in bits: 5, or 10 (the chip's 10-bit output mode)."""
+        return 10 if self.output_max_code == OUTPUT_MAX_CODE_10 else 5
+
+    @property
+    def version(self) -> int:
+        """The format version this model is written with: 3 with a 10-bit output layer, else 2."""
+        return 3 if any(l.max_code != ACT_MAX for l in self.layers) else 2
 
     def major_layers(self) -> List[List[int]]:
         """Sublayer indices grouped by major layer."""
@@ -209,11 +234,16 @@ class ChipModel:
                            "input_channels": first.in_channels, "output_channels": last.out_channels,
                            "pooling": bool(last.pool_after), "sublayer_number": len(idx),
                            "scaling": [self.layers[i].shift for i in idx]})
+            if last.max_code != ACT_MAX:            # GTI's name for the 10-bit output mode of a major layer
+                majors[-1]["ten_bits_enable"] = True
+        activation = {"bits": 5, "max_code": ACT_MAX}
+        if self.output_bits != 5:
+            activation.update(output_bits=self.output_bits, output_max_code=self.output_max_code)
         return {
-            "format": FORMAT, "version": VERSION, "chip": self.chip, "model": self.model_name,
+            "format": FORMAT, "version": self.version, "chip": self.chip, "model": self.model_name,
             "input": {"height": self.input_size, "width": self.input_size, "channels": 3, "pixel_bits": 8,
                       "color_order": "BGR", "to_codes": "x5 = min(((x8 >> 2) + 1) >> 1, 31)"},
-            "activation": {"bits": 5, "max_code": ACT_MAX},
+            "activation": activation,
             "output": {"height": self.grid, "width": self.grid, "channels": self.output_channels,
                        "used_channels": self.used_channels, "scale": float(np.float32(self.output_scale)),
                        "cap_last": self.cap_last,
@@ -235,9 +265,10 @@ class ChipModel:
             "name": f"conv{i + 1}", "major": l.major + 1, "sublayer": l.index_in_major + 1,
             "in_channels": l.in_channels, "out_channels": l.out_channels, "input_size": l.input_size,
             "weight_format": l.weight_format, "weight_bits": l.weight_bits, "bias_bits": l.bias_bits, "shift": l.shift,
-            "pool_after": bool(l.pool_after), "cap": float(ACT_MAX), "calibrated_cap": l.calibrated_cap,
+            "pool_after": bool(l.pool_after), "cap": float(l.max_code), "calibrated_cap": l.calibrated_cap,
             "max_abs_acc": l.max_abs_acc(), "float32_exact": l.float32_exact(),
             "weight": encode_tensor(l.weight, "int16"), "bias": encode_tensor(l.bias, "int32"),
+            **({"max_code": int(l.max_code)} if l.max_code != ACT_MAX else {}),
         } for i, l in enumerate(self.layers)]
         return d
 
@@ -294,6 +325,13 @@ class ChipModel:
                                      f"bias register (+-{blim})")
             if l.pool_after and size % 2:
                 raise ChipModelError(f"{name}: 2x2 pool on an odd size {size}")
+            if l.max_code != ACT_MAX:
+                alone = [o for o in self.layers if o.major == l.major]
+                if (l.max_code != OUTPUT_MAX_CODE_10 or i != len(self.layers) - 1 or len(alone) != 1
+                        or l.pool_after):
+                    raise ChipModelError(f"{name}: max_code {l.max_code}: codes are 0..{ACT_MAX}, or 0.."
+                                         f"{OUTPUT_MAX_CODE_10} in the last layer alone in its major layer and "
+                                         "without a pool (the chip's 10-bit output mode)")
             size, cin = l.output_size, l.out_channels
         if size != self.grid:
             raise ChipModelError(f"{where}: the layers end at {size}x{size}, but grid is {self.grid}")
@@ -349,7 +387,8 @@ def chip_model_from_dict(d: Dict[str, Any], where: str = "chip model") -> ChipMo
             pool_after=bool(_field(ld, "pool_after", lw)), input_size=int(_field(ld, "input_size", lw)),
             weight=decode_tensor(_field(ld, "weight", lw), lw + ".weight"),
             bias=decode_tensor(_field(ld, "bias", lw), lw + ".bias"),
-            calibrated_cap=None if ld.get("calibrated_cap") is None else float(ld["calibrated_cap"])))
+            calibrated_cap=None if ld.get("calibrated_cap") is None else float(ld["calibrated_cap"]),
+            max_code=int(ld.get("max_code", ACT_MAX))))
     out = _field(d, "output", where)
     dec = _field(d, "decode", where)
     inp = _field(d, "input", where)
@@ -398,8 +437,8 @@ def _check_structure(d: Dict[str, Any], cm: ChipModel, where: str) -> None:
                              "a major layer was deleted or added; convert the checkpoint again")
     for m, (a, b) in enumerate(zip(summary, have)):
         for key in ("sublayer_number", "scaling", "coef_bits", "pooling", "image_size", "input_channels",
-                    "output_channels"):
-            if not isinstance(a, dict) or a.get(key) != b[key]:
+                    "output_channels", "ten_bits_enable"):
+            if not isinstance(a, dict) or a.get(key) != b.get(key):
                 got = a.get(key) if isinstance(a, dict) else a
                 raise ChipModelError(f"{where}: major layer {m + 1}: major_layers says {key} {got!r}, the layers give "
                                      f"{b[key]!r} (a sublayer was deleted, added or edited): convert the checkpoint "

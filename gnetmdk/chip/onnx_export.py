@@ -12,8 +12,10 @@ Graph (opset 13, IR version 8, integer operators only between the input and the 
       -> Add b_int (int32)
       -> Clip(0, 31 * 2^s), Add 2^(s-1), Div 2^s                = clamp(R(acc / 2^s), 0, 31)
       -> Cast uint8 [-> MaxPool 2x2/2 on uint8 codes]
-    codes  uint8 (N, C_out, S, S)      the chip's output codes (C_out includes the zero padding)
-    pred   float32 (N, S, S, 10 + C)   host side: codes[:, :10 + C] * (cap_last / 31), computed in
+         (a 10-bit output layer: 1023 for 31, Cast uint16, no pool)
+    codes  uint8 (N, C_out, S, S)      the chip's output codes (C_out includes the zero padding; uint16
+                                       codes 0..1023 from a 10-bit output layer)
+    pred   float32 (N, S, S, 10 + C)   host side: codes[:, :10 + C] * (cap_last / 31 or / 1023), computed in
                                        float64 and rounded once to float32, as the step-4 model does
 
 Why Clip/Add/Div equals the chip's rule: for acc < 0, R(acc/2^s) <= 0 clamps to 0, and Clip gives 0;
@@ -30,7 +32,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from gnetmdk.gti.quantize import ACT_MAX, image_to_codes
+from gnetmdk.gti.quantize import image_to_codes
 from .model_file import ChipModel, ChipModelError
 
 OPSET = 13
@@ -60,7 +62,8 @@ def build_onnx(chip_model: ChipModel, all_layers: bool = False):
 
     Args:
         chip_model: the ChipModel.
-        all_layers: also output every sublayer's codes as "layer1".."layerK" (uint8, (N, C_i, H_i, W_i)).
+        all_layers: also output every sublayer's codes as "layer1".."layerK" (uint8, (N, C_i, H_i, W_i);
+            uint16 for a 10-bit output layer).
     Returns:
         onnx.ModelProto (checked with onnx.checker).
     Raises:
@@ -103,21 +106,22 @@ def build_onnx(chip_model: ChipModel, all_layers: bool = False):
         s = layer.shift
         nodes += [
             helper.make_node("Add", [f"acc{k}", const(f"b{k}", layer.bias.reshape(1, -1, 1, 1), np.int32)], [f"accb{k}"]),
-            helper.make_node("Clip", [f"accb{k}", const(f"lo{k}", 0, np.int32), const(f"hi{k}", ACT_MAX << s, np.int32)],
-                             [f"clip{k}"])]
+            helper.make_node("Clip", [f"accb{k}", const(f"lo{k}", 0, np.int32),
+                                      const(f"hi{k}", int(layer.max_code) << s, np.int32)], [f"clip{k}"])]
         last = f"clip{k}"
         if s > 0:
             nodes += [helper.make_node("Add", [last, const(f"half{k}", 1 << (s - 1), np.int32)], [f"half{k}_out"]),
                       helper.make_node("Div", [f"half{k}_out", const(f"div{k}", 1 << s, np.int32)], [f"rs{k}"])]
             last = f"rs{k}"
-        nodes.append(helper.make_node("Cast", [last], [f"relu{k}"], to=TensorProto.UINT8))
+        code_type = TensorProto.UINT8 if layer.max_code <= 255 else TensorProto.UINT16
+        nodes.append(helper.make_node("Cast", [last], [f"relu{k}"], to=code_type))
         last = f"relu{k}"
         if layer.pool_after:
             nodes.append(helper.make_node("MaxPool", [last], [f"pool{k}"], kernel_shape=[2, 2], strides=[2, 2]))
             last = f"pool{k}"
         if all_layers:
             nodes.append(helper.make_node("Identity", [last], [f"layer{k}"]))
-            outputs.append(helper.make_tensor_value_info(f"layer{k}", TensorProto.UINT8,
+            outputs.append(helper.make_tensor_value_info(f"layer{k}", code_type,
                                                          ["N", layer.out_channels, layer.output_size,
                                                           layer.output_size]))
         x = last
@@ -135,7 +139,8 @@ def build_onnx(chip_model: ChipModel, all_layers: bool = False):
     graph = helper.make_graph(
         nodes, f"gnetmdk_{chip_model.model_name}_{chip_model.chip}_{chip_model.input_size}",
         [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", 3, h, w])],
-        [helper.make_tensor_value_info(CODES_NAME, TensorProto.UINT8, ["N", chip_model.output_channels, g, g]),
+        [helper.make_tensor_value_info(CODES_NAME, TensorProto.UINT8 if chip_model.output_max_code <= 255
+                                       else TensorProto.UINT16, ["N", chip_model.output_channels, g, g]),
          helper.make_tensor_value_info(PRED_NAME, TensorProto.FLOAT, ["N", g, g, used])] + outputs,
         inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
@@ -212,7 +217,8 @@ class OnnxChipRunner:
             images: (N, H, W, 3) uint8 BGR at network size (transposed to the model's planar input here).
             return_all: also return the per-layer codes (needs a model exported with all_layers).
         Returns:
-            codes (N, C_out, S, S) uint8; with ``return_all`` (codes, [per-layer uint8 codes]).
+            codes (N, C_out, S, S) uint8 (uint16 from a 10-bit output layer); with ``return_all`` (codes,
+            [per-layer codes]).
         """
         x = np.ascontiguousarray(np.asarray(images, dtype=np.uint8).transpose(0, 3, 1, 2))
         if not return_all:

@@ -175,7 +175,8 @@ class LayerDrift:
         stages: stage name -> per-sublayer relative error ||a - a_ref||_2 / ||a_ref||_2 over every
             element of the images used (a float; 0 for the reference itself). Activations are compared
             as values: the code-domain stages (step 4, gain-aware step 3, the chip model) are scaled
-            back by cap / 31 with each conv's calibrated cap (docs/quantization.md, "Activations"),
+            back by cap / 31 (cap / 1023 in a 10-bit output layer) with each conv's calibrated cap
+            (docs/quantization.md, "Activations"),
             the others are taken as they are. The relative error is 1 / sqrt(SQNR), the usual measure
             of quantization noise.
         num_images: images used.
@@ -189,7 +190,8 @@ class LayerDrift:
 
 
 def _stage_value_outputs(model, x: torch.Tensor, caps: Optional[Sequence[float]]) -> List[torch.Tensor]:
-    """Sublayer outputs of a GNetDet as values (float64, CPU): code-domain layers times cap / 31."""
+    """Sublayer outputs of a GNetDet as values (float64, CPU): code-domain layers times cap / 31 (cap / 1023
+    in a 10-bit output layer)."""
     _, outs = model.features(x, return_all=True)
     res = []
     for i, (o, relu) in enumerate(zip(outs, model.relus())):
@@ -197,7 +199,7 @@ def _stage_value_outputs(model, x: torch.Tensor, caps: Optional[Sequence[float]]
         if relu.integer or relu.code_domain:
             if caps is None:
                 raise ValueError("code-domain outputs without calibrated caps")
-            o = o * (float(caps[i]) / 31.0)
+            o = o * (float(caps[i]) / float(relu.codes))
         res.append(o)
     return res
 
@@ -266,8 +268,8 @@ def layer_drift(dataset, checkpoints: Dict[str, Optional[str]], chip_model=None,
             if kind == "chip":
                 _, layers = obj.run(imgs, return_all=True)
                 used = chip_model.used_channels
-                outs = [torch.from_numpy(np.ascontiguousarray(c)).double() * (float(caps[i]) / 31.0)
-                        for i, c in enumerate(layers)]
+                outs = [torch.from_numpy(np.ascontiguousarray(c)).double()
+                        * (float(caps[i]) / float(obj.model.layers[i].max_code)) for i, c in enumerate(layers)]
                 outs[-1] = outs[-1][:, :used].contiguous()
             else:
                 outs = _stage_value_outputs(obj, x, caps)

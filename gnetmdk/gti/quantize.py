@@ -26,6 +26,38 @@ WEIGHT_FORMATS = (1, 2, 3, 5, 8, 12)
 MAX_SHIFT = 12
 #: 5-bit activation codes are 0..ACT_MAX
 ACT_MAX = 31
+#: activation widths the chip has: 5 bits (every layer) and 10 bits (the last layer only, in a major layer of
+#: its own: GTI's "ten_bits_enable"; docs/quantization.md, "The 10-bit output mode")
+ACTIVATION_BITS = (5, 10)
+
+
+def max_code(bits: int) -> int:
+    """The largest activation code of a ``bits``-wide activation: 31 for 5 bits, 1023 for 10.
+
+    Raises:
+        ValueError: ``bits`` is not one of ACTIVATION_BITS.
+    """
+    if bits not in ACTIVATION_BITS:
+        raise ValueError(f"activations are {ACTIVATION_BITS[0]} or {ACTIVATION_BITS[1]} bits wide, not {bits!r}")
+    return (1 << int(bits)) - 1
+
+
+def five_bit_cap(cap: float, codes: int = ACT_MAX) -> float:
+    """The cap a 5-bit layer with the same code step as a layer of ``codes`` levels would have:
+    ``cap * 31 / codes`` (float64), and ``cap`` itself, untouched, for ``codes`` = 31.
+
+    Gain editing and gain-aware step 3 use it for the cap of a layer's output (docs/quantization.md,
+    "The 10-bit output mode"): a code of a 10-bit layer stands for ``cap / 1023``, which is the step
+    ``five_bit_cap(cap, 1023) / 31`` of the 5-bit formulas, so those formulas serve both widths and the
+    5-bit arithmetic stays bit for bit what it was.
+
+    Args:
+        cap: the layer's calibrated cap (> 0), in the units of its pre-activation.
+        codes: the layer's largest code (31 or 1023).
+    Returns:
+        a Python float.
+    """
+    return float(cap) if codes == ACT_MAX else float(cap) * ACT_MAX / int(codes)
 
 
 def chip_round(x: torch.Tensor) -> torch.Tensor:
@@ -600,70 +632,78 @@ def integer_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, weight_
 # ------------------------------------------------------------------ activations
 class _CappedQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cap, quantize, integer, revive, training=False):
+    def forward(ctx, x, cap, quantize, integer, revive, training=False, codes=ACT_MAX):
         ctx.save_for_backward(x, cap)
         ctx.revive = revive
-        # the code domain's cap is the constant 31, known on the host: its mask needs no cap tensor
-        ctx.const_cap = float(ACT_MAX) if quantize and integer else None
+        # the code domain's cap is the constant largest code, known on the host: its mask needs no cap tensor
+        ctx.const_cap = float(codes) if quantize and integer else None
         if not quantize:
             return torch.minimum(torch.clamp(x, min=0), cap)
-        if integer:  # cap == 31: the codes are R(clip(x)) themselves, no multiply that could round
+        if integer:  # cap == codes: the codes are R(clip(x)) themselves, no multiply that could round
             if training:   # three passes; floor(v + 0.5) = R(v) but for the float32 corner noted below
-                return torch.clamp(x, 0, ACT_MAX).add_(0.5).floor_()
-            return _chip_round_nonneg_(torch.clamp(x, 0, ACT_MAX))
+                return torch.clamp(x, 0, codes).add_(0.5).floor_()
+            return _chip_round_nonneg_(torch.clamp(x, 0, codes))
         # R(clip(x, 0, cap) * 31 / cap) * cap / 31 in five passes over one buffer: v = clip(x * 31/cap,
         # 0, 31) >= 0, so R(v) = floor(v + 0.5) (the sum is exact except for v in [0.5 - 2^-25, 0.5),
-        # a float32 corner; the integer path above rounds exactly outside training)
-        v = torch.mul(x, ACT_MAX / cap).clamp_(0, ACT_MAX)
-        return v.add_(0.5).floor_().mul_(cap / ACT_MAX)
+        # a float32 corner; the integer path above rounds exactly outside training); 1023 for 31 in
+        # the 10-bit output layer
+        v = torch.mul(x, codes / cap).clamp_(0, codes)
+        return v.add_(0.5).floor_().mul_(cap / codes)
 
     @staticmethod
     def backward(ctx, grad):
         x, cap = ctx.saved_tensors
+        none = (None,) * 6
         if not ctx.revive:
             # grad where 0 < x < cap, else 0, in one fused pass (aten's hardtanh backward has exactly
             # this strict-interval mask; cap is a float32 value, so the comparison is unchanged). On the
             # device path the cap is read only where the host knows it (the code domain's 31) ...
             if ctx.const_cap is not None or not device_path(x):
                 bound = ctx.const_cap if ctx.const_cap is not None else float(cap)
-                return torch.ops.aten.hardtanh_backward(grad, x, 0.0, bound), None, None, None, None, None
+                return (torch.ops.aten.hardtanh_backward(grad, x, 0.0, bound),) + none
             # ... else the same mask from the cap tensor: nothing read back to the host
             inside = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
-            return torch.where(inside, grad, 0.0), None, None, None, None, None
+            return (torch.where(inside, grad, 0.0),) + none
         mask = torch.gt(x, 0).logical_and_(torch.lt(x, cap))
         # revive: outside (0, cap) let through only the gradients that lead back inside
         mask = mask | ((x <= 0) & (grad < 0)) | ((x >= cap) & (grad > 0))
-        return grad.masked_fill(mask.logical_not_(), 0), None, None, None, None, None
+        return (grad.masked_fill(mask.logical_not_(), 0),) + none
 
 
 def capped_relu(x: torch.Tensor, cap: torch.Tensor, quantize: bool = True, integer: bool = False,
-                revive: bool = False) -> torch.Tensor:
+                revive: bool = False, codes: int = ACT_MAX) -> torch.Tensor:
     """Capped ReLU with optional 5-bit quantization (docs/quantization.md, "Activations"):
 
         y = clip(x, 0, cap),  y_q = R(y * 31 / cap) * cap / 31
+
+    (1023 for 31 with ``codes`` 1023: the 10-bit output mode, docs/quantization.md, "The 10-bit output
+    mode").
 
     Args:
         x: float tensor, any shape (pre-activation).
         cap: 0-d float tensor (> 0), same dtype/device as x.
         quantize: False gives the clip alone.
-        integer: step-4 semantics, cap must be 31: returns the codes R(clip(x, 0, 31)) exactly. In a
-            training forward (grad enabled and x requiring it) the codes are floor(clip(x) + 0.5), three
-            passes instead of six: equal to R except for float32 values in [0.5 - 2^-25, 0.5), which
-            give 1; evaluation, the chip comparison and the emulator never take that path.
+        integer: step-4 semantics, cap must be ``codes``: returns the codes R(clip(x, 0, codes)) exactly.
+            In a training forward (grad enabled and x requiring it) the codes are floor(clip(x) + 0.5),
+            three passes instead of six: equal to R except for float32 values in [0.5 - 2^-25, 0.5),
+            which give 1; evaluation, the chip comparison and the emulator never take that path.
         revive: training-only gradient choice for the output layer: outside (0, cap) the gradient
             also passes when it points back inside (x <= 0 with a gradient that raises x, x >= cap
             with one that lowers it), so an output unit whose pre-activation went negative for an
             object cell is not dead for good. The forward value is unchanged.
+        codes: the largest code, 31 (5-bit activations) or 1023 (the 10-bit output layer).
     Returns:
         tensor like x; the gradient passes where 0 < x < cap (straight-through on the rounding).
     """
     cap = cap.to(dtype=x.dtype, device=x.device)
-    return _CappedQuant.apply(x, cap, quantize, integer, revive, torch.is_grad_enabled() and x.requires_grad)
+    return _CappedQuant.apply(x, cap, quantize, integer, revive, torch.is_grad_enabled() and x.requires_grad,
+                              int(codes))
 
 
-def activation_codes(y: torch.Tensor, cap: float | torch.Tensor) -> torch.Tensor:
-    """Codes 0..31 (int64) of quantized activations y_q (inverse of y_q = code * cap / 31)."""
-    return torch.clamp(chip_round(y.detach().double() * ACT_MAX / float(cap)), 0, ACT_MAX).to(torch.int64)
+def activation_codes(y: torch.Tensor, cap: float | torch.Tensor, codes: int = ACT_MAX) -> torch.Tensor:
+    """Codes 0..``codes`` (int64) of quantized activations y_q (inverse of y_q = code * cap / codes;
+    ``codes`` 31, or 1023 for the 10-bit output layer)."""
+    return torch.clamp(chip_round(y.detach().double() * codes / float(cap)), 0, codes).to(torch.int64)
 
 
 def image_to_codes(img_u8):
@@ -767,8 +807,9 @@ def histogram_mse_argmin(counts: torch.Tensor, centres: torch.Tensor, dequantize
     return int(torch.argmin(err))
 
 
-def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 400) -> float:
-    """The activation cap that minimises the squared error of the 5-bit capped ReLU over a histogram.
+def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 400, codes: int = ACT_MAX) -> float:
+    """The activation cap that minimises the squared error of the 5-bit capped ReLU over a histogram
+    (of the 10-bit one with ``codes`` 1023).
 
     For a cap c the chip computes y_q = R(clip(v, 0, c) * 31 / c) * c / 31 (docs/quantization.md,
     "Activations"; R rounds half away from zero). Each of the K bins of ``counts`` stands for its centre
@@ -782,6 +823,7 @@ def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 
             device; values <= 0 are left out: the ReLU maps them to 0 exactly, whatever the cap).
         vmax: the largest value (> 0), the histogram's upper edge.
         candidates: how many caps to try.
+        codes: the largest code: 31, or 1023 for the 10-bit output layer (y_q on 1023 steps of c / 1023).
     Returns:
         the cap (a Python float, 0 < cap <= vmax).
     Raises:
@@ -796,5 +838,5 @@ def mse_cap_from_histogram(counts: torch.Tensor, vmax: float, candidates: int = 
     centers = (torch.arange(k, dtype=torch.float64) + 0.5) * (vmax / k)
     caps = torch.arange(1, candidates + 1, dtype=torch.float64) * (vmax / candidates)     # (J,)
     c = caps.unsqueeze(1)                                                                  # (J, 1)
-    y = chip_round(torch.clamp(centers.unsqueeze(0), max=c) * ACT_MAX / c) * c / ACT_MAX  # (J, K)
+    y = chip_round(torch.clamp(centers.unsqueeze(0), max=c) * codes / c) * c / codes      # (J, K)
     return float(caps[histogram_mse_argmin(counts, centers, y)])

@@ -17,7 +17,8 @@ Four measurements on one split, each against the float model (BatchNorm folded, 
   size head the box sizes are fractions of the input side, so one step is ``cap / 31`` of it (8.8 px at
   224 px with cap 1.22): boxes of a few code steps cannot be sized within IoU 0.5 (docs/results/accuracy-matrix.md, "The
   dense set through 2 x 2 tiles"); with the log size head one step multiplies the size by
-  ``size_min ** (-cap / 31)`` (gnetmdk.models.gnetdet.head.output_sizes).
+  ``size_min ** (-cap / 31)`` (gnetmdk.models.gnetdet.head.output_sizes). A model with the 10-bit output
+  (``gnetdet.output_bits 10``) has 1023 steps there.
 
 Each cell holds the val mAP@0.5 and the output error: the relative L2 difference ``||y - y_float|| /
 ||y_float||`` of the model's outputs over every image (values, as ``forward`` returns them).
@@ -56,13 +57,14 @@ def output_group_channels(num_classes: int) -> Dict[str, List[int]]:
             OUTPUT_GROUPS[2]: [4, 9] + list(range(10, 10 + int(num_classes)))}
 
 
-def quantize_output_channels(out: torch.Tensor, channels: Sequence[int], cap: float) -> torch.Tensor:
+def quantize_output_channels(out: torch.Tensor, channels: Sequence[int], cap: float, codes: int = 31) -> torch.Tensor:
     """A copy of ``out`` (..., 10 + C) float with the last-axis ``channels`` on the 5-bit code grid:
-    ``clamp(round(v / (cap / 31)), 0, 31) * cap / 31``; the other channels unchanged (dtype kept)."""
-    step = float(cap) / 31.0
+    ``clamp(round(v / (cap / 31)), 0, 31) * cap / 31`` (1023 for 31 with ``codes`` 1023, the 10-bit
+    output); the other channels unchanged (dtype kept)."""
+    step = float(cap) / float(codes)
     q = out.clone()
     idx = list(channels)
-    q[..., idx] = torch.clamp(torch.round(out[..., idx] / step), 0, 31) * step
+    q[..., idx] = torch.clamp(torch.round(out[..., idx] / step), 0, codes) * step
     return q
 
 
@@ -78,7 +80,8 @@ class Sensitivity:
             weights quantized with that weight format.
         acts: per sublayer (mAP, output error) with only its activation quantized; empty without caps.
         outputs: {group of OUTPUT_GROUPS: (mAP, output error)} with only that group of outputs on the
-            output layer's code grid; ``output_cap`` that layer's cap; both empty / 0 without caps.
+            output layer's code grid; ``output_cap`` that layer's cap; both empty / 0 without caps;
+            ``output_codes`` its largest code (31, or 1023 with the 10-bit output).
         current: the model's mask_bits; weights_per_major: weight count of each major layer.
         size_head, size_min: the model's size head ("linear" or "log"; output_sizes), for the text.
     """
@@ -94,6 +97,7 @@ class Sensitivity:
     output_cap: float = 0.0
     size_head: str = "linear"
     size_min: float = 1.0 / 64
+    output_codes: int = 31
 
 
 def output_error(outs: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -170,7 +174,7 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
     if caps is not None:
         for name, chans in progress(list(output_group_channels(model.num_classes).items()), "output groups"):
             hook = model.register_forward_hook(
-                lambda mod, inp, out, chans=chans: quantize_output_channels(out, chans, caps[-1]))
+                lambda mod, inp, out, chans=chans: quantize_output_channels(out, chans, caps[-1], relus[-1].codes))
             try:
                 outputs[name] = run()
             finally:
@@ -180,7 +184,8 @@ def measure_sensitivity(model, evaluate: Callable[[torch.nn.Module], Tuple[float
     return Sensitivity(float(base_map), names, majors, weights, weight_formats, acts, list(model.mask_bits()),
                        per_major,
                        outputs, float(caps[-1]) if caps is not None else 0.0,
-                       str(getattr(model, "size_head", "linear")), float(getattr(model, "size_min", 1.0 / 64)))
+                       str(getattr(model, "size_head", "linear")), float(getattr(model, "size_min", 1.0 / 64)),
+                       int(relus[-1].codes))
 
 
 class _weight_formats:
@@ -319,12 +324,13 @@ def format_sensitivity(sens: Sensitivity, tolerance: float = 0.005, check: Optio
         for name, (mp, err) in zip(sens.layers, sens.acts):
             lines.append(f"{name:<7} {mp:>7.4f} {100 * (mp - sens.base_map):>+7.2f} {100 * err:>9.2f}")
     if sens.outputs:
-        step = sens.output_cap / 31
+        step = sens.output_cap / sens.output_codes
         if sens.size_head == "log":
             sizes = (f"log size head: one step multiplies a box size by {sens.size_min ** -step:.3g}")
         else:
             sizes = f"box sizes are fractions of the input side, a step of {step:.4g} of it"
-        lines += ["", f"one group of outputs only on the output layer's 5-bit code grid (cap {sens.output_cap:.3g}: "
+        width = "5-bit" if sens.output_codes == 31 else "10-bit"
+        lines += ["", f"one group of outputs only on the output layer's {width} code grid (cap {sens.output_cap:.3g}: "
                       f"steps of {step:.4g}; {sizes}):",
                   f"{'outputs':<24} {'mAP':>7} {'d mAP':>7} {'out err %':>9}"]
         for name, (mp, err) in sens.outputs.items():

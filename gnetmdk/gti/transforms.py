@@ -9,6 +9,8 @@ from typing import List
 
 import torch
 
+from gnetmdk.gti.quantize import ACT_MAX, five_bit_cap
+
 
 def folded_conv_params(conv, bn):
     """The weight and bias of ``conv`` with ``bn`` folded in (docs/quantization.md, "BN folding"):
@@ -128,6 +130,9 @@ def fold_requant_multipliers(model, input_cap: float = 31.0) -> List[float]:
     With cap_{-1} = 31 for the input (the image already holds codes 0..31):
         W_i <- W_i * cap_{i-1} / cap_i,   b_i <- b_i * 31 / cap_i,   cap_i <- 31
     and the model's output_scale becomes cap_last / 31 (the host multiplies the chip output by it).
+    A 10-bit output layer (its QReLU's ``codes`` 1023) takes cap_i' = five_bit_cap(cap_i, 1023) =
+    cap_i * 31 / 1023 in place of cap_i in both products and in output_scale (= cap_last / 1023), and
+    its cap becomes 1023 (docs/quantization.md, "The 10-bit output mode").
 
     Args:
         model: a calibrated GNetDet (every QReLU cap > 0) without BatchNorm.
@@ -143,12 +148,13 @@ def fold_requant_multipliers(model, input_cap: float = 31.0) -> List[float]:
         raise RuntimeError("gain editing needs a model without BatchNorm (fold it on entry to step 2)")
     prev = float(input_cap)
     for layer, cap in zip(model.layers, caps):
-        conv = layer.conv
-        conv.weight.copy_((conv.weight.double() * prev / cap).to(conv.weight.dtype))
-        conv.bias.copy_((conv.bias.double() * 31.0 / cap).to(conv.bias.dtype))
-        layer.relu.cap.fill_(31.0)
+        conv, codes = layer.conv, int(getattr(layer.relu, "codes", ACT_MAX))
+        out_cap = five_bit_cap(cap, codes)
+        conv.weight.copy_((conv.weight.double() * prev / out_cap).to(conv.weight.dtype))
+        conv.bias.copy_((conv.bias.double() * 31.0 / out_cap).to(conv.bias.dtype))
+        layer.relu.cap.fill_(float(codes))
         if getattr(conv, "gain", None) is not None:
             conv.gain = None      # the weights are now the edited ones: no step-3 gain applies
         prev = cap
-    model.output_scale.fill_(caps[-1] / 31.0)
+    model.output_scale.fill_(five_bit_cap(caps[-1], int(getattr(model.layers[-1].relu, "codes", ACT_MAX))) / 31.0)
     return caps

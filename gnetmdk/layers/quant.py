@@ -40,7 +40,8 @@ class QConv2d(nn.Conv2d):
             and the output is the pre-activation in codes (the value divided by cap_out / 31). Gradients reach the
             unedited weights through the gain (straight-through on the rounding). So step 3 computes
             exactly what step 4 and the chip compute, and the step 3 -> step 4 transition changes
-            nothing.
+            nothing. For a 10-bit output layer cap_out is gnetmdk.gti.quantize.five_bit_cap(cap, 1023),
+            whose cap_out / 31 is that layer's code step cap / 1023.
         gain_tensors: None, or (cap_in, cap_out) as the ReLUs' cap tensors (cap_in the float 31 for
             the first conv) when step 3 learns the caps (``cap_lr``): the gain is then computed from
             them, so gradients reach the caps as well (the forward value is the same).
@@ -170,6 +171,8 @@ class QReLU(nn.Module):
     Args:
         percentile: the percentile this layer's calibration observer takes of each batch (``cap_method
             percentile``); GNetDet gives its output layer ``output_cap_percentile``.
+        codes: the largest code: 31 (5-bit activations), or 1023 for a 10-bit output layer
+            (docs/quantization.md, "The 10-bit output mode"); below, "31" stands for it.
 
     Buffers:
         cap: 0-d float32, the clip value (0 until calibrated; 31 in step 4).
@@ -187,10 +190,11 @@ class QReLU(nn.Module):
     Input and output: any shape, float.
     """
 
-    def __init__(self, percentile: float = 99.0):
+    def __init__(self, percentile: float = 99.0, codes: int = ACT_MAX):
         super().__init__()
         self.register_buffer("cap", torch.zeros((), dtype=torch.float32))
         self.percentile = float(percentile)
+        self.codes = int(codes)
         self.fake_quant_enabled = False
         self.observer_enabled = False
         self.integer = False
@@ -214,14 +218,15 @@ class QReLU(nn.Module):
         if not device_path(self.cap) and self.cap <= 0:   # on a device the stage's entry checks the caps
             raise RuntimeError("QReLU cap is 0: run calibration (--cal) before step 3")
         if self.code_domain:        # gain-aware step 3: the codes, exactly as step 4 computes them
-            cap, integer = scalar(ACT_MAX, self.cap.dtype, self.cap.device), True
+            cap, integer = scalar(self.codes, self.cap.dtype, self.cap.device), True
         else:
             cap, integer = self.cap, self.integer
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):   # amp: the activation quantizer in float32
                 return capped_relu(x.float(), cap, quantize=True, integer=integer,
-                                   revive=self.revive and torch.is_grad_enabled())
-        return capped_relu(x, cap, quantize=True, integer=integer, revive=self.revive and torch.is_grad_enabled())
+                                   revive=self.revive and torch.is_grad_enabled(), codes=self.codes)
+        return capped_relu(x, cap, quantize=True, integer=integer, revive=self.revive and torch.is_grad_enabled(),
+                           codes=self.codes)
 
     def enable_fake_quant(self, enabled: bool = True) -> "QReLU":
         """Switch the 5-bit fake quantization on (or off with ``enabled`` False); returns self."""
@@ -244,14 +249,16 @@ class QReLU(nn.Module):
 
     def calculate_qparams(self):
         """(scale, zero_point) of the 5-bit activation codes, as torch.ao's fake quantizers give them:
-        scale = cap / 31 (0-d float32, on the cap's device; 0 before calibration), zero point 0 (0-d
-        int32): a code q stands for q * scale (docs/quantization.md, "Activations")."""
-        return (self.cap.detach() / ACT_MAX).to(torch.float32), torch.zeros((), dtype=torch.int32,
-                                                                            device=self.cap.device)
+        scale = cap / 31 (cap / 1023 for a 10-bit layer; 0-d float32, on the cap's device; 0 before
+        calibration), zero point 0 (0-d int32): a code q stands for q * scale (docs/quantization.md,
+        "Activations")."""
+        return (self.cap.detach() / self.codes).to(torch.float32), torch.zeros((), dtype=torch.int32,
+                                                                               device=self.cap.device)
 
     def extra_repr(self) -> str:
-        """The cap and the switches."""
-        return (f"cap={float(self.cap):.4g}, fake_quant_enabled={self.fake_quant_enabled}, "
+        """The cap, the largest code (when not 31) and the switches."""
+        wide = f", codes={self.codes}" if self.codes != ACT_MAX else ""
+        return (f"cap={float(self.cap):.4g}{wide}, fake_quant_enabled={self.fake_quant_enabled}, "
                 f"observer_enabled={self.observer_enabled}, integer={self.integer}, code_domain={self.code_domain}")
 
 

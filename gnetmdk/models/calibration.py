@@ -5,7 +5,8 @@ ReLU's input over the training data, and their statistics become the caps.
 (:func:`refine_caps_for_output`). ``method "percentile"`` (GTI): one pass; each cap is the running max over batches of the batch's
 percentile (the output layer's ``output_cap_percentile``, 100 by default). ``method "mse"``: two passes;
 the first finds each layer's largest value, the second histograms the positive values over [0,
-largest], and each cap minimises the 5-bit quantization error over that histogram
+largest], and each cap minimises the 5-bit quantization error over that histogram (the 10-bit one
+for a 10-bit output layer)
 (gnetmdk.gti.quantize.mse_cap_from_histogram). Over N ranks (processes, or virtual ranks that each run
 their chunk of the batch: gnetmdk.dist.virtual.forward_batch) the maxima are all-reduced (MAX), the
 percentiles are those of the global batch (gnetmdk.dist.comm.global_percentile) and the histograms are
@@ -89,7 +90,8 @@ def measure_caps(model, batches: Callable[[], Iterable[torch.Tensor]], method: s
         counts = torch.stack([h.value if h.value is not None else
                               torch.zeros(CAP_HIST_BINS, dtype=torch.float64, device=device) for h in hists])
         all_reduce(counts, "sum")
-        values = [mse_cap_from_histogram(h, c) if c > 0 else 0.0 for h, c in zip(counts, caps.tolist())]
+        values = [mse_cap_from_histogram(h, c, codes=int(getattr(r, "codes", ACT_MAX))) if c > 0 else 0.0
+                  for h, c, r in zip(counts, caps.tolist(), relus)]
     else:
         # the global batch's percentile over every rank (virtual ranks included), the batch's in one
         observers = [PercentileObserver(r.percentile, percentile) for r in relus]
@@ -281,7 +283,7 @@ def correct_biases(model, batches: Callable[[], Iterable[torch.Tensor]], device:
     relus, convs, ref_relus = list(model.relus()), list(model.convs()), list(reference.relus())
     shifts = []
     for i in progress(list(range(len(relus))), "cal (bias correction)"):
-        scale = float(relus[i].cap) / ACT_MAX if relus[i].code_domain else 1.0     # codes -> values
+        scale = float(relus[i].cap) / relus[i].codes if relus[i].code_domain else 1.0     # codes -> values
         diffs, counts = [], []
         for x in data:
             ref = _input_of(reference, ref_relus[i], x).double()

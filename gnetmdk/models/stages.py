@@ -81,7 +81,8 @@ def _gain(model, source_stage: str) -> str:
     _require_caps(model, source_stage)
     caps = fold_requant_multipliers(model)
     model.calibrated_caps = list(caps)   # saved in every step-4 checkpoint (the chip files' relu_cap.txt)
-    return f"gain-edited {len(caps)} convs; host output scale cap_last/31 = {caps[-1] / 31:.5g}"
+    codes = int(getattr(model.relus()[-1], "codes", 31))
+    return f"gain-edited {len(caps)} convs; host output scale cap_last/{codes} = {caps[-1] / codes:.5g}"
 
 
 STAGES: Dict[str, Stage] = {

@@ -252,6 +252,44 @@ def test_step3_learns_the_caps_with_cap_lr(pipeline, tmp_path):
     assert load_checkpoint(os.path.join(out, "ck/step3/last.pth"))["epoch"] == 3
 
 
+def test_ten_bit_output_from_a_five_bit_step2_to_a_bit_exact_chip_device_cpu(pipeline, tmp_path, capsys):
+    """output_bits 10 set after step 2: cal, step 3 and step 4 from a 5-bit step-2 checkpoint (every conv
+    keeps its weight format, the output conv in a major layer of its own), step 4 starts from step 3's
+    best model exactly, and its chip model (10-bit output codes) scores the step-4 model's mAP with every
+    layer's codes equal. A checkpoint from cal on keeps its output width under a 5-bit config, with a note."""
+    from torch.utils.data import DataLoader
+    from gnetmdk.chip import ChipEmulator, check_bit_exact, evaluate_chip
+    from gnetmdk.chip.convert import convert_checkpoint
+    from gnetmdk.dataset.dataset import build_dataset, collate
+    from gnetmdk.evaluation.evaluator import evaluate_model
+    root, path, _ = pipeline
+    out = str(tmp_path)
+    over = ["output_bits", "10", "checkpoint_root", out + "/ck", "log_root", out + "/log", "model_root", out + "/model"]
+    run_stage(_cfg(path, *over, "load", os.path.join(root, "checkpoint/step2/best.pth"), cal=True))
+    s3 = run_stage(_cfg(path, *over, step=3))
+    s4 = run_stage(_cfg(path, *over, step=4))
+    cal = load_checkpoint(os.path.join(out, "ck/step2/cal.pth"))
+    assert cal["model_meta"]["output_bits"] == 10 and cal["model_meta"]["mask_bits"] == [3, 3, 3, 3, 3, 8, 8]
+    assert s4["entry_map"] == s3["best_map"]
+    ck4 = load_checkpoint(os.path.join(out, "ck/step4/best.pth"))
+    assert ck4["caps"] == [31.0] * 15 + [1023.0]
+    assert ck4["model"]["output_scale"].item() == pytest.approx(ck4["calibrated_caps"][-1] / 1023, rel=1e-6)
+    cm, model = convert_checkpoint(os.path.join(out, "ck/step4/best.pth"))
+    assert cm.output_bits == 10 and cm.layers[-1].max_code == 1023 and len(cm.major_layers()) == 7
+    cfg = _cfg(path, *over, step=4)
+    val = build_dataset(cfg, "valid")
+    ref = evaluate_model(model, DataLoader(val, batch_size=4, collate_fn=collate), val, torch.device("cpu"),
+                         conf_thresh=1e-6)
+    res = evaluate_chip(ChipEmulator(cm).run, cm, val, conf_thresh=1e-6)
+    assert sum(ref["num_det"]) > 0 and res["map"] == ref["map"] and res["num_det"] == ref["num_det"]
+    rep = check_bit_exact(model, ChipEmulator(cm).run, cm, dataset=val)
+    assert sum(rep.mismatches) == 0 and rep.max_output_diff == 0.0
+    capsys.readouterr()
+    m3 = build_model_from_checkpoint(load_checkpoint(os.path.join(out, "ck/step3/best.pth")), _cfg(path, step=3), "s3")
+    assert m3.output_bits == 10 and m3.relus()[-1].codes == 1023
+    assert "(step3) was calibrated with output_bits 10; keeping it" in capsys.readouterr().err
+
+
 def test_cap_lr_refusals(workdir):
     from gnetmdk.config import ConfigError
     _, path = workdir

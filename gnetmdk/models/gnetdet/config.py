@@ -34,6 +34,9 @@ class GNetDetConfig(ConfigSection):
     step3_bn_freeze: int = 0                # with step3_bn keep: step 3's epochs on batch statistics; later epochs
                                             # normalize with the running statistics, frozen (0 = never freeze)
     chip: str = "5801"                      # 2801, 2803 or 5801
+    output_bits: int = 5                    # the output layer's activations: 5-bit codes, or 10 (the chip's 10-bit
+                                            # output: the output conv in a major layer of its own; GNetDet-224 on
+                                            # the 5801; docs/quantization.md "The 10-bit output mode")
     mask_bits: List[int] = []               # weight format per major layer; [] = chip default (docs/quantization.md)
     weight_scale: str = "mse"               # "mse": MSE-best d per kernel; "gti": d = mean|w|/4 (GTI's rule)
     cap_percentile: float = 99.0            # calibration: per-batch percentile of the pre-ReLU values
@@ -136,6 +139,8 @@ def check_gnetdet_config(cfg) -> None:
                                "step3_bn 'keep' (and step2_bn 'keep'), or step3_bn_freeze 0")
     if g.weight_scale not in ("gti", "mse"):
         bad("weight_scale", "must be 'gti' or 'mse'")
+    if isinstance(g.output_bits, bool) or g.output_bits not in (5, 10):
+        bad("output_bits", "must be 5 (the chip's 5-bit codes) or 10 (its 10-bit output mode, last layer only)")
     from .head import check_score_head, check_size_head
     try:
         check_score_head(g.score_head, g.score_scale, g.box_slots)
@@ -169,18 +174,28 @@ def check_gnetdet_config(cfg) -> None:
             bad("mask_bits", f"major layer {i + 1} asks for weight format {bits}, chip {g.chip} has "
                              f"{sorted(spec.weight_formats)}")
     if g.mask_bits and cfg.image_size in (224, 448):
-        from gnetmdk.models.gnetdet.model import GNETDET_224, GNETDET_448
-        majors = len(GNETDET_224 if cfg.image_size == 224 else GNETDET_448)
+        from gnetmdk.models.gnetdet.model import gnetdet_table
+        majors = len(gnetdet_table(cfg.image_size, int(g.output_bits)))
         if len(g.mask_bits) != majors:
-            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers: give one weight format per "
+            alone = (" (output_bits 10 puts the output conv in a major layer of its own; for the 5-bit layout's "
+                     "list add the last format once more)") if int(g.output_bits) == 10 else ""
+            bad("mask_bits", f"GNetDet-{cfg.image_size} has {majors} major layers{alone}: give one weight format per "
                 f"major layer, or [] for the chip's default")
     if cfg.image_size in (224, 448):
+        if int(g.output_bits) == 10:
+            from gnetmdk.models.gnetdet.model import ChipLimitError, check_chip_limits, gnetdet_layers
+            layers = gnetdet_layers(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip),
+                                    list(g.mask_bits), float(g.head_width_mult), 10)
+            try:
+                check_chip_limits(layers, spec, cfg.image_size, 10)
+            except ChipLimitError as exc:
+                bad("output_bits", f"GNetDet-{cfg.image_size} on chip {spec.name}: {exc}")
         check_gnetdet_memory(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits),
-                             "config section 'gnetdet'", float(g.head_width_mult))
+                             "config section 'gnetdet'", float(g.head_width_mult), int(g.output_bits))
 
 
 def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits, where: str = "",
-                         head_width_mult: float = 0.0):
+                         head_width_mult: float = 0.0, output_bits: int = 5):
     """Refuse a GNetDet that breaks its chip's memory limits (per-layer input + output in feature-map
     values, coefficient memory in 8-bit-kernel units; gnetmdk.gti.memory, docs/chip.md "Memory limits"),
     counted with the output layer's used channels (``10 + C``): over by that count, it is over by every
@@ -192,6 +207,7 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
         mask_bits: the weight formats per major layer ([] = the chip's default).
         where: a prefix naming the source of the model in the message.
         head_width_mult: the head's multiplier (0 = width_mult; gnetmdk.models.gnetdet.model.gnetdet_layers).
+        output_bits: 5, or 10 (the output conv in a major layer of its own).
     Returns:
         the gnetmdk.gti.memory.MemoryReport, when the model fits.
     Raises:
@@ -202,14 +218,14 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
     from gnetmdk.gti.spec import get_chip_spec
     from gnetmdk.models.gnetdet.model import gnetdet_layers, gnetdet_memory_layers, major_weight_formats
     spec = get_chip_spec(chip)
-    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult)
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult, output_bits)
     layers = gnetdet_memory_layers(specs, image_size, chip, padded=False)
     width_fix = "a narrower width_mult"
     if not memory_report(layers, spec).fits:
         w, h = width_mult, head_width_mult
         for _ in range(8):                          # halve the widths until the model fits (widths are powers of 2)
             w, h = w / 2, h / 2
-            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_weight_formats(specs), h)
+            narrow = gnetdet_layers(image_size, num_classes, w, chip, major_weight_formats(specs), h, output_bits)
             if memory_report(gnetdet_memory_layers(narrow, image_size, chip, padded=False), spec).fits:
                 width_fix = f"width_mult {w:g}" + (f" and head_width_mult {h:g}" if head_width_mult > 0 else "")
                 break
@@ -220,7 +236,7 @@ def check_gnetdet_memory(image_size: int, num_classes: int, width_mult: float, c
 
 
 def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, chip: str, mask_bits,
-                        head_width_mult: float = 0.0) -> str:
+                        head_width_mult: float = 0.0, output_bits: int = 5) -> str:
     """One line when a GNetDet fits its chip's coefficient budget counted with the output layer's used
     channels but not with its zero filters (the reading docs/chip.md leaves open; GTI's own 5801
     GNetDet-448 is such a model), else "".
@@ -233,7 +249,7 @@ def gnetdet_memory_note(image_size: int, num_classes: int, width_mult: float, ch
     spec = get_chip_spec(chip)
     if spec.max_coef_memory is None or image_size not in (224, 448):
         return ""
-    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult)
+    specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, head_width_mult, output_bits)
     used = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=False), spec)
     padded = memory_report(gnetdet_memory_layers(specs, image_size, chip, padded=True), spec)
     if not used.fits or padded.fits:

@@ -7,12 +7,43 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch.nn as nn
 
+from gnetmdk.config.base import ConfigError
 from gnetmdk.models.base import ALL_STAGES, DetectorFamily
 from gnetmdk.models.stages import fold_hook
 from .model import GNetDet, gnetdet_layers, major_weight_formats
 
 #: stages whose weights were fine-tuned under a weight scale rule
 QUANTIZED_STAGES = ("step2", "cal", "step3", "step4")
+#: stages whose checkpoints hold calibrated activation caps (their output layer's width is fixed)
+ACTIVATIONS_QUANTIZED = ("cal", "step3", "step4")
+
+
+def relayout_mask_bits(mask_bits, from_bits: int, to_bits: int, path: str = "?") -> List[int]:
+    """A GNetDet's weight formats per major layer moved from one output layout to the other, every conv
+    keeping its format: from ``output_bits`` 5 to 10 the output conv's new major layer takes the format
+    of the major layer it leaves; from 10 to 5 the output conv joins the major layer before it, which
+    needs the same format (a major layer has one).
+
+    Args:
+        mask_bits: the formats of the ``from_bits`` layout (one per major layer).
+        from_bits, to_bits: 5 or 10.
+        path: the checkpoint, for the message.
+    Returns:
+        the formats of the ``to_bits`` layout.
+    Raises:
+        ConfigError: from 10 to 5 with an output conv whose format differs from the head's.
+    """
+    bits = [int(b) for b in mask_bits]
+    if from_bits == to_bits or not bits:
+        return bits
+    if to_bits == 10:
+        return bits + [bits[-1]]
+    if len(bits) < 2 or bits[-1] != bits[-2]:
+        raise ConfigError(f"checkpoint '{path}' has its output conv at weight format {bits[-1]} in a major layer of "
+                          f"its own (output_bits 10, mask_bits {bits}); with output_bits 5 it would share the head's "
+                          f"major layer, whose format is {bits[-2] if len(bits) > 1 else '?'}: keep output_bits 10 "
+                          f"or start from the step-1 checkpoint")
+    return bits[:-1]
 
 
 class GNetDetFamily(DetectorFamily):
@@ -84,7 +115,7 @@ class GNetDetFamily(DetectorFamily):
                   head_width_mult=g.head_width_mult, use_bn=g.use_bn,
                   chip=str(g.chip), mask_bits=list(g.mask_bits), weight_scale=g.weight_scale,
                   score_head=g.score_head, score_offset=g.score_offset, score_scale=g.score_scale,
-                  size_head=g.size_head, size_min=g.size_min,
+                  size_head=g.size_head, size_min=g.size_min, output_bits=int(g.output_bits),
                   gain_aware=g.gain_aware, **self.training_kwargs(cfg))
         kw.update(overrides)
         return (builder or GNetDet)(**kw)
@@ -94,7 +125,13 @@ class GNetDetFamily(DetectorFamily):
         scale rule (weight_scale) and the weight formats (mask_bits) come from the config for a step-1
         checkpoint, while a checkpoint of a quantized stage keeps those it was trained with (a note on
         stderr when the config differs); a step-3 checkpoint keeps its ``gain_aware`` setting (one from
-        before the option: GTI's flow), any other takes the config's."""
+        before the option: GTI's flow), any other takes the config's. The output layer's activation
+        width (``output_bits``) is quantized from calibration on: a step-1 or step-2 checkpoint takes the
+        config's (a step-2 one with every conv's weight format kept, :func:`relayout_mask_bits`), a
+        checkpoint from cal on keeps its own.
+
+        Raises:
+            ConfigError: a step-2 checkpoint whose weight formats the config's output_bits cannot keep."""
         meta = dict(meta)
         meta.pop("name", None)
         extra: Dict[str, Any] = {}
@@ -102,6 +139,20 @@ class GNetDetFamily(DetectorFamily):
             g = cfg.gnetdet
             extra = self.training_kwargs(cfg)
             quantized = stage in QUANTIZED_STAGES
+            had = int(meta.get("output_bits", 5))
+            if stage in ACTIVATIONS_QUANTIZED:
+                if had != g.output_bits:
+                    print(f"note: checkpoint '{path}' ({stage}) was calibrated with output_bits {had}; keeping it "
+                          f"(the config's {g.output_bits} applies to step-1 and step-2 models)", file=sys.stderr)
+            elif had != g.output_bits:
+                meta["output_bits"] = int(g.output_bits)
+                if meta.get("mask_bits"):
+                    try:
+                        meta["mask_bits"] = relayout_mask_bits(meta["mask_bits"], had, int(g.output_bits), path)
+                    except ConfigError:
+                        if quantized:
+                            raise
+                        meta["mask_bits"] = []        # a float model's formats come from the config below
             # the per-kernel scale rule: the run's config decides for a float (step-1) model; weights
             # already fine-tuned under one rule keep it (the other rule would re-quantize them blindly:
             # on cards an MSE-trained step-4 model scores 0.0 under GTI's rule)
@@ -140,13 +191,15 @@ class GNetDetFamily(DetectorFamily):
 
     @staticmethod
     def _config_mask_bits(cfg, meta: Dict[str, Any]):
-        """The weight formats per major layer the config asks for, the chip's default filled in for ``[]``;
-        None when that cannot be worked out (a size the table lacks)."""
+        """The weight formats per major layer the config asks for, the chip's default filled in for ``[]``
+        (in the layout of the meta's ``output_bits``); None when that cannot be worked out (a size the
+        table lacks)."""
         if cfg.gnetdet.mask_bits:
             return [int(b) for b in cfg.gnetdet.mask_bits]
         try:
             return major_weight_formats(gnetdet_layers(int(meta["image_size"]), int(meta["num_classes"]),
-                                                float(meta["width_mult"]), str(meta["chip"]), ()))
+                                                float(meta["width_mult"]), str(meta["chip"]), (),
+                                                output_bits=int(meta.get("output_bits", 5))))
         except Exception:
             return None
 
@@ -214,7 +267,7 @@ class GNetDetFamily(DetectorFamily):
         from .config import gnetdet_memory_note
         g = cfg.gnetdet
         note = gnetdet_memory_note(cfg.image_size, cfg.num_classes, float(g.width_mult), str(g.chip), list(g.mask_bits),
-                                   float(g.head_width_mult))
+                                   float(g.head_width_mult), int(g.output_bits))
         return [note] if note else []
 
     def describe(self, cfg) -> str:
@@ -222,12 +275,13 @@ class GNetDetFamily(DetectorFamily):
         head width of its own)."""
         g = cfg.gnetdet
         head = f", head x{g.head_width_mult}" if g.head_width_mult > 0 else ""
-        return f"{cfg.image_size}px x{g.width_mult}{head}"
+        wide = ", 10-bit output" if int(g.output_bits) == 10 else ""
+        return f"{cfg.image_size}px x{g.width_mult}{head}{wide}"
 
     def meta_defaults(self) -> Dict[str, Any]:
-        """``head_width_mult 0.0`` (the head at ``width_mult``): what checkpoints from before the field
-        were built with."""
-        return {"head_width_mult": 0.0}
+        """``head_width_mult 0.0`` (the head at ``width_mult``) and ``output_bits 5``: what checkpoints from
+        before the fields were built with."""
+        return {"head_width_mult": 0.0, "output_bits": 5}
 
     def compat_fields(self, cfg) -> Dict[str, Any]:
         """``image_size``, ``width_mult``, ``head_width_mult`` and ``chip``: a checkpoint must match them."""

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gnetmdk.config.base import ConfigError
-from gnetmdk.gti.quantize import ACT_MAX, quantize_conv_params
+from gnetmdk.gti.quantize import ACT_MAX, five_bit_cap, max_code, quantize_conv_params
 from gnetmdk.gti.spec import ChipSpec, get_chip_spec, register_bits
 from gnetmdk.gti.transforms import folded_conv_params
 from gnetmdk.layers.quant import QConv2d, QReLU, quantize_convs
@@ -55,39 +55,62 @@ class LayerSpec:
     pool_after: bool
 
 
+def gnetdet_table(image_size: int, output_bits: int = 5) -> List[Tuple[List[object], bool]]:
+    """The full-width major layers of GNetDet at ``image_size`` (GNETDET_224 or GNETDET_448): with
+    ``output_bits`` 10 the output conv is taken out of the last major layer into one of its own (the
+    chip's 10-bit output needs a last major layer of a single sublayer; docs/quantization.md, "The
+    10-bit output mode"), one major layer more.
+
+    Raises:
+        ChipLimitError: an input size other than 224 or 448, or ``output_bits`` other than 5 or 10.
+    """
+    if image_size == 448:
+        table = list(GNETDET_448)
+    elif image_size == 224:
+        table = list(GNETDET_224)
+    else:
+        raise ChipLimitError(f"GNetDet is defined for image_size 224 or 448, not {image_size}")
+    if output_bits == 10:
+        chans, pool = table[-1]
+        table[-1:] = [(list(chans[:-1]), pool), ([chans[-1]], False)]
+    elif output_bits != 5:
+        raise ChipLimitError(f"output_bits {output_bits!r}: the chip's output layer has 5-bit or 10-bit codes")
+    return table
+
+
 def gnetdet_layers(image_size: int, num_classes: int, width_mult: float = 1.0, chip: str = "5801",
-                   mask_bits: Sequence[int] = (), head_width_mult: float = 0.0) -> List[LayerSpec]:
+                   mask_bits: Sequence[int] = (), head_width_mult: float = 0.0,
+                   output_bits: int = 5) -> List[LayerSpec]:
     """Expand the GNetDet layer list for an input size, class count, width multiplier and chip.
 
     Hidden widths are ``width * width_mult`` rounded to a power of 2 (at least the chip's minimum,
-    at most its maximum); the hidden sublayers of the last major layer (the head, which the output
-    layer reads) take ``head_width_mult`` instead where it is above 0 (docs/pipeline.md, "The head's
-    width"); the last conv has 10 + num_classes outputs.
+    at most its maximum); the hidden sublayers of the head (the convs before the output conv in its
+    major layer, or in the major layer before it with ``output_bits`` 10) take ``head_width_mult``
+    instead where it is above 0 (docs/pipeline.md, "The head's width"); the last conv has
+    10 + num_classes outputs. With ``output_bits`` 10 the output conv is a major layer of its own
+    (:func:`gnetdet_table`), and the chip's default weight formats give it the head's format.
 
     Raises:
-        ChipLimitError: unsupported input size, or ``mask_bits`` whose length is not the number of
-        major layers, or a weight format the chip lacks.
+        ChipLimitError: unsupported input size or output_bits, or ``mask_bits`` whose length is not the
+        number of major layers, or a weight format the chip lacks.
     """
     spec = get_chip_spec(chip)
-    if image_size == 448:
-        table = GNETDET_448
-    elif image_size == 224:
-        table = GNETDET_224
-    else:
-        raise ChipLimitError(f"GNetDet is defined for image_size 224 or 448, not {image_size}")
+    table = gnetdet_table(image_size, output_bits)
     n_major = len(table)
+    head = n_major - 1 if output_bits == 5 else n_major - 2
     if mask_bits:
         if len(mask_bits) != n_major:
+            alone = " (the output conv in a major layer of its own: output_bits 10)" if output_bits == 10 else ""
             raise ChipLimitError(f"mask_bits has {len(mask_bits)} entries but GNetDet-{image_size} has "
-                                 f"{n_major} major layers: give one weight format per major layer")
+                                 f"{n_major} major layers{alone}: give one weight format per major layer")
         weight_formats = [int(b) for b in mask_bits]
     else:
         first, last = DEFAULT_WEIGHT_FORMATS[spec.name]
-        weight_formats = [first] * (n_major - 1) + [last]
+        weight_formats = [first] * head + [last] * (n_major - head)
     layers: List[LayerSpec] = []
     cin = 3
     for m, (chans, pool) in enumerate(table):
-        mult = head_width_mult if (m == n_major - 1 and head_width_mult > 0) else width_mult
+        mult = head_width_mult if (m == head and head_width_mult > 0) else width_mult
         for j, c in enumerate(chans):
             if c == "OUT":
                 cout = 10 + num_classes
@@ -106,8 +129,10 @@ def major_weight_formats(layers: Sequence[LayerSpec]) -> List[int]:
     return [out[m] for m in sorted(out)]
 
 
-def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: int) -> None:
-    """Refuse a layer list the chip cannot run (docs/quantization.md, "Chip limits").
+def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: int, output_bits: int = 5) -> None:
+    """Refuse a layer list the chip cannot run (docs/quantization.md, "Chip limits"); with ``output_bits``
+    10, also one whose last major layer has more than one sublayer or ends in a pool (the chip's 10-bit
+    output: docs/quantization.md, "The 10-bit output mode").
 
     Raises:
         ChipLimitError: naming the layer (major.sub, 1-based) and the limit.
@@ -117,8 +142,16 @@ def check_chip_limits(layers: Sequence[LayerSpec], spec: ChipSpec, image_size: i
                              f"(accepted: {list(spec.input_sizes)})")
     majors = sorted({l.major for l in layers})
     if len(majors) > spec.max_major_layers:
+        wide = (" (output_bits 10 puts the output conv in a major layer of its own, which of GNetDet's layouts only "
+                "GNetDet-224 on the 5801 has room for: use output_bits 5)") if output_bits == 10 else ""
         raise ChipLimitError(f"{len(majors)} major layers, chip {spec.name} allows at most "
-                             f"{spec.max_major_layers}")
+                             f"{spec.max_major_layers}{wide}")
+    if output_bits == 10 and layers:
+        last = [l for l in layers if l.major == layers[-1].major]
+        if len(last) != 1 or last[0].pool_after:
+            raise ChipLimitError(f"output_bits 10: the chip's 10-bit output needs a last major layer of one sublayer "
+                                 f"without a pool; major layer {layers[-1].major + 1} has {len(last)} sublayer(s)"
+                                 + (" and a pool" if last[-1].pool_after else ""))
     for m in majors:
         subs = [l for l in layers if l.major == m]
         if len(subs) > spec.max_sublayers:
@@ -179,12 +212,12 @@ def gnetdet_memory_layers(layers: Sequence[LayerSpec], image_size: int, chip: st
 class Sublayer(ConvBNQReLU):
     """conv (QConv2d) -> optional BatchNorm2d -> capped ReLU (QReLU); pool handled by the parent."""
 
-    def __init__(self, ls: LayerSpec, chip: str, use_bn: bool, method: str, percentile: float):
+    def __init__(self, ls: LayerSpec, chip: str, use_bn: bool, method: str, percentile: float, codes: int = ACT_MAX):
         super().__init__()
         bw, bb = register_bits(chip, ls.weight_format)
         self.conv = QConv2d(ls.in_channels, ls.out_channels, ls.weight_format, bw, bb, method)
         self.bn: Optional[nn.BatchNorm2d] = nn.BatchNorm2d(ls.out_channels) if use_bn else None
-        self.relu = QReLU(percentile)
+        self.relu = QReLU(percentile, codes)
         self.pool_after = ls.pool_after
         self.major = ls.major
 
@@ -298,6 +331,10 @@ class GNetDet(nn.Module):
             gain-edited weights at new shifts, which changed 15-50% of the codes on raccoon). The
             constructor's default is False (a checkpoint from before the option rebuilds as it was
             trained); BaseConfig.gain_aware, which training uses, is True.
+        output_bits: 5 (the chip's 5-bit codes everywhere) or 10: the output layer's activations on 1023
+            steps of cap / 1023, the output conv in a major layer of its own (the chip's 10-bit output
+            mode, GTI's "ten_bits_enable"; docs/quantization.md, "The 10-bit output mode"); below, "31"
+            of the output layer reads 1023.
 
     Raises:
         ChipLimitError: the layer list breaks a limit of ``chip``.
@@ -313,21 +350,25 @@ class GNetDet(nn.Module):
                  l_class: float = 1.0, score_loss: str = "smooth_l1", score_head: str = "linear",
                  score_offset: float = 4.0, output_cap_percentile: float = 100.0, channels_last: bool = False,
                  score_scale: float = 1.0, l_range: float = 0.0, gain_aware: bool = False, box_slots: int = 2,
-                 size_head: str = "linear", size_min: float = 1.0 / 64, head_width_mult: float = 0.0):
+                 size_head: str = "linear", size_min: float = 1.0 / 64, head_width_mult: float = 0.0,
+                 output_bits: int = 5):
         super().__init__()
         self.gain_aware = bool(gain_aware)
+        self.output_bits = int(output_bits)
         self.num_classes = int(num_classes)
         self.image_size = int(image_size)
         self.width_mult = float(width_mult)
         self.head_width_mult = float(head_width_mult)
         self.chip = str(chip)
         self.grid_size = 14
-        self.specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, self.head_width_mult)
-        check_chip_limits(self.specs, get_chip_spec(chip), image_size)
+        self.specs = gnetdet_layers(image_size, num_classes, width_mult, chip, mask_bits, self.head_width_mult,
+                                    self.output_bits)
+        check_chip_limits(self.specs, get_chip_spec(chip), image_size, self.output_bits)
         n = len(self.specs)
         self.layers = nn.ModuleList(
             Sublayer(ls, chip, use_bn and i < n - 1, weight_scale,
-                     cap_percentile if i < n - 1 else output_cap_percentile) for i, ls in enumerate(self.specs))
+                     cap_percentile if i < n - 1 else output_cap_percentile,
+                     ACT_MAX if i < n - 1 else max_code(self.output_bits)) for i, ls in enumerate(self.specs))
         # the output layer's ReLU lets object-cell gradients through below 0 (training only; the
         # forward value, and so the chip, is unchanged)
         self.layers[-1].relu.revive = True
@@ -380,7 +421,7 @@ class GNetDet(nn.Module):
                 "mask_bits": [int(s) for s in self.mask_bits()],
                 "weight_scale": self.layers[0].conv.method, "score_head": self.score_head,
                 "score_offset": self.score_offset, "score_scale": self.score_scale, "gain_aware": self.gain_aware,
-                "size_head": self.size_head, "size_min": self.size_min}
+                "size_head": self.size_head, "size_min": self.size_min, "output_bits": self.output_bits}
 
     def mask_bits(self) -> List[int]:
         """The weight format (mask bits) of each major layer, in order."""
@@ -397,8 +438,10 @@ class GNetDet(nn.Module):
     def set_gains(self) -> bool:
         """Give every conv its (cap_in, cap_out) gain and every ReLU ``code_domain`` when the model is
         gain-aware and in step-3 mode (quantized weights, capped 5-bit non-integer activations, every
-        cap calibrated); clear them otherwise. The input's cap is 31 (the image holds codes). The
-        output is then scaled by cap_last / 31 (float32), the output_scale gain editing will store.
+        cap calibrated); clear them otherwise. The input's cap is 31 (the image holds codes); a 10-bit
+        output layer's gain takes gnetmdk.gti.quantize.five_bit_cap of its cap. The output is then
+        scaled by cap_last / 31 (float32; cap_last / 1023 for a 10-bit output), the output_scale gain
+        editing will store.
         When the caps require gradients (step 3 with ``cap_lr`` > 0) the convs also get them as
         ``gain_tensors`` and the output scale carries their gradient (straight through), so the loss
         reaches every cap: through the gains of the conv before and after it and, for the last one,
@@ -412,13 +455,16 @@ class GNetDet(nn.Module):
         learn = on and any(r.cap.requires_grad for r in relus)
         prev, prev_t = 31.0, 31.0
         for i, conv in enumerate(convs):
-            conv.gain = (prev, caps[i]) if on else None
-            conv.gain_tensors = (prev_t, relus[i].cap) if learn else None
+            codes = relus[i].codes
+            conv.gain = (prev, five_bit_cap(caps[i], codes)) if on else None
+            conv.gain_tensors = (prev_t, relus[i].cap if codes == ACT_MAX else relus[i].cap * (ACT_MAX / codes)) \
+                if learn else None
             relus[i].code_domain = on
             prev = caps[i] if on else prev
             prev_t = relus[i].cap
         # the value fold_requant_multipliers writes into output_scale (a float64 quotient rounded to float32)
-        self._code_output_scale = self._cached_scale(caps[-1] / 31.0, relus[-1].cap.device) if on else None
+        self._code_output_scale = self._cached_scale(five_bit_cap(caps[-1], relus[-1].codes) / 31.0,
+                                                     relus[-1].cap.device) if on else None
         self._code_scale_learned = learn     # forward passes the last cap's gradient through that value
         return on
 
@@ -476,8 +522,9 @@ class GNetDet(nn.Module):
         y = self.features(x)
         scale = self._code_output_scale if self._code_output_scale is not None else self.output_scale
         if self._code_output_scale is not None and self._code_scale_learned:
-            from gnetmdk.gti.quantize import ste      # learned caps: d scale / d cap_last = 1 / 31
-            scale = ste(self.layers[-1].relu.cap / 31.0, scale.to(self.layers[-1].relu.cap.device))
+            from gnetmdk.gti.quantize import ste      # learned caps: d scale / d cap_last = 1 / 31 (1 / 1023)
+            last = self.layers[-1].relu
+            scale = ste(last.cap / float(last.codes), scale.to(last.cap.device))
         y = y * scale.to(device=y.device, dtype=y.dtype)
         return y.permute(0, 2, 3, 1).float().contiguous()
 
