@@ -124,6 +124,7 @@ def resolve_settings(args) -> dict:
         "cell": cell,
         "fixed_cell": fixed,
         "size_head": _size_head(cfg),
+        "output_codes": _output_codes(cfg),
         "grid": cfg.grid_size if cfg is not None and getattr(cfg, "model_name", "gnetdet") == "gnetdet" else None,
         "slots": int(cfg.gnetdet.box_slots) if cfg is not None and getattr(cfg, "model_name", "gnetdet") == "gnetdet"
         else None,
@@ -155,6 +156,14 @@ def _size_head(cfg):
     return str(cfg.gnetdet.size_head)
 
 
+def _output_codes(cfg) -> int:
+    """The largest code of the config's GNetDet output layer: 1023 with ``gnetdet.output_bits 10`` (the
+    chip's 10-bit output), else 31."""
+    if cfg is None or getattr(cfg, "model_name", "gnetdet") != "gnetdet" or not hasattr(cfg, "gnetdet"):
+        return 31
+    return 1023 if int(getattr(cfg.gnetdet, "output_bits", 5)) == 10 else 31
+
+
 #: warn when more than this share of the train boxes is smaller than one grid cell
 SMALL_SHARE = 0.2
 
@@ -165,12 +174,13 @@ SMALL_SHARE = 0.2
 SIZE_STEPS = 4
 
 
-def size_head_warning(sizes, size_head):
+def size_head_warning(sizes, size_head, codes: int = 31):
     """The warning for boxes too small for the linear size head's output codes, or None.
 
     Args:
         sizes: [(w, h)] relative to the image (convert_voc_to_meta's ``box_sizes``).
         size_head: the config's ``gnetdet.size_head``; only "linear" can warn.
+        codes: the output layer's largest code, 31 or 1023 (``gnetdet.output_bits 10``: steps of 1/1023).
     Returns:
         a message naming the share of boxes below SIZE_STEPS / 31 of the side and the remedy
         (``gnetdet.size_head log``), or None.
@@ -179,11 +189,12 @@ def size_head_warning(sizes, size_head):
     if size_head != "linear" or not sizes:
         return None
     rel = np.sqrt(np.prod(np.asarray(sizes, dtype=np.float64), axis=1))
-    small = float(np.mean(rel < SIZE_STEPS / 31.0))
+    small = float(np.mean(rel < SIZE_STEPS / float(codes)))
     if small <= SMALL_SHARE:
         return None
-    return (f"{100 * small:.0f}% of the train boxes are smaller than {SIZE_STEPS} steps of the chip's 5-bit output "
-            f"codes ({100 * SIZE_STEPS / 31:.0f}% of the image side with an output cap near 1): with the linear size "
+    return (f"{100 * small:.0f}% of the train boxes are smaller than {SIZE_STEPS} steps of the chip's "
+            f"{5 if codes == 31 else 10}-bit output codes ({100 * SIZE_STEPS / codes:.0f}% of the image side with an "
+            f"output cap near 1): with the linear size "
             "head (size_head linear, GTI) the chip model rounds their width and height to those steps. Set "
             "gnetdet.size_head log in the config (sizes in log space, the same relative step at every size) "
             "before step 1")
@@ -193,14 +204,15 @@ def size_head_warning(sizes, size_head):
 CLASS_MIN_BOXES = 10
 
 
-def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_head=None):
+def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_head=None, codes: int = 31):
     """Per class: boxes, median size and the shares below a grid cell and (linear size head) below
     :data:`SIZE_STEPS` output code steps; and the warning for a class whose boxes are small even when
     the whole set's are not (a minority class of small objects, which the set's shares hide).
 
     Args:
         sizes: [(w, h)] relative to the image; labels: the class index of each; classes: the names.
-        image_size, cell: as :func:`box_size_lines`; size_head: the config's ``gnetdet.size_head``.
+        image_size, cell: as :func:`box_size_lines`; size_head: the config's ``gnetdet.size_head``;
+        codes: the output layer's largest code (31, or 1023 with ``gnetdet.output_bits 10``).
     Returns:
         (lines to print, a warning or None).
     """
@@ -217,13 +229,14 @@ def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_he
             continue
         med = f"{np.median(r) * image_size:.1f} px" if image_size else f"{np.median(r):.3f} of the side"
         below_cell = f"{100 * np.mean(r * image_size < cell):.0f}%" if image_size and cell else "-"
-        steps = float(np.mean(r < SIZE_STEPS / 31.0))
+        steps = float(np.mean(r < SIZE_STEPS / float(codes)))
         lines.append(f"    {name:<16} {len(r):6d}  {med:>14}  {below_cell:>5}  {100 * steps:.0f}%")
         if size_head == "linear" and len(r) >= CLASS_MIN_BOXES and steps > SMALL_SHARE:
             small_classes.append(f"{name} ({100 * steps:.0f}% of its {len(r)} boxes)")
     warn = None
     if small_classes:
-        warn = (f"class(es) {', '.join(small_classes)} span fewer than {SIZE_STEPS} steps of the chip's 5-bit output "
+        warn = (f"class(es) {', '.join(small_classes)} span fewer than {SIZE_STEPS} steps of the chip's "
+                f"{5 if codes == 31 else 10}-bit output "
                 "codes: with the linear size head the chip model rounds their width and height to those steps, "
                 "however few of the set's boxes they are. Set gnetdet.size_head log before step 1 (on the dense set "
                 "of 4-16 px shapes it took step 4 from 14-16 points below step 1 to within half a point: "
@@ -406,7 +419,8 @@ def main(argv, coco: bool = False, doc=None) -> int:
         lines, w = box_size_lines(st.get("box_sizes", []), st_cfg["image_size"], st_cfg["cell"], st_cfg["fixed_cell"])
         if split == "train":
             more, class_warn = class_size_lines(st.get("box_sizes", []), st.get("box_labels", []), report["classes"],
-                                                st_cfg["image_size"], st_cfg["cell"], st_cfg.get("size_head"))
+                                                st_cfg["image_size"], st_cfg["cell"], st_cfg.get("size_head"),
+                                                st_cfg.get("output_codes", 31))
             lines += more
             if st_cfg.get("grid"):
                 shared = shared_cell_line(st.get("box_centres", []), st_cfg["grid"], st_cfg["slots"])
@@ -419,7 +433,8 @@ def main(argv, coco: bool = False, doc=None) -> int:
                 print(line)
         if split == "train":
             warn = w
-            size_warn = size_head_warning(st.get("box_sizes", []), st_cfg.get("size_head"))
+            size_warn = size_head_warning(st.get("box_sizes", []), st_cfg.get("size_head"),
+                                          st_cfg.get("output_codes", 31))
     for w in (warn, size_warn or class_warn, crowd_warn):
         if w:
             print(f"warning: {w}", file=sys.stderr)

@@ -612,6 +612,13 @@ def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
     assert tool.size_head_warning([(0.3, 0.2)] * 10, "linear") is None          # large boxes: no warning
     assert "size_head log" in tool.size_head_warning([(0.1, 0.1)] * 10, "linear")   # 0.1 < 4 / 31
     assert tool.size_head_warning([(0.1, 0.1)] * 10, None) is None              # no config, or PP-YOLO
+    # the 10-bit output (output_bits 10): steps of 1/1023 of the side, so only boxes under 4 / 1023 warn
+    cfg.write_text(cfg.read_text().replace("gnetdet = dict(size_head='log')", "gnetdet = dict(output_bits=10)")
+                   .replace("image_size = 448", "image_size = 224"))     # GNetDet-224: room for the 7th major layer
+    res = run_tool(XML_2_TXT, "--config", cfg)
+    assert res.returncode == 0 and "output codes" not in res.stderr, res.stderr
+    assert tool.size_head_warning([(0.1, 0.1)] * 10, "linear", 1023) is None
+    assert "10-bit output codes" in tool.size_head_warning([(0.003, 0.003)] * 10, "linear", 1023)
 
 
 def test_xml_2_txt_small_minority_class_and_crowded_cells():
@@ -630,6 +637,7 @@ def test_xml_2_txt_small_minority_class_and_crowded_cells():
     assert "gnetdet.size_head log" in warn and "The size head" in warn
     assert any(l.split()[:2] == ["big", "50"] for l in lines)
     assert tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16, "log")[1] is None
+    assert tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16, "linear", 1023)[1] is None
     # grid 2: image 0 has three centres in cell (0, 0) and one in (1, 1); image 1 one in (0, 0)
     centres = [(0.1, 0.1, 0), (0.2, 0.3, 0), (0.4, 0.4, 0), (0.9, 0.9, 0), (0.1, 0.1, 1)]
     line = tool.shared_cell_line(centres, 2, 1)
