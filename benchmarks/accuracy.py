@@ -45,6 +45,17 @@ whose split comes from ImageSets/Main lists has no folds (xml_2_txt refuses them
 its source cut again with that fold's split (`tools/tile_voc.py --fold I/K` into <its folder>_fold<I>of<K>):
 facemask_tiles' fold I holds the tiles of facemask's fold-I photos (dense_tiles has no folds: its
 source's split comes from make_shapes' ImageSets lists, and tile_voc refuses a fold there).
+With --from BASE a variant of the quantized stages is measured against the same float models: each
+cell copies BASE's step-1 folder and step-2 best.pth (and its control folder) of the same dataset and seed,
+reruns only cal, step 3 and step 4 with the overrides (`run_pipeline.py --stages cal,step3,step4`), and
+takes BASE's step-1, step-2 and control rows into its stages.json, so the cost is read against the very
+control the base run has (BASE must hold those runs, made with the same dataset, fold, seed and other
+overrides). For example, the 10-bit output from the recipe's own step-2 models:
+
+    python3 benchmarks/accuracy.py --datasets raccoon --seeds 0,1,2 --out runs/acc threads 1
+    python3 benchmarks/accuracy.py --datasets raccoon --seeds 0,1,2 --out runs/acc10 --from runs/acc threads 1 \
+        output_bits 10
+
 Long runs (about 20 minutes per cell on 2 CPU cores); never part of the tests.
 """
 from __future__ import annotations
@@ -52,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,6 +147,78 @@ def pipeline_command(dataset: str, seed: int, out: str, overrides: Sequence[str]
             *(["--control"] if control else []),
             "seed", str(seed), "progress", "false", "checkpoint_root", os.path.join(d, "checkpoint"),
             "log_root", os.path.join(d, "log"), "model_root", os.path.join(d, "model"), *overrides]
+
+
+#: the stages a --from run reruns; the others (and the control) are the base run's
+BRANCH_STAGES = ("cal", "step3", "step4")
+
+
+def prepare_branch(dataset: str, seed: int, base: str, out: str) -> None:
+    """Copy into OUT/<dataset>/seed<K> what a --from run starts from: BASE's step-1 folder, its step-2
+    best.pth and its control folder (if it has one: the cost interval's reference may be the control).
+
+    Raises:
+        FileNotFoundError: BASE has no finished run of this dataset and seed (no stages.json, or no step-1
+        or step-2 checkpoint), naming the folder and the command that makes it.
+    """
+    src, dst = run_dir(base, dataset, seed), run_dir(out, dataset, seed)
+    need = [os.path.join(src, "stages.json"), os.path.join(src, "checkpoint", "step1", "best.pth"),
+            os.path.join(src, "checkpoint", "step2", "best.pth")]
+    missing = [p for p in need if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"--from {base}: {missing[0]} is missing: run the base first (benchmarks/accuracy.py "
+                                f"--datasets {dataset.split('/')[0]} --seeds {seed} --out {base} ...)")
+    ck = os.path.join(dst, "checkpoint")
+    for name in ("step1", "control"):
+        if os.path.isdir(os.path.join(src, "checkpoint", name)):
+            shutil.copytree(os.path.join(src, "checkpoint", name), os.path.join(ck, name), dirs_exist_ok=True)
+    os.makedirs(os.path.join(ck, "step2"), exist_ok=True)
+    shutil.copy2(need[2], os.path.join(ck, "step2", "best.pth"))
+
+
+def branch_command(dataset: str, seed: int, out: str, overrides: Sequence[str]) -> List[str]:
+    """The run_pipeline command of a --from cell: cal, step 3 and step 4 only, from the copied checkpoints, its
+    rows in OUT/<dataset>/seed<K>/branch.json."""
+    d = run_dir(out, dataset, seed)
+    return [sys.executable, os.path.join(ROOT, "tools", "run_pipeline.py"), "--config",
+            os.path.join(ROOT, DATASETS[dataset][0]), "--stages", ",".join(BRANCH_STAGES), "--json",
+            os.path.join(d, "branch.json"), "seed", str(seed), "progress", "false",
+            "checkpoint_root", os.path.join(d, "checkpoint"), "log_root", os.path.join(d, "log"),
+            "model_root", os.path.join(d, "model"), *overrides]
+
+
+def merge_branch_rows(base_rows: Sequence[dict], branch_rows: Sequence[dict]) -> List[dict]:
+    """A --from cell's stages.json rows: the base run's step 1, step 2 and control with the branch's cal,
+    step 3 and step 4, in the order of :data:`STAGES`.
+
+    Raises:
+        ValueError: the branch lacks one of its stages (the run failed; its pipeline.log says why).
+    """
+    have = {r["stage"]: r for r in branch_rows}
+    lost = [s for s in BRANCH_STAGES if s not in have]
+    if lost:
+        raise ValueError(f"the rerun of {', '.join(BRANCH_STAGES)} has no row for {', '.join(lost)}")
+    rows = {r["stage"]: r for r in base_rows if r["stage"] not in BRANCH_STAGES}
+    rows.update(have)
+    return [rows[s] for s in STAGES if s in rows]
+
+
+def write_branch_rows(dataset: str, seed: int, base: str, out: str) -> bool:
+    """Write a --from cell's stages.json from BASE's stages.json and the cell's branch.json
+    (:func:`merge_branch_rows`); on a branch without its rows say so on stderr and write nothing.
+    Returns whether it was written."""
+    from gnetmdk.utils.atomic import atomic_write_text
+    d = run_dir(out, dataset, seed)
+    try:
+        with open(os.path.join(run_dir(base, dataset, seed), "stages.json")) as fh:
+            base_rows = json.load(fh)
+        with open(os.path.join(d, "branch.json")) as fh:
+            rows = merge_branch_rows(base_rows, json.load(fh))
+    except (OSError, ValueError) as e:
+        print(f"error: {dataset} seed {seed}: {e} (see {os.path.join(d, 'pipeline.log')})", file=sys.stderr)
+        return False
+    atomic_write_text(os.path.join(d, "stages.json"), json.dumps(rows, indent=2) + "\n")
+    return True
 
 
 def _dataset_dir(dataset: str) -> str:
@@ -416,6 +500,9 @@ def parse_args(argv):
     p.add_argument("--folds", default=None, metavar="K | I,J/K",
                    help="run every dataset on each val fold of K-fold cross-validation (all K, or folds I,J of K) "
                         "instead of its own split; a row per fold and one pooled over the folds")
+    p.add_argument("--from", dest="from_out", default=None, metavar="BASE",
+                   help="rerun only cal, step 3 and step 4 (with the overrides) from the step-1 and step-2 models of "
+                        "BASE's runs of the same datasets and seeds, keeping BASE's step 1, step 2 and control")
     return p.parse_with_overrides(argv)
 
 
@@ -476,10 +563,19 @@ def main(argv) -> int:
             if not os.path.isfile(js) and not args.table_only:
                 os.makedirs(os.path.dirname(js), exist_ok=True)
                 t0 = time.time()
+                if args.from_out:
+                    try:
+                        prepare_branch(ds, seed, args.from_out, args.out)
+                    except FileNotFoundError as e:
+                        print(f"error: {e}", file=sys.stderr)
+                        return 2
+                    command = branch_command(ds, seed, args.out, overrides)
+                else:
+                    command = pipeline_command(ds, seed, args.out, overrides, not args.no_control)
                 with open(os.path.join(os.path.dirname(js), "pipeline.log"), "w") as log:
-                    rc = subprocess.run(pipeline_command(ds, seed, args.out, overrides, not args.no_control), cwd=ROOT,
-                                        stdout=log,
-                                        stderr=subprocess.STDOUT).returncode
+                    rc = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+                if args.from_out and rc == 0:
+                    write_branch_rows(ds, seed, args.from_out, args.out)
                 print(f"{ds} seed {seed}: exit {rc}, {time.time() - t0:.0f}s", flush=True)
             if os.path.isfile(js):
                 with open(js) as fh:

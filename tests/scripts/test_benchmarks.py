@@ -371,6 +371,61 @@ def test_small_objects_refused_override_is_one_message_device_cpu(tmp_path, caps
     assert not any(tmp_path.iterdir())                     # refused before any set is written
 
 
+def test_accuracy_matrix_from_a_base_reruns_only_the_quantized_stages(tmp_path, monkeypatch, capsys):
+    """--from BASE: a cell copies BASE's step-1 folder, step-2 best.pth and control folder, runs only cal,
+    step 3 and step 4 with the overrides, and its stages.json holds BASE's step 1, step 2 and control rows
+    with the rerun's cal, step 3 and step 4 (the cost against BASE's control); a base without the run is
+    refused with one line naming the file, and a rerun that fails writes no stages.json."""
+    import subprocess
+    acc = _load("accuracy")
+    base, out = tmp_path / "base", tmp_path / "out"
+    d = base / "cards" / "seed1"
+    for rel in ("checkpoint/step1/best.pth", "checkpoint/step1/last.pth", "checkpoint/step2/best.pth",
+                "checkpoint/step2/cal.pth", "checkpoint/control/as_step4/step1/best.pth"):
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(rel)
+    base_rows = [{"stage": "step1", "best_map": 0.80, "plateau_span": 0.004}, {"stage": "step2", "best_map": 0.81},
+                 {"stage": "cal", "best_map": 0.70}, {"stage": "step3", "best_map": 0.76},
+                 {"stage": "step4", "best_map": 0.76}, {"stage": "control", "best_map": 0.82}]
+    (d / "stages.json").write_text(json.dumps(base_rows))
+    ran, rerun_rows = [], [2]                             # the first rerun loses its step-4 row
+
+    def fake_run(cmd, **kw):
+        ran.append(list(cmd))
+        if "--stages" in cmd:                              # the rerun: it finds what was copied in
+            cell = out / "cards" / "seed1"
+            assert (cell / "checkpoint/step1/last.pth").read_text() == "checkpoint/step1/last.pth"
+            assert (cell / "checkpoint/step2/best.pth").read_text() == "checkpoint/step2/best.pth"
+            assert not (cell / "checkpoint/step2/cal.pth").exists()       # calibration runs again
+            assert (cell / "checkpoint/control/as_step4/step1/best.pth").is_file()
+            rows = [{"stage": "cal", "best_map": 0.79}, {"stage": "step3", "best_map": 0.815},
+                    {"stage": "step4", "best_map": 0.815}][:rerun_rows[0]]
+            (cell / "branch.json").write_text(json.dumps(rows))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(acc.subprocess, "run", fake_run)
+    assert acc.main(["--datasets", "cards", "--seeds", "1", "--no-chip", "--from", str(base), "--out", str(out),
+                     "threads", "1", "output_bits", "10"]) == 0
+    assert not (out / "cards" / "seed1" / "stages.json").exists()
+    assert "cards seed 1: the rerun of cal, step3, step4 has no row for step4" in capsys.readouterr().err
+    out, rerun_rows[0] = tmp_path / "ok", 3
+    assert acc.main(["--datasets", "cards", "--seeds", "1", "--no-chip", "--from", str(base), "--out", str(out),
+                     "threads", "1", "output_bits", "10"]) == 0
+    pipeline = [c for c in ran if "--stages" in c][-1]
+    assert pipeline[pipeline.index("--stages") + 1] == "cal,step3,step4" and pipeline[-4:] == \
+        ["threads", "1", "output_bits", "10"]
+    assert pipeline[pipeline.index("checkpoint_root") + 1] == str(out / "cards" / "seed1" / "checkpoint")
+    rows = json.loads((out / "cards" / "seed1" / "stages.json").read_text())
+    assert [(r["stage"], r["best_map"]) for r in rows] == [("step1", 0.80), ("step2", 0.81), ("cal", 0.79),
+                                                             ("step3", 0.815), ("step4", 0.815), ("control", 0.82)]
+    assert rows[0]["plateau_span"] == 0.004
+    saved = json.loads((out / "accuracy.json").read_text())
+    assert saved["cards"]["delta"] == pytest.approx([-0.005])          # 0.815 - max(0.80, 0.82)
+    assert acc.main(["--datasets", "cards", "--seeds", "2", "--from", str(base), "--out", str(out)]) == 2
+    assert f"--from {base}: {base / 'cards' / 'seed2' / 'stages.json'} is missing: run the base first" in \
+        capsys.readouterr().err
+
+
 def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_path, monkeypatch, capsys):
     """chip_check converts a run's step-4 best.pth into the chip model and compares every code and the mAP
     (chip.json: exit 0, 0 mismatches, equal mAP); a checkpoint that is not step 4 is a failed check, and
