@@ -125,6 +125,7 @@ def resolve_settings(args) -> dict:
         "fixed_cell": fixed,
         "size_head": _size_head(cfg),
         "output_codes": _output_codes(cfg),
+        "ten_bit": _ten_bit_setting(cfg),
         "grid": cfg.grid_size if cfg is not None and getattr(cfg, "model_name", "gnetdet") == "gnetdet" else None,
         "slots": int(cfg.gnetdet.box_slots) if cfg is not None and getattr(cfg, "model_name", "gnetdet") == "gnetdet"
         else None,
@@ -164,6 +165,32 @@ def _output_codes(cfg) -> int:
     return 1023 if int(getattr(cfg.gnetdet, "output_bits", 5)) == 10 else 31
 
 
+def _ten_bit_setting(cfg):
+    """The overrides that put the config's GNetDet output layer in the chip's 10-bit mode
+    (``gnetdet.output_bits 10``, with ``mask_bits`` given its 7th entry), or None where the config has
+    it already, is not a GNetDet config, or the chip has no room for the extra major layer (only
+    GNetDet-224 on the 5801 has: docs/quantization.md, "The 10-bit output mode")."""
+    if cfg is None or getattr(cfg, "model_name", "gnetdet") != "gnetdet" or not hasattr(cfg, "gnetdet"):
+        return None
+    g = cfg.gnetdet
+    if int(getattr(g, "output_bits", 5)) == 10:
+        return None
+    from gnetmdk.config.base import ConfigError
+    from gnetmdk.gti.spec import get_chip_spec
+    from gnetmdk.models.gnetdet.config import check_gnetdet_memory
+    from gnetmdk.models.gnetdet.model import check_chip_limits, gnetdet_layers
+    masks = [int(b) for b in g.mask_bits] + ([int(g.mask_bits[-1])] if g.mask_bits else [])
+    try:
+        layers = gnetdet_layers(int(cfg.image_size), int(cfg.num_classes), float(g.width_mult), str(g.chip), masks,
+                                float(g.head_width_mult), 10)
+        check_chip_limits(layers, get_chip_spec(str(g.chip)), int(cfg.image_size), 10)
+        check_gnetdet_memory(int(cfg.image_size), int(cfg.num_classes), float(g.width_mult), str(g.chip), masks,
+                             "", float(g.head_width_mult), 10)
+    except ConfigError:                               # ChipLimitError and ChipSpecError are ConfigErrors
+        return None
+    return "gnetdet.output_bits 10" + (f" gnetdet.mask_bits {','.join(map(str, masks))}" if masks else "")
+
+
 #: warn when more than this share of the train boxes is smaller than one grid cell
 SMALL_SHARE = 0.2
 
@@ -174,16 +201,18 @@ SMALL_SHARE = 0.2
 SIZE_STEPS = 4
 
 
-def size_head_warning(sizes, size_head, codes: int = 31):
+def size_head_warning(sizes, size_head, codes: int = 31, ten_bit=None):
     """The warning for boxes too small for the linear size head's output codes, or None.
 
     Args:
         sizes: [(w, h)] relative to the image (convert_voc_to_meta's ``box_sizes``).
         size_head: the config's ``gnetdet.size_head``; only "linear" can warn.
         codes: the output layer's largest code, 31 or 1023 (``gnetdet.output_bits 10``: steps of 1/1023).
+        ten_bit: the overrides for the chip's 10-bit output where the config's chip has room for it
+            (:func:`_ten_bit_setting`), named as the second remedy; None leaves it out.
     Returns:
-        a message naming the share of boxes below SIZE_STEPS / 31 of the side and the remedy
-        (``gnetdet.size_head log``), or None.
+        a message naming the share of boxes below SIZE_STEPS / 31 of the side and the remedies
+        (``gnetdet.size_head log``; the 10-bit output), or None.
     """
     import numpy as np
     if size_head != "linear" or not sizes:
@@ -197,14 +226,23 @@ def size_head_warning(sizes, size_head, codes: int = 31):
             f"output cap near 1): with the linear size "
             "head (size_head linear, GTI) the chip model rounds their width and height to those steps. Set "
             "gnetdet.size_head log in the config (sizes in log space, the same relative step at every size) "
-            "before step 1")
+            "before step 1" + _ten_bit_remedy(ten_bit))
 
 
 #: a class is looked at on its own from this many train boxes
 CLASS_MIN_BOXES = 10
 
 
-def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_head=None, codes: int = 31):
+def _ten_bit_remedy(ten_bit) -> str:
+    """The size warnings' second remedy, the chip's 10-bit output (``ten_bit``: its overrides), or ""."""
+    if not ten_bit:
+        return ""
+    return (f"; or keep the linear head and give the output layer the chip's 10-bit codes ({ten_bit}: steps 33 "
+            "times finer; it can be set from step 2's checkpoint on, docs/pipeline.md, 'The 10-bit output')")
+
+
+def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_head=None, codes: int = 31,
+                     ten_bit=None):
     """Per class: boxes, median size and the shares below a grid cell and (linear size head) below
     :data:`SIZE_STEPS` output code steps; and the warning for a class whose boxes are small even when
     the whole set's are not (a minority class of small objects, which the set's shares hide).
@@ -212,7 +250,8 @@ def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_he
     Args:
         sizes: [(w, h)] relative to the image; labels: the class index of each; classes: the names.
         image_size, cell: as :func:`box_size_lines`; size_head: the config's ``gnetdet.size_head``;
-        codes: the output layer's largest code (31, or 1023 with ``gnetdet.output_bits 10``).
+        codes: the output layer's largest code (31, or 1023 with ``gnetdet.output_bits 10``);
+        ten_bit: as :func:`size_head_warning`.
     Returns:
         (lines to print, a warning or None).
     """
@@ -240,7 +279,7 @@ def class_size_lines(sizes, labels, classes, image_size=None, cell=None, size_he
                 "codes: with the linear size head the chip model rounds their width and height to those steps, "
                 "however few of the set's boxes they are. Set gnetdet.size_head log before step 1 (on the dense set "
                 "of 4-16 px shapes it took step 4 from 14-16 points below step 1 to within half a point: "
-                "docs/results/accuracy-matrix.md, 'The size head')")
+                "docs/results/accuracy-matrix.md, 'The size head')" + _ten_bit_remedy(ten_bit))
     return lines, warn
 
 
@@ -420,7 +459,7 @@ def main(argv, coco: bool = False, doc=None) -> int:
         if split == "train":
             more, class_warn = class_size_lines(st.get("box_sizes", []), st.get("box_labels", []), report["classes"],
                                                 st_cfg["image_size"], st_cfg["cell"], st_cfg.get("size_head"),
-                                                st_cfg.get("output_codes", 31))
+                                                st_cfg.get("output_codes", 31), st_cfg.get("ten_bit"))
             lines += more
             if st_cfg.get("grid"):
                 shared = shared_cell_line(st.get("box_centres", []), st_cfg["grid"], st_cfg["slots"])
@@ -434,7 +473,7 @@ def main(argv, coco: bool = False, doc=None) -> int:
         if split == "train":
             warn = w
             size_warn = size_head_warning(st.get("box_sizes", []), st_cfg.get("size_head"),
-                                          st_cfg.get("output_codes", 31))
+                                          st_cfg.get("output_codes", 31), st_cfg.get("ten_bit"))
     for w in (warn, size_warn or class_warn, crowd_warn):
         if w:
             print(f"warning: {w}", file=sys.stderr)

@@ -606,6 +606,7 @@ def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
     # the default linear size head: the boxes span under 4 output code steps, so the log head is named
     assert "smaller than 4 steps of the chip's 5-bit output codes" in res.stderr
     assert "gnetdet.size_head log" in res.stderr
+    assert "output_bits 10" not in res.stderr          # GNetDet-448 has no room for the 10-bit output's major layer
     cfg.write_text(cfg.read_text() + "    gnetdet = dict(size_head='log')\n")
     res = run_tool(XML_2_TXT, "--config", cfg)
     assert res.returncode == 0 and "output codes" not in res.stderr, res.stderr
@@ -619,6 +620,12 @@ def test_xml_2_txt_box_sizes_and_small_box_warning(tmp_path):
     assert res.returncode == 0 and "output codes" not in res.stderr, res.stderr
     assert tool.size_head_warning([(0.1, 0.1)] * 10, "linear", 1023) is None
     assert "10-bit output codes" in tool.size_head_warning([(0.003, 0.003)] * 10, "linear", 1023)
+    # GNetDet-224 on the 5801 at 5 bits: the 10-bit output is named as the second remedy, with its 7 formats
+    cfg.write_text(cfg.read_text().replace("gnetdet = dict(output_bits=10)", "gnetdet = dict(mask_bits=[8, 3, 3, 3, 3, 8])"))
+    res = run_tool(XML_2_TXT, "--config", cfg)
+    assert res.returncode == 0 and "gnetdet.size_head log" in res.stderr, res.stderr
+    assert "gnetdet.output_bits 10 gnetdet.mask_bits 8,3,3,3,3,8,8" in res.stderr
+    assert "from step 2's checkpoint on" in tool.size_head_warning([(0.1, 0.1)] * 10, "linear", 31, "X")
 
 
 def test_xml_2_txt_small_minority_class_and_crowded_cells():
@@ -636,6 +643,9 @@ def test_xml_2_txt_small_minority_class_and_crowded_cells():
     assert "mixed (70% of its 10 boxes)" in warn and "tiny" not in warn          # 5 boxes: too few to judge
     assert "gnetdet.size_head log" in warn and "The size head" in warn
     assert any(l.split()[:2] == ["big", "50"] for l in lines)
+    assert "output_bits" not in warn
+    assert "(gnetdet.output_bits 10:" in tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16,
+                                                               "linear", 31, "gnetdet.output_bits 10")[1]
     assert tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16, "log")[1] is None
     assert tool.class_size_lines(sizes, labels, ["big", "mixed", "tiny"], 224, 16, "linear", 1023)[1] is None
     # grid 2: image 0 has three centres in cell (0, 0) and one in (1, 1); image 1 one in (0, 0)
