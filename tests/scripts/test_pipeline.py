@@ -266,6 +266,7 @@ def test_ten_bit_output_from_a_five_bit_step2_to_a_bit_exact_chip_device_cpu(pip
     out = str(tmp_path)
     over = ["output_bits", "10", "checkpoint_root", out + "/ck", "log_root", out + "/log", "model_root", out + "/model"]
     run_stage(_cfg(path, *over, "load", os.path.join(root, "checkpoint/step2/best.pth"), cal=True))
+    assert "caps (MSE-best for 5-bit codes (10-bit in the output layer) over a histogram" in capsys.readouterr().out
     s3 = run_stage(_cfg(path, *over, step=3))
     s4 = run_stage(_cfg(path, *over, step=4))
     cal = load_checkpoint(os.path.join(out, "ck/step2/cal.pth"))

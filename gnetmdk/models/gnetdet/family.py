@@ -78,8 +78,9 @@ class GNetDetFamily(DetectorFamily):
         caps = calibrate_caps(model, batches, g.cap_method, device, progress, output_cap_max=limit,
                               equalize=float(g.equalize), equalize_max_scale=float(g.equalize_max_scale),
                               bias_correct=bool(g.bias_correct), dead=dead)
-        how = {"mse": "MSE-best for 5-bit codes over a histogram of {batches} batches",
-               "output": "MSE-best for 5-bit codes, then searched against the network's output error",
+        codes = "5-bit codes" + (" (10-bit in the output layer)" if int(getattr(model, "output_bits", 5)) == 10 else "")
+        how = {"mse": f"MSE-best for {codes} over a histogram of {{batches}} batches",
+               "output": f"MSE-best for {codes}, then searched against the network's output error",
                }.get(g.cap_method, f"{g.cap_percentile:g}th percentile, running max over {{batches}} batches")
         if limit > 0:
             how += f"; the output layer's cap at most {limit:g}"
