@@ -175,18 +175,15 @@ def _ten_bit_setting(cfg):
     g = cfg.gnetdet
     if int(getattr(g, "output_bits", 5)) == 10:
         return None
+    import copy
     from gnetmdk.config.base import ConfigError
-    from gnetmdk.gti.spec import get_chip_spec
-    from gnetmdk.models.gnetdet.config import check_gnetdet_memory
-    from gnetmdk.models.gnetdet.model import check_chip_limits, gnetdet_layers
+    from gnetmdk.models.gnetdet.config import check_gnetdet_config
     masks = [int(b) for b in g.mask_bits] + ([int(g.mask_bits[-1])] if g.mask_bits else [])
+    ten = copy.deepcopy(cfg)
+    ten.gnetdet.output_bits, ten.gnetdet.mask_bits = 10, masks
     try:
-        layers = gnetdet_layers(int(cfg.image_size), int(cfg.num_classes), float(g.width_mult), str(g.chip), masks,
-                                float(g.head_width_mult), 10)
-        check_chip_limits(layers, get_chip_spec(str(g.chip)), int(cfg.image_size), 10)
-        check_gnetdet_memory(int(cfg.image_size), int(cfg.num_classes), float(g.width_mult), str(g.chip), masks,
-                             "", float(g.head_width_mult), 10)
-    except ConfigError:                               # ChipLimitError and ChipSpecError are ConfigErrors
+        check_gnetdet_config(ten)                     # the config's own check: chip limits and memory at 10 bits
+    except ConfigError:
         return None
     return "gnetdet.output_bits 10" + (f" gnetdet.mask_bits {','.join(map(str, masks))}" if masks else "")
 
