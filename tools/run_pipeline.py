@@ -19,7 +19,9 @@ also layer_drift.png/.json: each sublayer's output drift from step 1 along the s
 (converted in memory from step 4) on the first 64 val images, as tools/stage_report.py computes it
 (needs matplotlib).
 `--json FILE` writes the table's rows; each also holds ``weights_sha256``, a digest of the weights in the
-stage's best.pth (gnetmdk.checkpoint.weights_sha256): two runs whose digests agree trained the same bits.
+stage's best.pth (gnetmdk.checkpoint.weights_sha256): two runs whose digests agree trained the same bits;
+and ``environment``, what that best.pth was trained with (gnetmdk.utils.environment: threads, torch, CPU
+kernels, OpenCV, numpy, Python; CUDA, cuDNN and the GPU on a GPU).
 """
 import argparse
 import json
@@ -82,13 +84,16 @@ def drift_plot(klass, overrides, folder, max_images=64):
                                   f"({drift.num_images} val images)")
 
 
-def best_weights_digest(path):
-    """weights_sha256 of the ``model`` weights in a stage's best.pth (equal bit for bit across runs and
-    machines exactly when the digests are), or None where the stage wrote none."""
+def best_record(path):
+    """(weights_sha256 of the ``model`` weights in a stage's best.pth, its ``environment`` record) or
+    (None, None) where the stage wrote none. Digests agree exactly when two runs trained the same bits;
+    the record (gnetmdk.utils.environment) says what the stage computed with (None in a checkpoint
+    written before it was recorded)."""
     if not path or not os.path.isfile(path):
-        return None
+        return None, None
     from gnetmdk.checkpoint import load_checkpoint, weights_sha256
-    return weights_sha256(load_checkpoint(path)["model"])
+    st = load_checkpoint(path)
+    return weights_sha256(st["model"]), st.get("environment")
 
 
 def parse_args(argv):
@@ -180,8 +185,11 @@ def main(argv) -> int:
         print(f"step 1 plateau: val mAP moved {100 * span:.1f} points over its last quarter (epochs {first}-"
               f"{step1_epochs}, {n} evaluations): {verdict}")
     print(f"total {time.time() - t0:.0f}s")
-    records = [dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4], seconds=r[5],
-                    weights_sha256=best_weights_digest(r[6])) for r in rows]
+    records = []
+    for r in rows:
+        digest, env = best_record(r[6])
+        records.append(dict(stage=r[0], entry_map=r[1], best_map=r[2], best_epoch=r[3], best_seconds=r[4],
+                            seconds=r[5], weights_sha256=digest, environment=env))
     if step1_plateau is not None:
         records[0]["plateau_span"] = step1_plateau[0]
     if args.json:

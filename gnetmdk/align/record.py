@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from gnetmdk.config.base import ConfigError
+from gnetmdk.utils import environment
 
 RECORD_FORMAT = "gnetmdk-npz-record"
 _NAME = re.compile(r"iter_(\d{6,})_rank(\d+)\.npz$")
@@ -250,14 +251,9 @@ def _npz_bytes(arrays: Dict[str, np.ndarray]):
 
 def cpu_kernels() -> Dict[str, str]:
     """What selects this machine's CPU kernels, and so the order of float sums inside an operator:
-    torch's CPU capability and the ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY settings."""
-    cap = ""
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # pragma: no cover - torch without the query
-        pass
-    return {"cpu_capability": cap, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
-            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", "")}
+    torch's CPU capability and the ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY settings
+    (gnetmdk.utils.environment.cpu_kernels, the record every checkpoint holds)."""
+    return environment.cpu_kernels()
 
 
 def cfg_true(cfg, rec_cfg: Dict[str, object], key: str) -> bool:

@@ -6,7 +6,8 @@ A gnetmdk checkpoint is a dict of tensors and plain Python values only:
     format, version, stage ("step1".."step4", "cal"), step, model_meta, model (state_dict),
     caps (list of floats, one per conv), config (resolved values), epoch, iteration, best_map, map,
     entry_map, eval_weights ("model" or "ema": which weights were evaluated), ema (with ``ema true``:
-    ModelEMA.state_dict(), beside the raw weights), and for last.pth the optimizer / scheduler /
+    ModelEMA.state_dict(), beside the raw weights), environment (what the run computed with: torch,
+    CPU kernels, OpenCV, numpy, Python, threads; gnetmdk.utils.environment), and for last.pth the optimizer / scheduler /
     GradScaler / RNG states and the sampler position needed to resume (docs/training.md).
 """
 from __future__ import annotations

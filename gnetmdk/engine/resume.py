@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gnetmdk.config import ConfigError, config_from_dict, config_value
+from gnetmdk.utils import environment
 
 from .schedule import build_optimizer, build_scheduler
 
@@ -149,6 +150,11 @@ def restore_run(trainer, st: Dict[str, object], t_start: float) -> float:
     changed, notes = resume_changes(st, cfg, t.ranks, t.family.name, t.outputs.resume_path())
     for note in notes:
         t.log(f"[{t.stage.name}] {note}")
+    moved = environment.differences(st.get("environment") or {}, t.environment)
+    if moved:       # not refused: the run goes on, but it is no longer the uninterrupted run's computation
+        t.log(f"[{t.stage.name}] resume: the checkpoint was written under another environment ({'; '.join(moved)}): "
+              "training goes on, but no longer repeats the uninterrupted run bit for bit (docs/training.md, "
+              "\"Checkpoints and exact resume\")")
     t.optimizer.load_state_dict(st["optimizer"])
     if changed:      # accepted with resume_changes: the new values, at the checkpoint's iteration
         t.scheduler = apply_resume_changes(t.optimizer, t.model, cfg, t.learned_caps.caps,

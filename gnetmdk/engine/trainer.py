@@ -45,6 +45,7 @@ from gnetmdk.dist.sampler import EpochBatches, GlobalBatchSampler, ShardSampler,
 from gnetmdk.evaluation.evaluator import eval_batch, evaluate_model
 from gnetmdk.models import get_family, model_from_config
 from gnetmdk.models.rebuild import build_model_from_checkpoint, check_compatible
+from gnetmdk.utils.environment import describe as describe_environment, run_environment
 from .resume import restore_run, rng_state
 from .schedule import build_optimizer, build_scheduler, stage_epochs
 from .runtime import Precision, estimate_checkpoint_bytes, free_bytes, keep_freed_memory, optimizer_slots
@@ -107,6 +108,9 @@ class Trainer:
         self.summary: Dict[str, object] = {"stage": self.stage.name}
         self.distill: Optional[Distillation] = None         # distill > 0 in steps 2-4 (gnetmdk.engine.distill)
         self.parallel_notes += configure_backends(cfg, self.device)  # before the datasets: may turn augmentation off
+        #: what the run computes with (gnetmdk.utils.environment): logged, and saved in every checkpoint
+        self.environment = run_environment(self.device.type, self.threads)
+        self.parallel_notes.append(f"environment: {describe_environment(self.environment)}")
         # set by the setup steps (build_data, build_model, setup_optimizer) and the loop; every attribute
         # the trainer has exists from here on
         self.train_set = self.val_set = self.train_loader = self.val_loader = self.train_sampler = None
@@ -344,7 +348,7 @@ class Trainer:
               "epoch": epoch, "iteration": iteration,
               "elapsed": time.time() - self.t_start if self.t_start is not None else None,
               "entry_map": self.summary.get("entry_map"),
-              "world_size": self.ranks, "source": self.outputs.source}
+              "world_size": self.ranks, "source": self.outputs.source, "environment": dict(self.environment)}
         if getattr(m, "calibrated_caps", None):
             st["calibrated_caps"] = [float(c) for c in m.calibrated_caps]   # step 4: caps before gain editing
         st["eval_weights"] = "ema" if self.ema is not None else "model"

@@ -496,3 +496,29 @@ def _call(fn) -> int:
         return fn()
     except SystemExit as exc:
         return int(exc.code)
+
+
+def test_resume_under_another_environment_says_so(ws, tmp_path, capsys, monkeypatch):
+    """Device cpu. Every checkpoint records what it was trained with (gnetmdk.utils.environment), the
+    stage's log prints it, and a resume under another OpenCV names the difference and goes on."""
+    from gnetmdk.checkpoint.io import load_checkpoint
+    from gnetmdk.engine import trainer as trainer_module
+    from gnetmdk.utils.environment import describe, run_environment
+
+    d = str(tmp_path / "r")
+    args = ["--config", ws["cfg"], "--step", 1, *_outs(d), "eval_before", "false", "warmup_epochs", 0,
+            "num_epochs", 2, "threads", 1]
+    assert _train(*args, "--max-iters", 2) == 0
+    here = run_environment("cpu", 1)
+    assert f"environment: {describe(here)}" in capsys.readouterr().out
+    last = load_checkpoint(os.path.join(d, "checkpoint", "step1", "last.pth"))
+    assert last["environment"] == here and all(isinstance(v, str) for v in here.values())
+    other = dict(here, opencv="4.14.0")
+    monkeypatch.setattr(trainer_module, "run_environment", lambda device, threads: dict(other))
+    assert _train(*args, "--resume") == 0
+    out = capsys.readouterr().out
+    assert f"another environment (opencv 4.14.0 -> {here['opencv']})" not in out     # the order is old -> new
+    assert f"another environment (opencv {here['opencv']} -> 4.14.0)" in out
+    assert "no longer repeats the uninterrupted run" in out
+    last = load_checkpoint(os.path.join(d, "checkpoint", "step1", "last.pth"))
+    assert last["environment"]["opencv"] == "4.14.0" and last["iteration"] == 4

@@ -517,6 +517,12 @@ def test_pipeline_control_trains_the_float_model_with_steps_2_to_4_schedules_dev
     from gnetmdk.checkpoint import weights_sha256
     assert rows["step1"]["weights_sha256"] == weights_sha256(torch.load(step1, weights_only=True)["model"])
     assert rows["control"]["weights_sha256"] == weights_sha256(last["model"]) != rows["step1"]["weights_sha256"]
+    # and what its best.pth was trained with (gnetmdk.utils.environment), as the checkpoint records it
+    import cv2
+    first = torch.load(step1, weights_only=True)
+    assert rows["step1"]["environment"] == first["environment"] and rows["control"]["environment"] == last["environment"]
+    env = rows["step1"]["environment"]
+    assert env["torch"] == torch.__version__ and env["opencv"] == cv2.__version__ and int(env["threads"]) >= 1
 
 
 def test_pipeline_make_shapes_writes_the_configured_images_device_cpu(tmp_path):
