@@ -31,7 +31,9 @@ and the float control with a paired bootstrap over the val images (`tools/eval_v
 interval of the quantization cost as the val images drawn move it (docs/pipeline.md, "How far a mAP can
 move with the val images"). Then OUT/accuracy.md and OUT/accuracy.json: per dataset and stage the mean, min and
 max best mAP@0.5 over the seeds, and the quantization cost per seed, step 4 - max(step 1, control) (mean,
-worst), the goal being a mean within 1 point and no seed more than 2 points below. Every run trains the float
+worst), the goal being a mean within 1 point and no seed more than 2 points below; accuracy.md also names
+what each run's stages were trained with (threads, torch, CPU kernels, OpenCV, ...: the record in their
+best.pth, gnetmdk.utils.environment), since a seed repeats its numbers only where that agrees. Every run trains the float
 control too (`run_pipeline.py --control`: the float model trained as long as steps 2-4, with their
 schedules; gnetmdk/engine/control.py), unless --no-control.
 With --folds K (or I,J/K for some of them) every dataset is run once per val fold of K-fold
@@ -409,6 +411,30 @@ def chip_lines(out: str, runs: Dict[str, List[int]]) -> List[str]:
     return lines
 
 
+def environment_lines(results: Dict[str, Dict[int, List[dict]]]) -> List[str]:
+    """One line per run whose stages.json rows carry ``environment`` (run_pipeline.py --json): what its
+    stages were trained with (gnetmdk.utils.environment), stages that share one record named together,
+    e.g. ``- facemask seed 2: threads 2, torch 2.13.0+cpu, CPU kernels AVX2, OpenCV 5.1.0, numpy 2.4.6,
+    Python 3.11.7``, or ``(step1, step2, control) ...; (cal, step3, step4) ...`` where a --from cell's
+    stages ran elsewhere. Rows written before runs were recorded give no line."""
+    from gnetmdk.utils.environment import describe
+
+    lines = []
+    for ds, seeds in results.items():
+        for seed, rows in seeds.items():
+            groups: Dict[str, List[str]] = {}
+            for r in rows:
+                env = r.get("environment")
+                if env:
+                    text = f"threads {env['threads']}, {describe(env)}" if env.get("threads") else describe(env)
+                    groups.setdefault(text, []).append(r["stage"])
+            if len(groups) == 1:
+                lines.append(f"- {ds} seed {seed}: {next(iter(groups))}")
+            elif groups:
+                lines.append(f"- {ds} seed {seed}: " + "; ".join(f"({', '.join(st)}) {text}" for text, st in groups.items()))
+    return lines
+
+
 def whole_rows(dataset: str, seed: int, out: str) -> List[dict]:
     """run_pipeline-like rows ({"stage", "best_map"}) of the whole-image scores present for one run."""
     rows = []
@@ -621,6 +647,10 @@ def main(argv) -> int:
         table.update(aggregate(whole))
         text += "\n\nTiled sets scored on the whole images (tools/eval_voc.py --stitch):\n\n" + \
             format_table(aggregate(whole))
+    envs = environment_lines({k: v for k, v in results.items() if not k.endswith("(folds pooled)")})
+    if envs:
+        text += "\n\nWhat each run's stages were trained with (their best.pth's record, gnetmdk.utils.environment):\n\n" + \
+            "\n".join(envs)
     chips = chip_lines(args.out, {name: seeds for name, _, _ in cells})
     if chips:
         text += "\n\nChip models against step 4 (tools/chip_eval.py --check on the val split):\n\n" + "\n".join(chips)

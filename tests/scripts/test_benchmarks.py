@@ -460,6 +460,24 @@ def test_accuracy_matrix_checks_each_chip_model_against_step_4_device_cpu(tmp_pa
     assert "seed 1: chip model not checked: the check could not run" in lines[1]
 
 
+def test_accuracy_names_what_each_run_trained_with_device_cpu():
+    """environment_lines: one line per run, the stages that share a record named together, nothing for
+    rows written before runs were recorded."""
+    acc = _load("accuracy")
+    here = {"threads": "2", "torch": "2.13.0+cpu", "cpu_capability": "AVX2", "opencv": "5.1.0", "numpy": "2.4.6",
+            "python": "3.11.7"}
+    there = dict(here, cpu_capability="AVX512")
+    one = [dict(stage=s, environment=here) for s in ("step1", "step2", "cal", "step3", "step4", "control")]
+    branch = [dict(stage="step1", environment=there), dict(stage="step2", environment=there),
+              dict(stage="cal", environment=here), dict(stage="control", environment=there)]
+    lines = acc.environment_lines({"facemask": {0: one, 1: branch, 2: [dict(stage="step1")]}})
+    assert lines == ["- facemask seed 0: threads 2, torch 2.13.0+cpu, CPU kernels AVX2, OpenCV 5.1.0, numpy 2.4.6, "
+                     "Python 3.11.7",
+                     "- facemask seed 1: (step1, step2, control) threads 2, torch 2.13.0+cpu, CPU kernels AVX512, "
+                     "OpenCV 5.1.0, numpy 2.4.6, Python 3.11.7; (cal) threads 2, torch 2.13.0+cpu, CPU kernels AVX2, "
+                     "OpenCV 5.1.0, numpy 2.4.6, Python 3.11.7"]
+
+
 def test_step_time_trainer_runs_the_hooks_ema_included_device_cpu(tmp_path, monkeypatch):
     """time_trainer runs the trainer as a user does: its hooks set up (the EMA when the config has it),
     then timed epochs; it returns images per second. Given a batch, its reference is the bare step of a
