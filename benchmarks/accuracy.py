@@ -416,7 +416,8 @@ def environment_lines(results: Dict[str, Dict[int, List[dict]]]) -> List[str]:
     stages were trained with (gnetmdk.utils.environment), stages that share one record named together,
     e.g. ``- facemask seed 2: threads 2, torch 2.13.0+cpu, CPU kernels AVX2, OpenCV 5.1.0, numpy 2.4.6,
     Python 3.11.7``, or ``(step1, step2, control) ...; (cal, step3, step4) ...`` where a --from cell's
-    stages ran elsewhere. Rows written before runs were recorded give no line."""
+    stages ran elsewhere; stages without a record (written before runs were recorded) are named as ``not
+    recorded`` beside those with one, and a run none of whose rows has one gives no line."""
     from gnetmdk.utils.environment import describe
 
     lines = []
@@ -428,6 +429,9 @@ def environment_lines(results: Dict[str, Dict[int, List[dict]]]) -> List[str]:
                 if env:
                     text = f"threads {env['threads']}, {describe(env)}" if env.get("threads") else describe(env)
                     groups.setdefault(text, []).append(r["stage"])
+            bare = [r["stage"] for r in rows if not r.get("environment")]
+            if bare and groups:          # a --from cell on a base run made before runs were recorded
+                groups["not recorded"] = bare
             if len(groups) == 1:
                 lines.append(f"- {ds} seed {seed}: {next(iter(groups))}")
             elif groups:

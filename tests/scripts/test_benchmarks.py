@@ -470,12 +470,15 @@ def test_accuracy_names_what_each_run_trained_with_device_cpu():
     one = [dict(stage=s, environment=here) for s in ("step1", "step2", "cal", "step3", "step4", "control")]
     branch = [dict(stage="step1", environment=there), dict(stage="step2", environment=there),
               dict(stage="cal", environment=here), dict(stage="control", environment=there)]
-    lines = acc.environment_lines({"facemask": {0: one, 1: branch, 2: [dict(stage="step1")]}})
+    mixed = [dict(stage="step1"), dict(stage="cal", environment=here), dict(stage="step4", environment=here)]
+    lines = acc.environment_lines({"facemask": {0: one, 1: branch, 2: [dict(stage="step1")], 3: mixed}})
     assert lines == ["- facemask seed 0: threads 2, torch 2.13.0+cpu, CPU kernels AVX2, OpenCV 5.1.0, numpy 2.4.6, "
                      "Python 3.11.7",
                      "- facemask seed 1: (step1, step2, control) threads 2, torch 2.13.0+cpu, CPU kernels AVX512, "
                      "OpenCV 5.1.0, numpy 2.4.6, Python 3.11.7; (cal) threads 2, torch 2.13.0+cpu, CPU kernels AVX2, "
-                     "OpenCV 5.1.0, numpy 2.4.6, Python 3.11.7"]
+                     "OpenCV 5.1.0, numpy 2.4.6, Python 3.11.7",
+                     "- facemask seed 3: (cal, step4) threads 2, torch 2.13.0+cpu, CPU kernels AVX2, OpenCV 5.1.0, "
+                     "numpy 2.4.6, Python 3.11.7; (step1) not recorded"]
 
 
 def test_step_time_trainer_runs_the_hooks_ema_included_device_cpu(tmp_path, monkeypatch):
