@@ -913,9 +913,15 @@ def test_every_bundled_demo_reference_can_be_compared_device_cpu():
                 assert missed == [] and "equal bit for bit" in notes[0]
                 other = dict(r, digests=dict(r["digests"], step4="0" * 64))
                 assert dc.compare_reference({"mine": other}, {variant: r})[1]
-    # the demo as it is (960 val images, the range term from step 2 on): seeds 0-2 x threads 2, 1 x AVX-512, AVX2;
-    # every earlier reference carries the overrides that repeat its config
-    assert current == 3 + 3 + 6
+    # the demo as it is (960 val images, the range term from step 2 on): seeds 0-2 x threads 2, 1 x AVX-512, AVX2,
+    # and seed 0 at threads 2 on a CPU without AVX-512 under OpenCV 5.1; every earlier reference carries the
+    # overrides that repeat its config
+    assert current == 3 + 3 + 6 + 1
+    # the newest records its OpenCV version, and it compares only with a run under the same one
+    cv51 = json.load(open(os.path.join(folder, "demo_v960r_avx2only_opencv51_seed0_t2.json")))["results"]
+    (variant, r), = cv51.items()
+    assert r["opencv"] == "5.1.0" and r["cpu_capability"] == "AVX2"
+    assert "not compared" in dc.compare_reference({"mine": dict(r, opencv="4.14.0")}, {variant: r})[0][0]
 
 
 def test_gpu_check_runs_lane_and_suite_at_once_on_a_gpu_and_keeps_each_result_device_cpu(tmp_path, monkeypatch):
