@@ -159,10 +159,10 @@ def kernel_identity(kernels: str) -> Dict[str, str]:
     dispatches to (``AVX2``, ``AVX512``, ...) and OpenCV's version (its resize and warpAffine make the
     augmented pixels, and their rounding differs between releases: 4.14 and 5.1 differ by up to 4 codes
     on 12-23% of the pixels of the cards photos), read in a child process with the kernel set's
-    environment, as the runs see them. Raises subprocess.CalledProcessError when torch or cv2 cannot be
-    imported."""
-    code = ("import json, cv2, torch; print(json.dumps({'torch': torch.__version__, "
-            "'cpu_capability': torch.backends.cpu.get_cpu_capability(), 'opencv': cv2.__version__}))")
+    environment, as the runs see them (gnetmdk.utils.environment.run_environment, the record every checkpoint
+    holds). Raises subprocess.CalledProcessError when torch or cv2 cannot be imported."""
+    code = ("import json; from gnetmdk.utils.environment import run_environment; e = run_environment(); "
+            "print(json.dumps({k: e[k] for k in ('torch', 'cpu_capability', 'opencv')}))")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **KERNELS[kernels]),
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -77,8 +77,9 @@ def describe(env: Mapping[str, str]) -> str:
 def differences(old: Mapping[str, str], new: Mapping[str, str]) -> List[str]:
     """The keys of :data:`KEYS` whose values differ between two records, as ``"opencv 4.14.0 -> 5.1.0"``
     (a key one record lacks reads ``(none)``: a CPU run's record has no ``gpu``). An empty or missing
-    ``old`` (a checkpoint written before runs were recorded) gives no differences."""
-    if not old:
+    ``old`` (a checkpoint written before runs were recorded), or one that is not a mapping (a file
+    from elsewhere), gives no differences: the record informs, it never stops a run."""
+    if not old or not isinstance(old, Mapping):
         return []
     out = []
     for k in KEYS:

@@ -38,3 +38,4 @@ def test_describe_and_differences_device_cpu():
     assert differences(env, dict(env, opencv="4.14.0", threads="1")) == ["threads 2 -> 1", "opencv 5.1.0 -> 4.14.0"]
     assert differences(env, gpu) == ["cuda (none) -> 12.8", "cudnn (none) -> 91000", "gpu (none) -> NVIDIA H100"]
     assert differences({}, gpu) == [] and differences(None, env) == []   # written before runs were recorded
+    assert differences(["opencv", "4.14.0"], env) == [] and differences("AVX2", env) == []   # malformed: no record
