@@ -134,6 +134,7 @@ class BaseConfig:
     shapes_upright: bool = False            # ... with every triangle's apex above its base (else either way up)
     max_val_images: int = 0
     cache_images: bool = True               # decode every image once (downscaled) and keep it in memory
+    #                                         (a split without augmentation keeps its finished samples too)
     augment: bool = True                    # training augmentation (the family's own: cfg.<family> section)
 
     # ---------------------------------------------------------------- model

@@ -13,6 +13,7 @@ than the threshold, repeat.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["box_area", "box_iou", "paired_iou", "nms", "batched_nms"]
@@ -157,14 +158,17 @@ def greedy_keep(suppresses: torch.Tensor) -> torch.Tensor:
         ``torch.long`` ``(K,)`` positions of the kept boxes, ascending (on the CPU). A dropped box drops
         nothing (see :func:`nms`).
     """
-    overlaps = suppresses.cpu()
-    suppressed = torch.zeros(overlaps.shape[0], dtype=torch.bool)
+    # The loop runs over numpy's bool arrays rather than torch's: the same pass, 3-13 times faster for
+    # 50-1000 boxes (a torch element read and an in-place or cost microseconds each), which made NMS most
+    # of an evaluation's decoding time (benchmarks/bench_nms.py)
+    overlaps = suppresses.cpu().numpy()
+    suppressed = np.zeros(overlaps.shape[0], dtype=bool)
     keep = []
     for i in range(overlaps.shape[0]):
         if suppressed[i]:
             continue
         keep.append(i)
-        suppressed |= overlaps[i]
+        np.logical_or(suppressed, overlaps[i], out=suppressed)
     return torch.tensor(keep, dtype=torch.long)
 
 

@@ -245,3 +245,28 @@ def test_quarter_turns_keep_boxes_on_their_objects(wide_set):
             _, boxes, _ = ds.prepare(i, ds.rng_for(i))
             w, h = (boxes[0, 2:] - boxes[0, :2]) * SIZE
             assert round(float(w / h), 1) == 0.7
+
+
+def test_cached_val_samples_are_made_once_and_equal_the_uncached_ones(colour_set, monkeypatch):
+    """With ``cache`` and no augmentation each sample is made on the first call only (prepare is not
+    called again), and it equals, bit for bit, what a dataset without the cache makes; a training set
+    with augmentation keeps drawing its epoch's augmentation."""
+    import torch
+    meta, images = colour_set
+    cached = GNetDetDataset(meta, images, len(COLOURS), SIZE, 14, train=False, cache=True)
+    plain = GNetDetDataset(meta, images, len(COLOURS), SIZE, 14, train=False, cache=False)
+    first = [cached[i] for i in range(len(cached))]
+    calls = []
+    real_prepare = GNetDetDataset.prepare
+    monkeypatch.setattr(GNetDetDataset, "prepare", lambda self, *a, **k: calls.append(a) or real_prepare(self, *a, **k))
+    for i in range(len(cached)):
+        again, fresh = cached[i], plain[i]
+        assert again[0] is first[i][0] and again[1] is first[i][1]
+        assert torch.equal(again[0], fresh[0]) and torch.equal(again[1], fresh[1])
+        assert again[2:] == fresh[2:]
+    assert len(calls) == len(cached)                 # the uncached dataset's calls only
+    train = _dataset(colour_set)
+    train.set_epoch(0)
+    a = train[2][0]
+    train.set_epoch(1)
+    assert not torch.equal(a, train[2][0])

@@ -143,6 +143,30 @@ def test_batched_nms_matches_per_class_loop():
     assert keep.tolist() == ref
 
 
+def _greedy_keep_by_definition(suppresses):
+    """The greedy pass written from its definition: visit boxes in order, keep one no kept box dropped."""
+    kept = []
+    for j in range(suppresses.shape[0]):
+        if not any(bool(suppresses[i, j]) for i in kept):
+            kept.append(j)
+    return kept
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300])
+def test_greedy_keep_equals_its_definition_on_random_matrices(n):
+    """greedy_keep (the numpy loop) keeps exactly the boxes its definition keeps, on matrices that are
+    neither symmetric nor zero on the diagonal, at several densities; a dropped box drops nothing."""
+    from gnetmdk.evaluation.boxes import greedy_keep
+    g = torch.Generator().manual_seed(n)
+    for density in (0.0, 0.02, 0.3, 1.0):
+        sup = torch.rand(n, n, generator=g) < density
+        keep = greedy_keep(sup)
+        assert keep.dtype == torch.long and keep.device.type == "cpu"
+        assert keep.tolist() == _greedy_keep_by_definition(sup)
+    chain = torch.tensor([[0, 1, 0], [0, 0, 1], [0, 0, 0]], dtype=torch.bool)   # 0 drops 1; 1 would drop 2
+    assert greedy_keep(chain).tolist() == [0, 2]
+
+
 # ----------------------------------------------------------------------------------------------
 # voc_ap
 # ----------------------------------------------------------------------------------------------

@@ -1061,3 +1061,17 @@ def test_gpu_check_hands_the_slowest_test_files_out_first_device_cpu(monkeypatch
     assert named == list(gc.SLOW_FIRST) + ["tests"]
     assert all(os.path.isfile(os.path.join(ROOT, f)) for f in gc.SLOW_FIRST)
     assert cmd[cmd.index("-n") + 1] == "12" and cmd[cmd.index("not cuda") - 1] == "-m"
+
+
+def test_bench_nms_times_both_passes_and_fails_when_they_keep_other_boxes_device_cpu(monkeypatch, capsys):
+    """benchmarks/bench_nms.py prints a row per size and exits 0 while greedy_keep keeps what the torch loop
+    keeps; a greedy pass that keeps other boxes makes it exit 1 and say so."""
+    import sys
+    bench = _load("bench_nms")
+    monkeypatch.setattr(sys, "argv", ["bench_nms.py", "--sizes", "5,60", "--repeats", "1"])
+    assert bench.main() == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["5", "60"] and all(float(r[4]) > 0 for r in rows)
+    monkeypatch.setattr(bench, "greedy_keep", lambda sup: torch.arange(sup.shape[0]))
+    assert bench.main() == 1
+    assert "KEPT OTHER BOXES" in capsys.readouterr().out
