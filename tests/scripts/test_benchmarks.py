@@ -914,9 +914,12 @@ def test_every_bundled_demo_reference_can_be_compared_device_cpu():
                 other = dict(r, digests=dict(r["digests"], step4="0" * 64))
                 assert dc.compare_reference({"mine": other}, {variant: r})[1]
     # the demo as it is (960 val images, the range term from step 2 on): seeds 0-2 x threads 2, 1 x AVX-512, AVX2,
-    # and seed 0 at threads 2 on a CPU without AVX-512 under OpenCV 5.1; every earlier reference carries the
-    # overrides that repeat its config
-    assert current == 3 + 3 + 6 + 1
+    # seed 0 at threads 2 on a CPU without AVX-512 under OpenCV 5.1, and there seeds 0-2 x threads 1, 2; every
+    # earlier reference carries the overrides that repeat its config
+    assert current == 3 + 3 + 6 + 1 + 6
+    six = json.load(open(os.path.join(folder, "demo_v960r_avx2only_opencv51_t12.json")))["results"]
+    assert sorted((r["seed"], r["threads"]) for r in six.values()) == [(s, t) for s in (0, 1, 2) for t in (1, 2)]
+    assert {r["opencv"] for r in six.values()} == {"5.1.0"}
     # the newest records its OpenCV version, and it compares only with a run under the same one
     cv51 = json.load(open(os.path.join(folder, "demo_v960r_avx2only_opencv51_seed0_t2.json")))["results"]
     (variant, r), = cv51.items()
