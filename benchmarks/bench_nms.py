@@ -53,11 +53,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--iou", type=float, default=0.5)
     args = ap.parse_args()
+    try:
+        sizes = [int(v) for v in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or args.repeats < 1 or not 0.0 <= args.iou <= 1.0:
+        print(f"bench_nms: --sizes must be whole numbers of boxes above 0 separated by commas (got {args.sizes!r}), "
+              f"--repeats at least 1 (got {args.repeats}) and --iou in [0, 1] (got {args.iou})", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     print(f"{'boxes':>6} {'kept':>5} {'torch loop ms':>14} {'greedy_keep ms':>15} {'ratio':>6}")
     ok = True
-    for n in (int(s) for s in args.sizes.split(",")):
+    for n in sizes:
         b = random_boxes(n, g)
         sup = box_iou(b, b) > args.iou
         same = torch.equal(greedy_keep(sup), torch_loop_keep(sup))

@@ -247,7 +247,7 @@ def test_quarter_turns_keep_boxes_on_their_objects(wide_set):
             assert round(float(w / h), 1) == 0.7
 
 
-def test_cached_val_samples_are_made_once_and_equal_the_uncached_ones(colour_set, monkeypatch):
+def test_cached_val_samples_are_made_once_and_equal_the_uncached_ones_device_cpu(colour_set, monkeypatch):
     """With ``cache`` and no augmentation each sample is made on the first call only (prepare is not
     called again), and it equals, bit for bit, what a dataset without the cache makes; a training set
     with augmentation keeps drawing its epoch's augmentation."""

@@ -153,7 +153,7 @@ def _greedy_keep_by_definition(suppresses):
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 300])
-def test_greedy_keep_equals_its_definition_on_random_matrices(n):
+def test_greedy_keep_equals_its_definition_on_random_matrices_device_cpu(n):
     """greedy_keep (the numpy loop) keeps exactly the boxes its definition keeps, on matrices that are
     neither symmetric nor zero on the diagonal, at several densities; a dropped box drops nothing."""
     from gnetmdk.evaluation.boxes import greedy_keep

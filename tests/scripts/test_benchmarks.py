@@ -1078,3 +1078,8 @@ def test_bench_nms_times_both_passes_and_fails_when_they_keep_other_boxes_device
     monkeypatch.setattr(bench, "greedy_keep", lambda sup: torch.arange(sup.shape[0]))
     assert bench.main() == 1
     assert "KEPT OTHER BOXES" in capsys.readouterr().out
+    for bad in (["--sizes", "5,x"], ["--sizes", "0"], ["--repeats", "0"], ["--iou", "1.5"]):
+        monkeypatch.setattr(sys, "argv", ["bench_nms.py", *bad])
+        assert bench.main() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("bench_nms: --sizes must be")
