@@ -206,9 +206,13 @@ class Trainer:
         self.train_loader = DataLoader(self.train_set, batch_sampler=EpochBatches(self.train_sampler),
                                        generator=g, **workers)
         # evaluation: forwards of eval_batch_size images on every rank, the last one padded
-        # (evaluator.predict_loader), so an image's outputs do not depend on the process count
+        # (evaluator.predict_loader), so an image's outputs do not depend on the process count. Its own
+        # generator: a DataLoader without one draws its base seed from torch's global generator each time
+        # it is iterated, so every evaluation would move the stream that training's random layers draw
+        # from (PP-YOLO's DropBlock) and the weights would depend on eval_interval
         self.val_loader = DataLoader(self.val_set, batch_size=self.eval_batch,
-                                     sampler=ShardSampler(len(self.val_set), self.rank, self.world_size), **workers)
+                                     sampler=ShardSampler(len(self.val_set), self.rank, self.world_size),
+                                     generator=torch.Generator().manual_seed(cfg.seed), **workers)
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> None:

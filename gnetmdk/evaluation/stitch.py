@@ -160,8 +160,10 @@ def predict_tiles(model, cfg, device, manifest: Mapping, batch_size: int = 0, sp
     from .evaluator import eval_batch, predict_loader
     ds, _ = _tile_dataset(cfg, manifest, split)
     batch = int(batch_size) or eval_batch(cfg)
+    # its own generator: iterating a DataLoader without one draws from torch's global generator, which
+    # training's random layers draw from (gnetmdk.engine.trainer, the validation loader)
     loader = DataLoader(ds, batch_size=batch, sampler=ShardSampler(len(ds), rank, world_size),
-                        collate_fn=collate, num_workers=0)
+                        collate_fn=collate, num_workers=0, generator=torch.Generator().manual_seed(0))
     dets, _, _ = predict_loader(model, loader, device, cfg.conf_thresh, cfg.nms_thresh, cfg.max_detections,
                                 with_loss=False, pad_to=batch)
     return dets

@@ -276,6 +276,27 @@ def test_amp_accumulation_and_resume_give_the_uninterrupted_weights(ws):
 
 
 @needs_cards
+def test_evaluations_leave_the_training_weights_alone_device_cpu(ws):
+    """2 epochs of 2 steps with DropBlock (which draws from torch's global generator): evaluated before
+    training and after every epoch, or only after the last, the last weights are the same bits, and
+    DropBlock is what could tell them apart (off, the weights differ from the run with it on). A
+    DataLoader without a generator of its own draws from the global one each time it is iterated."""
+    from gnetmdk.engine.cli import main
+    root, path = ws
+    common = ["--config", path, "--step", "1", "num_epochs", "2", "device", "cpu"]
+    assert main(common + ["eval_interval", "1", "eval_before", "true"] + _out(root, "ev1")) == 0
+    assert main(common + ["eval_interval", "2", "eval_before", "false"] + _out(root, "ev2")) == 0
+    assert main(common + ["eval_interval", "2", "eval_before", "false", "ppyolo.drop_block", "false"]
+                + _out(root, "ev0")) == 0
+    a, b, c = (load_checkpoint(os.path.join(root, n, "checkpoint", "step1", "last.pth"))["model"]
+               for n in ("ev1", "ev2", "ev0"))
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), k
+    assert any(not torch.equal(v, c[k]) for k, v in a.items() if v.is_floating_point())
+
+
+@needs_cards
 def test_coco_json_data_gives_the_meta_files_records(ws):
     from gnetmdk.dataset.records import load_records
     root, path = ws
