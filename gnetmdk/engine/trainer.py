@@ -822,7 +822,40 @@ class Trainer:
                  f"{self.summary['last_path']} (stopped after iteration {self.iteration}; no best.pth)")
         self.log(f"[{stage.name}] done in {self.summary['seconds']:.0f}s: entry mAP "
                  f"{_fmt(self.summary.get('entry_map'))}, best mAP {_fmt(best_map)}{when} -> {where}")
+        if stage.step == 1 and not stage.calibration and not self.align.stopped:
+            self.log_plateau()
         return self.summary
+
+    def log_plateau(self) -> Optional[float]:
+        """After a float stage that ran all its epochs: log how far its val mAP moved over the last
+        quarter of them (gnetmdk.engine.control.plateau_span, the check tools/run_pipeline.py prints)
+        and whether the float model finished training. A model still climbing hands the quantized
+        stages training they are then credited with (docs/pipeline.md, "The float control").
+
+        Returns:
+            the span (mAP as a fraction), or None where nothing was logged: a run that stopped before
+            its last epoch (early stopping), or fewer than two evaluations in the window (then a line
+            says so).
+        """
+        from .control import PLATEAU_SPAN, plateau_span
+        maps = self.summary.get("val_maps") or []
+        epochs = int(self.cfg.num_epochs)
+        if not maps or int(maps[-1][0]) < epochs:
+            return None
+        name = self.stage.name
+        got = plateau_span(maps, epochs)
+        if got is None:
+            self.log(f"[{name}] plateau: fewer than two evaluations in the last quarter of the epochs; set "
+                     f"eval_interval / eval_from so that it holds some, to see whether the float model finished "
+                     f"training")
+            return None
+        span, first, n = got
+        verdict = ("at its plateau" if span < PLATEAU_SPAN else
+                   "still moving: the float model had not finished training (more num_epochs; the float "
+                   "control, tools/run_pipeline.py --control, measures quantization against it trained on)")
+        self.log(f"[{name}] plateau: val mAP moved {100 * span:.1f} points over the last quarter (epochs "
+                 f"{first}-{epochs}, {n} evaluations): {verdict}")
+        return span
 
 
 def _fmt(x) -> str:

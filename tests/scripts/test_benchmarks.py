@@ -709,6 +709,33 @@ def test_pipeline_prints_whether_step_1_reached_its_plateau_device_cpu(tmp_path)
     assert row["stage"] == "step1" and row["plateau_span"] == span
     assert f"step 1 plateau: val mAP moved {100 * span:.1f} points over its last quarter (epochs 7-8, 2 evaluations)" \
         in r.stdout
+    # the stage's own log says it too, as train.py --step 1 prints it
+    assert f"[step1] plateau: val mAP moved {100 * span:.1f} points over the last quarter (epochs 7-8, 2 evaluations): " \
+        in r.stdout
+
+
+def test_a_float_stage_logs_its_plateau_only_after_its_last_epoch():
+    """Trainer.log_plateau: the span and verdict after the last epoch; a line asking for evaluations when
+    the last quarter holds one; nothing for a run stopped early (patience) or never evaluated."""
+    from types import SimpleNamespace
+    from gnetmdk.engine.trainer import Trainer
+
+    def run(maps, epochs=40):
+        lines = []
+        t = SimpleNamespace(summary={"val_maps": maps}, cfg=SimpleNamespace(num_epochs=epochs),
+                            stage=SimpleNamespace(name="step1"), log=lines.append)
+        return Trainer.log_plateau(t), lines
+
+    span, lines = run([[30, 0.70], [32, 0.745], [36, 0.76], [40, 0.752]])
+    assert round(span, 6) == 0.015 and len(lines) == 1
+    assert lines[0].startswith("[step1] plateau: val mAP moved 1.5 points over the last quarter (epochs 32-40, "
+                               "3 evaluations): still moving")
+    span, lines = run([[35, 0.75], [40, 0.752]])
+    assert round(span, 6) == 0.002 and lines[0].endswith(": at its plateau")
+    span, lines = run([[10, 0.5], [40, 0.6]])                   # one evaluation in the last quarter
+    assert span is None and len(lines) == 1 and "fewer than two evaluations" in lines[0]
+    assert run([[30, 0.5], [35, 0.6]]) == (None, [])          # stopped early: its last epoch never came
+    assert run([]) == (None, [])
 
 
 def test_demo_check_summarizes_runs_and_judges_the_goals_device_cpu():
