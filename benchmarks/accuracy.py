@@ -88,8 +88,8 @@ DEFAULT_DATASETS = ("cards", "raccoon", "shapes", "dense", "dense_tiles")
 FETCHED = {"roadsigns": "docs/results/roadsigns.md", "facemask": "docs/results/facemask.md"}
 #: a tiled set: (the set it is cut from, tiles per side, overlap in pixels), as its example config says
 TILED = {"dense_tiles": ("dense", 2, 16), "facemask_tiles": ("facemask", 2, 64)}
-#: the stages a tiled set's runs are scored at on the whole images
-WHOLE_STAGES = ("step1", "step4")
+#: the stages a tiled set's runs are scored at on the whole images (the control where the run has one)
+WHOLE_STAGES = ("step1", "step4", "control")
 STAGES = ("step1", "step2", "cal", "step3", "step4", "control")
 
 
@@ -286,13 +286,26 @@ def scores_whole_images(dataset: str, overrides: Sequence[str]) -> bool:
     return bool(build_config(load_config_class(os.path.join(ROOT, DATASETS[dataset][0])), list(overrides)).eval_stitch)
 
 
-def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides: Sequence[str]) -> List[str]:
-    """The eval_voc --stitch command scoring one run's ``stage`` best.pth on the whole images."""
+def stage_best(dataset: str, seed: int, out: str, stage: str) -> str:
+    """The best.pth of one run's ``stage``: checkpoint/<stage>/best.pth, and for ``control`` its last
+    float stage's (gnetmdk.engine.control.control_configs: control/as_step4/step1/best.pth)."""
     d = run_dir(out, dataset, seed)
-    return [sys.executable, os.path.join(ROOT, "tools", "eval_voc.py"),
-            os.path.join(d, "checkpoint", stage, "best.pth"), "--config", os.path.join(ROOT, DATASETS[dataset][0]),
-            "--stitch", "--json", os.path.join(d, f"whole_{stage}.json"), "seed", str(seed), "progress", "false",
-            *overrides]
+    if stage != "control":
+        return os.path.join(d, "checkpoint", stage, "best.pth")
+    from gnetmdk.config import load_config_class
+    from gnetmdk.engine.control import control_configs
+    klass = load_config_class(os.path.join(ROOT, DATASETS[dataset][0]))
+    last = control_configs(klass, ["checkpoint_root", os.path.join(d, "checkpoint")])[-1]
+    return os.path.join(last.checkpoint_dir(1), "best.pth")
+
+
+def whole_image_command(dataset: str, seed: int, out: str, stage: str, overrides: Sequence[str]) -> List[str]:
+    """The eval_voc --stitch command scoring one run's ``stage`` best.pth (:func:`stage_best`) on the whole
+    images."""
+    d = run_dir(out, dataset, seed)
+    return [sys.executable, os.path.join(ROOT, "tools", "eval_voc.py"), stage_best(dataset, seed, out, stage),
+            "--config", os.path.join(ROOT, DATASETS[dataset][0]), "--stitch", "--json",
+            os.path.join(d, f"whole_{stage}.json"), "seed", str(seed), "progress", "false", *overrides]
 
 
 def interval_command(dataset: str, seed: int, out: str, rows: Sequence[dict],
@@ -623,6 +636,8 @@ def main(argv) -> int:
                 stitched = scores_whole_images(ds, overrides)
             if source in TILED and not stitched and os.path.isfile(js) and not args.table_only:
                 for stage in WHOLE_STAGES:
+                    if stage == "control" and not os.path.isfile(stage_best(ds, seed, args.out, stage)):
+                        continue                                    # a run without the control (--no-control)
                     if not os.path.isfile(os.path.join(run_dir(args.out, ds, seed), f"whole_{stage}.json")):
                         subprocess.run(whole_image_command(ds, seed, args.out, stage, overrides), cwd=ROOT,
                                        stdout=subprocess.DEVNULL, check=False)

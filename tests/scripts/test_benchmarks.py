@@ -137,6 +137,13 @@ def test_accuracy_matrix_tables_a_tiled_set_on_the_whole_images_too(tmp_path, ca
     cmd = acc.whole_image_command("dense_tiles", 1, "/o", "step4", ["threads", "1"])
     assert cmd[2] == os.path.join("/o", "dense_tiles", "seed1", "checkpoint", "step4", "best.pth")
     assert "--stitch" in cmd and cmd[cmd.index("--json") + 1].endswith(os.path.join("seed1", "whole_step4.json"))
+    # the float control is scored on the whole images too, from its last stage's best.pth
+    cmd = acc.whole_image_command("dense_tiles", 1, "/o", "control", [])
+    assert cmd[2] == os.path.join("/o", "dense_tiles", "seed1", "checkpoint", "control", "as_step4", "step1", "best.pth")
+    assert cmd[cmd.index("--json") + 1].endswith(os.path.join("seed1", "whole_control.json"))
+    (tmp_path / "dense_tiles" / "seed0" / "whole_control.json").write_text(json.dumps({"stitched": {"map": 0.58}}))
+    assert acc.main(["--datasets", "dense_tiles", "--seeds", "0", "--table-only", "--out", str(tmp_path)]) == 0
+    assert "| -8.0, -8.0 | not met |" in capsys.readouterr().out.split("(whole images)")[1]   # 0.50 - 0.58
 
 
 def test_accuracy_matrix_gives_each_cost_its_interval_over_the_val_images(tmp_path, capsys, monkeypatch):
