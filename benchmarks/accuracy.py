@@ -315,7 +315,6 @@ def interval_command(dataset: str, seed: int, out: str, rows: Sequence[dict],
     against), with ``--stitch`` where the config scores whole images (``eval_stitch``), the JSON in
     OUT/<dataset>/seed<K>/cost_interval.json. None when ``rows`` (run_pipeline's) lack step 1 or step 4."""
     from gnetmdk.config import build_config, load_config_class
-    from gnetmdk.engine.control import control_configs
     best = {r["stage"]: r.get("best_map") for r in rows}
     if best.get("step1") is None or best.get("step4") is None:
         return None
@@ -326,7 +325,7 @@ def interval_command(dataset: str, seed: int, out: str, rows: Sequence[dict],
     first = build_config(klass, where, step=1)
     ref = os.path.join(first.checkpoint_dir(1), "best.pth")
     if best.get("control") is not None and best["control"] >= best["step1"]:
-        ref = os.path.join(control_configs(klass, where)[-1].checkpoint_dir(1), "best.pth")
+        ref = stage_best(dataset, seed, out, "control")
     step4 = os.path.join(build_config(klass, where, step=4).checkpoint_dir(4), "best.pth")
     return [sys.executable, os.path.join(ROOT, "tools", "eval_voc.py"), step4, "--config", config, "--against", ref,
             *(["--stitch"] if first.eval_stitch else []), "--json", os.path.join(d, "cost_interval.json"),
